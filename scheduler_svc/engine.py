@@ -1,0 +1,215 @@
+"""The step loop: schedule, send the plan to the executor, apply the result, stream tokens.
+
+One asyncio task runs the loop; it sleeps on an event when there is no work and on the
+executor's reply otherwise, so the scheduler never busy-polls a core the executor needs.
+Requests talk to the loop through `add_request` / `abort` and read their tokens from a
+per-request `RequestStream`. Everything runs on one event loop, so the scheduler's state is
+only touched between awaits and needs no locks.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from scheduler_svc.errors import QueueFullError, ServingError, UnavailableError
+from scheduler_svc.plan import StepPlan, StepResult
+from scheduler_svc.request import FinishReason, Request, SamplingParams
+from scheduler_svc.scheduler import Scheduler, TokenOutput
+from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class StepRunner(Protocol):
+    """What the loop needs from the executor (the gRPC client, or a fake in tests)."""
+
+    async def step(self, plan: StepPlan, timeout: float) -> StepResult: ...
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprob of a generated token and its top alternatives (id, logprob, text)."""
+
+    logprob: float
+    top: list[tuple[int, float, str]]
+
+
+@dataclass(slots=True)
+class StreamDelta:
+    """New output of one request; the last one has finished=True (or an error)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    matched_stop: str | None = None
+    matched_stop_token_id: int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: ServingError | None = None
+
+
+class RequestStream:
+    """The consumer side of one request: an unbounded queue of deltas."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, delta: StreamDelta) -> None:
+        if delta.finished or delta.error is not None:
+            self.finished = True
+        self.queue.put_nowait(delta)
+
+
+@dataclass(slots=True)
+class _Live:
+    request: Request
+    stream: RequestStream
+    detok: IncrementalDetokenizer
+
+
+class Engine:
+    """Owns the scheduler and drives the executor one step at a time."""
+
+    def __init__(self, scheduler: Scheduler, executor: StepRunner, tokenizer: Tokenizer,
+                 eos_token_ids: frozenset[int], max_waiting: int, step_timeout_s: float) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_waiting = max_waiting
+        self.step_timeout_s = step_timeout_s
+        self._live: dict[str, _Live] = {}
+        self._seq_ids = itertools.count(1)
+        self._wake = asyncio.Event()
+        self._dead: str | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.num_steps = 0
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], sampling: SamplingParams) -> RequestStream:
+        """Queues a validated request; its tokens arrive on the returned stream."""
+        if self._dead is not None:
+            raise UnavailableError(f"executor unavailable: {self._dead}")
+        if len(self.scheduler.waiting) >= self.max_waiting:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests waiting; retry later")
+        request = Request(
+            request_id=uuid.uuid4().hex,
+            seq_id=next(self._seq_ids),
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
+            eos_token_ids=self.eos_token_ids,
+        )
+        stream = RequestStream(request.request_id)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop)
+        self._live[request.request_id] = _Live(request, stream, detok)
+        self.scheduler.add_request(request)
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts a request; False when it is unknown or already finished (not an error)."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return False
+        self.scheduler.abort(request_id)
+        live.stream.put(self._final(live, FinishReason.ABORTED, ""))
+        self._wake.set()
+        return True
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="chunkserve-step-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    async def _run(self) -> None:
+        while True:
+            if not self.scheduler.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                # Nothing fits right now; admission guarantees it will once something ends.
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                result = await self.executor.step(plan, self.step_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the executor failed or vanished
+                log.exception("step %d failed", plan.step_id)
+                self._fail_all(f"step failed: {type(exc).__name__}: {exc}")
+                return
+            self.num_steps += 1
+            self._emit(self.scheduler.update(plan, result))
+
+    def _fail_all(self, reason: str) -> None:
+        self._dead = reason
+        for request_id, live in list(self._live.items()):
+            self.scheduler.abort(request_id)
+            live.stream.put(StreamDelta(error=UnavailableError(f"executor unavailable: {reason}")))
+        self._live.clear()
+
+    # ---- output ------------------------------------------------------------------------
+
+    def _emit(self, outputs: list[TokenOutput]) -> None:
+        for out in outputs:
+            live = self._live.get(out.request.request_id)
+            if live is None:
+                continue
+            token = out.sampled.token_id
+            reason = out.finish_reason
+            # A token that stopped the request by id (EOS, stop id) contributes no text.
+            text = live.detok.add(token) if reason is not FinishReason.STOP else ""
+            if live.detok.matched_stop is not None:
+                reason = FinishReason.STOP_SEQUENCE
+                self.scheduler.finish(out.request, reason)
+            logprobs = []
+            if out.request.sampling.logprobs is not None:
+                top = [(t, lp, self.tokenizer.id_to_text(t)) for t, lp in out.sampled.top]
+                logprobs = [TokenLogprobs(out.sampled.logprob, top)]
+            if reason is None:
+                live.stream.put(StreamDelta(token_ids=[token], text=text, logprobs=logprobs))
+                continue
+            final = self._final(live, reason, text + live.detok.flush())
+            final.token_ids, final.logprobs = [token], logprobs
+            if reason is FinishReason.STOP and token in out.request.sampling.stop_token_ids:
+                final.matched_stop_token_id = token
+            del self._live[out.request.request_id]
+            live.stream.put(final)
+
+    @staticmethod
+    def _final(live: _Live, reason: FinishReason, text: str) -> StreamDelta:
+        request = live.request
+        return StreamDelta(
+            text=text,
+            finished=True,
+            finish_reason=reason,
+            matched_stop=live.detok.matched_stop,
+            prompt_tokens=request.num_prompt_tokens,
+            completion_tokens=request.num_output_tokens,
+            cached_tokens=request.num_cached_tokens,
+        )

@@ -1,0 +1,32 @@
+"""Errors that map to gRPC status codes (the servicer turns them into aborts).
+
+Keeping the mapping in one place means the core never imports grpc and every path reports
+the same code for the same situation (REFERENCE.md's table).
+"""
+from __future__ import annotations
+
+import grpc
+
+
+class ServingError(Exception):
+    """An error the client should see with a specific status code."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidRequestError(ServingError, ValueError):
+    """A parameter is invalid and retrying will not help."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class QueueFullError(ServingError):
+    """Over capacity for now; retry later."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class UnavailableError(ServingError):
+    """Loading, draining, or the executor is gone."""
+
+    code = grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,82 @@
+"""The scheduler's side of chunkserve.executor.v1: plan objects in, result objects out."""
+from __future__ import annotations
+
+import grpc
+
+from chunkserve.executor.v1 import executor_pb2 as epb
+from chunkserve.executor.v1 import executor_pb2_grpc as epb_grpc
+from scheduler_svc.plan import Sampled, StepPlan, StepResult
+from scheduler_svc.request import SamplingParams
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def sampling_to_proto(params: SamplingParams) -> epb.SamplingParams:
+    return epb.SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        has_seed=params.seed is not None,
+        seed=params.seed or 0,
+        num_logprobs=-1 if params.logprobs is None else params.logprobs,
+    )
+
+
+def plan_to_proto(plan: StepPlan) -> epb.StepRequest:
+    return epb.StepRequest(
+        step_id=plan.step_id,
+        new_seqs=[epb.NewSequence(seq_id=n.seq_id, sampling=sampling_to_proto(n.sampling)) for n in plan.new_seqs],
+        seqs=[
+            epb.ScheduledSequence(
+                seq_id=s.seq_id,
+                num_computed_tokens=s.num_computed_tokens,
+                num_new_tokens=s.num_new_tokens,
+                token_ids=s.token_ids,
+                block_ids=s.new_block_ids,
+                sample=s.sample,
+            )
+            for s in plan.seqs
+        ],
+        finished_seq_ids=plan.finished_seq_ids,
+    )
+
+
+def result_from_proto(msg: epb.StepResponse) -> StepResult:
+    return StepResult(
+        step_id=msg.step_id,
+        sampled=[
+            Sampled(s.seq_id, s.token_id, s.logprob, [(t.token_id, t.logprob) for t in s.top])
+            for s in msg.sampled
+        ],
+        execute_ns=msg.execute_ns,
+        forward_ns=msg.forward_ns,
+        sample_ns=msg.sample_ns,
+        swap_ns=msg.swap_ns,
+    )
+
+
+class ExecutorClient:
+    """An async client for the executor; create it inside the running event loop."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = epb_grpc.ExecutorStub(self._channel)
+
+    async def handshake(self, timeout: float) -> epb.HandshakeResponse:
+        """Waits (up to timeout) for the executor to come up, then asks its capabilities."""
+        return await self._stub.Handshake(epb.HandshakeRequest(), timeout=timeout, wait_for_ready=True)
+
+    async def step(self, plan: StepPlan, timeout: float) -> StepResult:
+        return result_from_proto(await self._stub.Step(plan_to_proto(plan), timeout=timeout))
+
+    async def reset(self, timeout: float = 10.0) -> None:
+        await self._stub.Reset(epb.ResetRequest(), timeout=timeout)
+
+    async def close(self) -> None:
+        await self._channel.close()

@@ -1,0 +1,83 @@
+"""The per-step plan the scheduler hands the executor, and what comes back.
+
+Delta-encoded (DESIGN.md): a sequence's sampling parameters travel once, in `new_seqs`;
+after that an entry carries only counts, the token ids the executor does not know, and the
+block ids appended since the last step. These are plain objects; executor_client.py turns
+them into chunkserve.executor.v1 messages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.request import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's work in a step."""
+
+    seq_id: int
+    request_id: str
+    # KV already in cache before this step; the new tokens start at this position.
+    num_computed_tokens: int
+    # Tokens computed this step (1 for a decode).
+    num_new_tokens: int
+    # Ids of the new tokens when the executor does not know them; empty for a decode.
+    token_ids: list[int]
+    # Device blocks appended to the sequence's table this step.
+    new_block_ids: list[int]
+    # Whether this chunk reaches the last known token, so the executor samples.
+    sample: bool
+    # Whether the sequence is still in its prompt (for metrics and the step trace).
+    is_prefill: bool
+
+
+@dataclass(slots=True)
+class NewSeq:
+    """Static data of a sequence scheduled for the first time (or again after recompute)."""
+
+    seq_id: int
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything the executor does in one step."""
+
+    step_id: int
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    new_seqs: list[NewSeq] = field(default_factory=list)
+    # Sequences that ended or were preempted by recompute: the executor drops their state.
+    finished_seq_ids: list[int] = field(default_factory=list)
+    # Request ids preempted while building this plan (for metrics and the step trace).
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.finished_seq_ids
+
+
+@dataclass(slots=True)
+class Sampled:
+    """One token the executor sampled."""
+
+    seq_id: int
+    token_id: int
+    logprob: float = 0.0
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the executor reports for a step."""
+
+    step_id: int
+    sampled: list[Sampled]
+    execute_ns: int = 0
+    forward_ns: int = 0
+    sample_ns: int = 0
+    swap_ns: int = 0

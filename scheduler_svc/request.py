@@ -1,0 +1,110 @@
+"""A request's state in the scheduler: one token model, no phases.
+
+    prompt tokens            generated tokens
+    |<---- num_prompt_tokens ---->|<-- output -->|
+    |<------------------ num_tokens ------------>|
+    |<---- num_computed_tokens ---->|   (KV in cache)
+
+A step gives a request `n = num_tokens - num_computed_tokens` tokens (capped by the
+budget). It is prefilling while `num_computed_tokens < num_prompt_tokens`; a decode is just
+`n == 1`. Chunked prefill, recompute after preemption and prefix-cache hits only move
+`num_computed_tokens`.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended (mirrors chunkserve.v1.FinishReason)."""
+
+    STOP = 1
+    LENGTH = 2
+    STOP_SEQUENCE = 3
+    ABORTED = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Validated sampling parameters with their defaults filled in."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation request as the scheduler tracks it."""
+
+    request_id: str
+    seq_id: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Whether the executor holds this sequence's state (sampling params, block table, the
+    # last token it sampled). False until first scheduled and again after a recompute
+    # preemption, which drops it there.
+    known_to_executor: bool = False
+    # Whether the executor sampled this sequence's last token itself, so a decode entry needs
+    # no token id.
+    executor_has_last_token: bool = False
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Known tokens whose KV is not computed yet."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids at positions start..end-1 across prompt and output."""
+        p = self.prompt_token_ids
+        if end <= len(p):
+            return p[start:end]
+        out = self.output_token_ids
+        if start >= len(p):
+            return out[start - len(p):end - len(p)]
+        return p[start:] + out[:end - len(p)]

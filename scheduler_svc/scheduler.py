@@ -1,0 +1,223 @@
+"""The step scheduler: builds each step's plan under the token budget. Never touches a tensor.
+
+There is no prefill or decode phase (DESIGN.md): every request has `num_computed_tokens`
+catching up with `num_tokens`, and a step hands out the budget in this order:
+
+  1. running requests that decode (one token each) — never stalled by a prefill;
+  2. running requests in the middle of their prefill (the next chunk);
+  3. waiting requests in policy order (their first chunk).
+
+Each gets `min(remaining known tokens, remaining budget)` tokens and exactly the KV blocks
+those tokens need. Running out of blocks preempts (recompute: the victim's blocks are freed
+and its prompt plus generated tokens are prefilled again later) instead of failing.
+With `enable_chunked_prefill=False` a step is either whole-prompt prefills or decodes.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from scheduler_svc.block_manager import BlockPool
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.plan import NewSeq, Sampled, ScheduledSeq, StepPlan, StepResult
+from scheduler_svc.policy import Policy
+from scheduler_svc.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class TokenOutput:
+    """A token a request gained in a step, and whether that token finished it."""
+
+    request: Request
+    sampled: Sampled
+    finish_reason: FinishReason | None
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the block pool."""
+
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, policy: Policy, max_model_len: int) -> None:
+        self.config = config
+        self.pool = pool
+        self.policy = policy
+        self.max_model_len = max_model_len
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._by_seq: dict[int, Request] = {}
+        self._dropped_seq_ids: list[int] = []  # executor state to drop in the next plan
+        self._step_ids = itertools.count()
+        self.num_preemptions = 0
+
+    # ---- queue bookkeeping -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._by_seq[request.seq_id] = request
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._dropped_seq_ids)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Ends a request for any reason: leaves every queue and map, frees its blocks."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.pool.free(request)
+        if request.known_to_executor:
+            self._dropped_seq_ids.append(request.seq_id)
+            request.known_to_executor = False
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]
+        del self._by_seq[request.seq_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        """Aborts a request; returns it, or None when unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, FinishReason.ABORTED)
+        return request
+
+    def preempt(self, request: Request) -> None:
+        """Recompute preemption: free the blocks, forget the KV, wait at the queue's head."""
+        self.running.remove(request)
+        self.pool.free(request)
+        if request.known_to_executor:
+            self._dropped_seq_ids.append(request.seq_id)
+        request.known_to_executor = False
+        request.executor_has_last_token = False
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.insert(0, request)
+        self.num_preemptions += 1
+
+    # ---- building a step ---------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Builds the next step's plan and allocates its blocks."""
+        plan = StepPlan(step_id=next(self._step_ids))
+        if self.config.enable_chunked_prefill:
+            budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
+            if not plan.preempted:
+                self._schedule_waiting(plan, budget, whole=False)
+        else:
+            budget = self._schedule_waiting(plan, self.config.max_num_batched_tokens, whole=True)
+            if not plan.seqs:
+                self._schedule_running(plan, budget)
+        plan.finished_seq_ids = self._dropped_seq_ids
+        self._dropped_seq_ids = []
+        return plan
+
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+        # Decodes first (stable sort keeps arrival order within each group).
+        for request in sorted(self.running, key=lambda r: r.is_prefilling):
+            if budget == 0 or len(plan.seqs) >= self.config.max_num_seqs:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(request.num_remaining_tokens, budget)
+            if request.is_prefilling:
+                # Shrink a prefill chunk to the free blocks rather than preempt for it; with
+                # nothing free, preempt for one block's worth.
+                fit = self._tokens_that_fit(request)
+                n = min(n, fit if fit > 0 else self.pool.block_size)
+            if not self._make_room(request, n, plan):
+                continue
+            self._add(plan, request, n)
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, plan: StepPlan, budget: int, whole: bool) -> int:
+        for request in self.policy.order_waiting(self.waiting):
+            if budget == 0 or len(plan.seqs) >= self.config.max_num_seqs:
+                break
+            n = min(request.num_remaining_tokens, budget)
+            if whole and n < request.num_remaining_tokens:
+                break
+            if not self.pool.can_allocate(request, n):
+                break
+            self.waiting.remove(request)
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            self._add(plan, request, n)
+            budget -= n
+        return budget
+
+    def _tokens_that_fit(self, request: Request) -> int:
+        """How many more tokens request can compute with the blocks it has plus the free ones."""
+        capacity = (len(request.block_ids) + self.pool.num_free_blocks) * self.pool.block_size
+        return max(0, capacity - request.num_computed_tokens)
+
+    def _make_room(self, request: Request, n: int, plan: StepPlan) -> bool:
+        """Preempts until request's n tokens fit; False when request itself was the victim."""
+        scheduled = {s.seq_id for s in plan.seqs}
+        while not self.pool.can_allocate(request, n):
+            candidates = [r for r in self.running if r.seq_id not in scheduled]
+            victim = self.policy.pick_victim(candidates)
+            self.preempt(victim)
+            plan.preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _add(self, plan: StepPlan, request: Request, n: int) -> None:
+        start = request.num_computed_tokens
+        new_blocks = self.pool.allocate(request, n)
+        if not request.known_to_executor:
+            plan.new_seqs.append(NewSeq(request.seq_id, request.sampling))
+            request.known_to_executor = True
+        is_decode = n == 1 and start == request.num_tokens - 1 and request.executor_has_last_token
+        plan.seqs.append(ScheduledSeq(
+            seq_id=request.seq_id,
+            request_id=request.request_id,
+            num_computed_tokens=start,
+            num_new_tokens=n,
+            token_ids=[] if is_decode else request.token_ids(start, start + n),
+            new_block_ids=new_blocks,
+            sample=start + n == request.num_tokens,
+            is_prefill=start < request.num_prompt_tokens,
+        ))
+
+    # ---- applying a step's result ------------------------------------------------------
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[TokenOutput]:
+        """Advances the cursors of plan's sequences and appends what was sampled.
+
+        Requests that ended while the step ran (aborted) are skipped: their late result is
+        dropped. Token-based stop conditions are checked here; stop strings need text and
+        are checked by the caller, which then calls finish().
+        """
+        for entry in plan.seqs:
+            request = self._by_seq.get(entry.seq_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                request.num_computed_tokens = entry.num_computed_tokens + entry.num_new_tokens
+        outputs: list[TokenOutput] = []
+        for sampled in result.sampled:
+            request = self._by_seq.get(sampled.seq_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.output_token_ids.append(sampled.token_id)
+            request.executor_has_last_token = True
+            reason = self._check_stop(request, sampled.token_id)
+            outputs.append(TokenOutput(request, sampled, reason))
+            if reason is not None:
+                self.finish(request, reason)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.sampling
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,145 @@
+"""Fakes for scheduler tests: an executor that checks every plan, and a byte-level tokenizer."""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+from scheduler_svc.block_manager import BlockPool, blocks_needed
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.plan import Sampled, StepPlan, StepResult
+from scheduler_svc.policy import create_policy
+from scheduler_svc.request import Request, SamplingParams
+from scheduler_svc.scheduler import Scheduler
+
+VOCAB = 300  # 256 byte tokens, <eos> = 256, the rest unused
+EOS = 256
+
+
+class FakeExecutor:
+    """Holds per-sequence state exactly as the real executor does and checks each plan.
+
+    The sampled token is a pure function of the sequence's token history, so a request's
+    output does not depend on chunking, batching or preemption — unless the scheduler
+    sends the wrong tokens, which this fake then turns into wrong outputs or errors.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, eos_after: int | None = None) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.seqs: dict[int, dict] = {}
+        self.plans: list[StepPlan] = []
+        self.eos_after = eos_after
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        for seq_id in plan.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+        for new in plan.new_seqs:
+            assert new.seq_id not in self.seqs, "new sequence the executor already knows"
+            self.seqs[new.seq_id] = {"tokens": [], "blocks": [], "last": None}
+        used: set[int] = set()
+        sampled = []
+        for s in plan.seqs:
+            st = self.seqs[s.seq_id]
+            assert s.num_computed_tokens == len(st["tokens"]), "cursor mismatch"
+            if s.token_ids:
+                assert len(s.token_ids) == s.num_new_tokens
+                st["tokens"] += s.token_ids
+            else:
+                assert s.num_new_tokens == 1 and st["last"] is not None, "decode without a known token"
+                st["tokens"].append(st["last"])
+            st["blocks"] += s.new_block_ids
+            assert len(st["blocks"]) == blocks_needed(len(st["tokens"]), self.block_size), "blocks != tokens"
+            assert all(0 <= b < self.num_blocks for b in st["blocks"])
+            assert not used & set(st["blocks"]), "two sequences share a block"
+            used |= set(st["blocks"])
+            if s.sample:
+                tok = self.next_token(st["tokens"])
+                st["last"] = tok
+                sampled.append(Sampled(s.seq_id, tok))
+        return StepResult(plan.step_id, sampled)
+
+    def next_token(self, history: list[int]) -> int:
+        if self.eos_after is not None and len(history) >= self.eos_after:
+            return EOS
+        return 97 + (sum(history) * 31 + len(history)) % 26  # a lowercase ASCII letter
+
+    async def step(self, plan: StepPlan, timeout: float) -> StepResult:
+        await asyncio.sleep(0.001)  # a real step awaits the network: let other tasks run
+        return self.execute(plan)
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_model_len=4096, **cfg) -> Scheduler:
+    config = SchedulerConfig(**cfg)
+    return Scheduler(config, BlockPool(num_blocks, block_size), create_policy("fcfs"), max_model_len)
+
+
+def make_request(seq_id: int, prompt_len: int, max_tokens: int = 8, **sampling) -> Request:
+    prompt = [(seq_id * 13 + i) % 200 for i in range(prompt_len)]
+    return Request(request_id=f"r{seq_id}", seq_id=seq_id, prompt_token_ids=prompt,
+                   sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling),
+                   eos_token_ids=frozenset({EOS}), arrival_time=float(seq_id))
+
+
+def run_to_completion(sched: Scheduler, fake: FakeExecutor, max_steps: int = 10_000, check=None):
+    """Steps until idle; returns {request_id: output ids} and the plans."""
+    outputs: dict[str, list[int]] = {}
+    live = dict(sched.requests)
+    for _ in range(max_steps):
+        if not sched.has_work():
+            break
+        plan = sched.schedule()
+        if check:
+            check(sched, plan)
+        sched.update(plan, fake.execute(plan))
+    else:
+        raise AssertionError("did not finish")
+    for rid, req in live.items():
+        outputs[rid] = list(req.output_token_ids)
+    return outputs
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, so token id == byte value."""
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+@pytest.fixture
+def byte_tokenizer_dir(tmp_path: Path) -> Path:
+    """A byte-level tokenizer: one token per UTF-8 byte, so multi-byte characters split."""
+    tok = Tokenizer(models.BPE(vocab={c: b for b, c in _bytes_to_unicode().items()}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<eos>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<eos>",
+        "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}",
+    }))
+    return tmp_path
+
+
+@pytest.fixture
+def fakes():
+    """The helpers above, for tests (pytest's importlib mode does not import conftest by name)."""
+    class _F:
+        FakeExecutor = FakeExecutor
+        make_scheduler = staticmethod(make_scheduler)
+        make_request = staticmethod(make_request)
+        run_to_completion = staticmethod(run_to_completion)
+        EOS = EOS
+        VOCAB = VOCAB
+    return _F

@@ -1,0 +1,107 @@
+"""The step loop with a fake executor: streaming, stop strings, aborts, executor failure."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from scheduler_svc.engine import Engine
+from scheduler_svc.errors import QueueFullError, UnavailableError
+from scheduler_svc.request import FinishReason, SamplingParams
+from scheduler_svc.tokenizer import Tokenizer
+
+
+def make_engine(fakes, tokenizer_dir, fake=None, max_waiting=100, **cfg):
+    sched = fakes.make_scheduler(num_blocks=256, block_size=4, **cfg)
+    fake = fake or fakes.FakeExecutor(256, 4)
+    return Engine(sched, fake, Tokenizer(tokenizer_dir), frozenset({fakes.EOS}), max_waiting, 5.0), fake
+
+
+async def collect(stream):
+    deltas = []
+    while True:
+        d = await stream.queue.get()
+        deltas.append(d)
+        if d.finished or d.error:
+            return deltas
+
+
+def test_streams_text_and_frees_blocks(fakes, byte_tokenizer_dir):
+    async def main():
+        engine, fake = make_engine(fakes, byte_tokenizer_dir)
+        engine.start()
+        streams = [engine.add_request(list(range(10 + i, 30 + i)), SamplingParams(max_tokens=7)) for i in range(5)]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        await engine.stop()
+        return engine, results
+
+    engine, results = asyncio.run(main())
+    for deltas in results:
+        final = deltas[-1]
+        assert final.finished and final.finish_reason is FinishReason.LENGTH
+        tokens = [t for d in deltas for t in d.token_ids]
+        assert len(tokens) == 7 == final.completion_tokens and final.prompt_tokens == 20
+        assert "".join(d.text for d in deltas) == engine.tokenizer.decode(tokens)
+        assert sum(d.finished for d in deltas) == 1 and deltas[-1].finished
+    assert engine.scheduler.pool.num_free_blocks == 256 and not engine.scheduler.requests
+
+
+def test_stop_string_finishes_and_frees(fakes, byte_tokenizer_dir):
+    async def main():
+        engine, fake = make_engine(fakes, byte_tokenizer_dir)
+        engine.start()
+        prompt = list(range(40, 60))
+        # Find the text the fake will produce, then stop on a piece of it.
+        probe = await collect(engine.add_request(prompt, SamplingParams(max_tokens=12)))
+        text = "".join(d.text for d in probe)
+        stop = text[5:8]
+        deltas = await collect(engine.add_request(prompt, SamplingParams(max_tokens=12, stop=(stop,))))
+        await engine.stop()
+        return engine, text, stop, deltas
+
+    engine, text, stop, deltas = asyncio.run(main())
+    final = deltas[-1]
+    assert final.finish_reason is FinishReason.STOP_SEQUENCE and final.matched_stop == stop
+    assert "".join(d.text for d in deltas) == text[:text.index(stop)]
+    assert engine.scheduler.pool.num_free_blocks == 256
+
+
+def test_abort_and_queue_limit(fakes, byte_tokenizer_dir):
+    async def main():
+        engine, fake = make_engine(fakes, byte_tokenizer_dir, max_waiting=2)
+        a = engine.add_request([1, 2, 3], SamplingParams(max_tokens=50))
+        b = engine.add_request([1, 2, 3], SamplingParams(max_tokens=50))
+        with pytest.raises(QueueFullError):
+            engine.add_request([1, 2, 3], SamplingParams(max_tokens=50))
+        engine.start()
+        await asyncio.sleep(0.01)
+        assert engine.abort(a.request_id) and not engine.abort(a.request_id)
+        deltas = await collect(a)
+        other = await collect(b)
+        await engine.stop()
+        return engine, deltas, other
+
+    engine, deltas, other = asyncio.run(main())
+    assert deltas[-1].finish_reason is FinishReason.ABORTED
+    assert other[-1].finish_reason is FinishReason.LENGTH and other[-1].completion_tokens == 50
+    assert engine.scheduler.pool.num_free_blocks == 256 and not engine.scheduler.requests
+
+
+def test_executor_failure_ends_every_stream_with_unavailable(fakes, byte_tokenizer_dir):
+    class Broken:
+        async def step(self, plan, timeout):
+            raise ConnectionError("executor gone")
+
+    async def main():
+        engine, _ = make_engine(fakes, byte_tokenizer_dir, fake=Broken())
+        engine.start()
+        streams = [engine.add_request([5, 6, 7], SamplingParams(max_tokens=5)) for _ in range(3)]
+        results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 5)
+        with pytest.raises(UnavailableError):
+            engine.add_request([5], SamplingParams(max_tokens=5))
+        await engine.stop()
+        return engine, results
+
+    engine, results = asyncio.run(main())
+    assert all(isinstance(r[-1].error, UnavailableError) for r in results)
+    assert engine.scheduler.pool.num_free_blocks == 256
