@@ -87,10 +87,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
         try:
-            return self._ready()[2]
+            engine, _, static = self._ready()
         except ServingError as exc:
             await context.abort(exc.code, str(exc))
             raise  # unreachable: abort raises
+        info = pb.GetInfoResponse()
+        info.CopyFrom(static)
+        sched = engine.scheduler
+        info.num_free_device_blocks = sched.pool.num_free_blocks
+        info.num_requests_running = len(sched.running)
+        info.num_requests_waiting = len(sched.waiting)
+        return info
 
 
 async def _deltas(stream: RequestStream) -> AsyncIterator[StreamDelta]:

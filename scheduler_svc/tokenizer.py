@@ -140,7 +140,15 @@ class IncrementalDetokenizer:
         return True
 
     def flush(self) -> str:
-        """Everything not yet returned (call when the request finishes)."""
+        """Everything not yet returned (call when the request finishes).
+
+        Bytes of a character the output ended in the middle of come out as U+FFFD, as
+        decoding the whole output would give them; they are never dropped.
+        """
+        if self.matched_stop is None and self._read_offset < len(self._ids):
+            prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
+            self.text += self._tok.decode(self._ids[self._prefix_offset:])[len(prefix):]
+            self._prefix_offset = self._read_offset = len(self._ids)
         return self._take(len(self.text))
 
     def _take(self, end: int) -> str:

@@ -41,6 +41,15 @@ def test_stop_strings_cut_the_text_and_never_leak(byte_tokenizer_dir, stop, expe
     assert detok.matched_stop == (None if stop == "zzz" else stop)
 
 
+def test_output_cut_inside_a_character_flushes_a_replacement_char(byte_tokenizer_dir):
+    tok = Tokenizer(byte_tokenizer_dir)
+    detok = IncrementalDetokenizer(tok, [], ())
+    ids = tok.encode("ab你")[:-1]  # the last character's final byte never arrives
+    streamed = "".join(detok.add(t) for t in ids)
+    assert streamed == "ab"
+    assert streamed + detok.flush() == tok.decode(ids) == "ab\ufffd"
+
+
 def test_chat_template_and_eos(byte_tokenizer_dir):
     tok = Tokenizer(byte_tokenizer_dir)
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}])

@@ -1,0 +1,36 @@
+"""`python -m executor_svc`: load the model and serve steps to a scheduler."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from chunkserve.flags import add_config_flags, config_from_args
+from executor_svc.config import ExecutorConfig
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m executor_svc", description=__doc__)
+    add_config_flags(parser, ExecutorConfig)
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(ExecutorConfig, args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s executor: %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    from executor_svc.server import serve  # imports torch: after the flags are parsed
+
+    try:
+        serve(config, stop)
+    except ValueError as exc:  # a setting that cannot work: say what to change, no traceback
+        logging.getLogger("executor").error("%s", exc)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

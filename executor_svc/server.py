@@ -1,0 +1,167 @@
+"""The executor process: load the model, size the KV cache, serve chunkserve.executor.v1.
+
+A plain threaded gRPC server: steps arrive one at a time from the one scheduler, and a lock
+keeps it that way even if a second caller appears. Torch work blocks the handling thread,
+not the server, so health and handshake calls still answer during a long step.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from chunkserve import __version__
+from chunkserve.executor.v1 import executor_pb2 as epb
+from chunkserve.executor.v1 import executor_pb2_grpc as epb_grpc
+from chunkserve_kernels.backend import get_backend
+from executor_svc.config import ExecutorConfig
+from executor_svc.model_loader import load_model, resolve_model
+from executor_svc.runner import ModelRunner, PlanError
+
+log = logging.getLogger(__name__)
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but CUDA is not available; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """auto = bfloat16: on these CPUs and on GPUs it is the fast path, and the checkpoints
+    this server targets are trained in it. float32 is there for exact comparisons."""
+    return torch.bfloat16 if name == "auto" else DTYPES[name]
+
+
+def eos_token_ids(model_path: Path, hf_config: object) -> list[int]:
+    """EOS ids from the model config and generation_config.json (either may hold a list)."""
+    ids: set[int] = set()
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    gen = model_path / "generation_config.json"
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return sorted(ids)
+
+
+def kv_block_counts(config: ExecutorConfig, bytes_per_block: int, device: torch.device) -> tuple[int, int]:
+    """Device and host block counts from the memory flags (after the weights are loaded)."""
+    if config.num_gpu_blocks_override is not None:
+        device_blocks = config.num_gpu_blocks_override
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        available = free - (1 - config.gpu_memory_utilization) * total
+        device_blocks = int(available // bytes_per_block)
+    else:
+        device_blocks = int(config.kv_cache_memory_gib * 2**30 // bytes_per_block)
+    if device_blocks < 1:
+        raise ValueError(f"no memory left for even one KV block ({bytes_per_block} bytes): raise "
+                         "--kv-cache-memory-gib / --gpu-memory-utilization")
+    return device_blocks, int(config.swap_space * 2**30 // bytes_per_block)
+
+
+@dataclass
+class Loaded:
+    runner: ModelRunner
+    handshake: epb.HandshakeResponse
+
+
+def load(config: ExecutorConfig) -> Loaded:
+    """Loads the model and allocates the KV cache; raises ValueError on a setting that cannot work."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device, dtype = resolve_device(config.device), resolve_dtype(config.dtype)
+    backend_name = "torch" if config.attention_backend == "auto" else config.attention_backend
+    backend = get_backend(backend_name)
+    backend.check_dtype(dtype)
+    backend.check_block_size(config.block_size)
+    path = resolve_model(config.model, Path(config.cache_dir))
+    model, hf = load_model(path, dtype, device, backend_name)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    shape_per_block = (hf.num_hidden_layers, 2, 1, config.block_size, num_kv_heads, head_dim)
+    bytes_per_block = torch.empty(shape_per_block, dtype=dtype, device="meta").numel() * dtype.itemsize
+    device_blocks, host_blocks = kv_block_counts(config, bytes_per_block, device)
+    kv_cache = torch.zeros(shape_per_block[:2] + (device_blocks,) + shape_per_block[3:], dtype=dtype, device=device)
+    host_cache = None
+    if host_blocks:
+        host_cache = torch.empty(shape_per_block[:2] + (host_blocks,) + shape_per_block[3:], dtype=dtype,
+                                 pin_memory=device.type == "cuda")
+    runner = ModelRunner(model, kv_cache, host_cache, hf.vocab_size, config.max_num_batched_tokens)
+    name = "SmolLM2-135M-Instruct" if config.model in ("default", "") else config.model
+    handshake = epb.HandshakeResponse(
+        model=epb.ModelConfig(
+            architecture=(hf.architectures or ["?"])[0], num_layers=hf.num_hidden_layers,
+            hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, vocab_size=hf.vocab_size, max_position_embeddings=hf.max_position_embeddings,
+            eos_token_ids=eos_token_ids(path, hf)),
+        model_name=name, model_path=str(path), dtype=str(dtype).removeprefix("torch."), device=device.type,
+        block_size=config.block_size, num_device_blocks=device_blocks, num_host_blocks=host_blocks,
+        attention_backend=backend_name, max_num_batched_tokens=config.max_num_batched_tokens,
+        version=__version__)
+    log.info("loaded %s from %s: %s on %s, %d KV blocks x %d tokens (%.2f GiB), %d host blocks",
+             name, path, handshake.dtype, device, device_blocks, config.block_size,
+             device_blocks * bytes_per_block / 2**30, host_blocks)
+    return Loaded(runner, handshake)
+
+
+class ExecutorServicer(epb_grpc.ExecutorServicer):
+    """Thin: converts errors to status codes; the runner does the work."""
+
+    def __init__(self, loaded: Loaded) -> None:
+        self._loaded = loaded
+        self._lock = threading.Lock()
+
+    def Handshake(self, request: epb.HandshakeRequest, context: grpc.ServicerContext) -> epb.HandshakeResponse:
+        log.info("handshake from scheduler %s", request.scheduler_version or "?")
+        return self._loaded.handshake
+
+    def Step(self, request: epb.StepRequest, context: grpc.ServicerContext) -> epb.StepResponse:
+        with self._lock:
+            try:
+                return self._loaded.runner.execute(request)
+            except PlanError as exc:
+                log.error("rejected plan: %s", exc)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except torch.OutOfMemoryError as exc:
+                log.error("out of memory in step %d: %s", request.step_id, exc)
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory in step {request.step_id}")
+        raise AssertionError("unreachable: abort raises")
+
+    def Reset(self, request: epb.ResetRequest, context: grpc.ServicerContext) -> epb.ResetResponse:
+        with self._lock:
+            self._loaded.runner.reset()
+        return epb.ResetResponse()
+
+
+def serve(config: ExecutorConfig, stop: threading.Event | None = None) -> None:
+    """Loads, listens, and serves until stop is set."""
+    loaded = load(config)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+    ])
+    epb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(loaded), server)
+    address = f"{config.executor_host}:{config.executor_port}"
+    if server.add_insecure_port(address) == 0:
+        raise ValueError(f"cannot listen on {address} (port in use?)")
+    server.start()
+    log.info("executor listening on %s (pid %d)", address, os.getpid())
+    (stop or threading.Event()).wait()
+    server.stop(grace=2).wait()

@@ -1,0 +1,250 @@
+"""End to end on the real default model (SmolLM2-135M-Instruct), over gRPC, two processes.
+
+The reference is Hugging Face transformers' own `generate` on the same saved weights and
+dtype (float32), so "equal" means our model, kernels, paged KV cache, chunking, batching,
+scheduler and detokenizer all agree with it token for token.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from chunkserve.client import Completion, build_request
+from chunkserve.v1 import chunkserve_pb2 as pb
+
+pytestmark = pytest.mark.slow
+
+BUDGET = 128  # max_num_batched_tokens: the 200-token prompt is prefilled in two chunks
+BLOCK = 16
+LENGTHS = [5, 15, 16, 17, 32, 33, 64, 200]  # around block multiples, and one > BUDGET
+NEW_TOKENS = 32
+TEXT = (
+    "The history of computing is longer than the history of computing hardware and modern "
+    "computing technology and includes the history of methods intended for pen and paper or for "
+    "chalk and slate, with or without the aid of tables. Digital computing is intimately tied to "
+    "the representation of numbers. But long before abstractions like the number arose, there "
+    "were mathematical concepts to serve the purposes of civilization. These concepts are implicit "
+    "in concrete practices such as one-to-one correspondence, the basis of counting, comparison "
+    "to a standard, used for measurement, and the 3-4-5 right triangle, a device for assuring a "
+    "right angle. The earliest known tool for use in computation was the abacus, and it was "
+    "thought to have been invented in Babylon circa 2400 BC. Its original style of usage was by "
+    "lines drawn in sand with pebbles. Abaci, of a more modern design, are still used as "
+    "calculation tools today. This was the first known calculation aid, preceding Greek methods "
+    "by 2,000 years. The first recorded idea of using digital electronics for computing was the "
+    "1931 paper The Use of Thyratrons for High Speed Automatic Counting of Physical Phenomena."
+)
+
+
+@pytest.fixture(scope="module")
+def hf(default_model_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
+    model.eval()
+    return model, AutoTokenizer.from_pretrained(default_model_path)
+
+
+@pytest.fixture(scope="module")
+def prompts(hf) -> list[list[int]]:
+    ids = hf[1](TEXT, add_special_tokens=False)["input_ids"]
+    assert len(ids) >= max(LENGTHS)
+    return [ids[:n] for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def server(default_model_path, launch):
+    return launch(
+        ["--model", str(default_model_path), "--dtype", "float32", "--block-size", str(BLOCK),
+         "--kv-cache-memory-gib", "0.25", "--max-num-batched-tokens", str(BUDGET)],
+        ["--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "32"])
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    """After every test that used the server: all blocks free, no request left."""
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").assert_idle_and_no_leaks()
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' generate, greedy, exactly n new tokens (no stop on EOS)."""
+    import copy
+
+    import torch
+
+    model = hf[0]
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = None
+    config.do_sample = False
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), generation_config=config, max_new_tokens=n,
+                             min_new_tokens=n, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def greedy(prompt, **kw) -> pb.GenerateRequest:
+    return build_request(prompt, temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, **kw)
+
+
+def run(stub, request, timeout=300) -> Completion:
+    out = Completion()
+    for msg in stub.Generate(request, timeout=timeout):
+        out.add(msg)
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(hf, prompts) -> list[list[int]]:
+    return [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
+def test_greedy_tokens_equal_transformers(server, prompts, expected):
+    stub = server.stub()
+    got = [run(stub, greedy(p)).token_ids for p in prompts]
+    for n, g, e in zip(LENGTHS, got, expected):
+        assert g == e, f"prompt of {n} tokens diverges at {next(i for i, (a, b) in enumerate(zip(g, e)) if a != b)}"
+
+
+def test_concurrent_requests_give_the_same_tokens(server, prompts, expected):
+    stub = server.stub()
+    with concurrent.futures.ThreadPoolExecutor(len(prompts) * 2) as pool:
+        # Each prompt twice, all at once: batches mix prefill chunks and decodes.
+        results = list(pool.map(lambda p: run(stub, greedy(p)).token_ids, prompts + prompts))
+    assert results == expected + expected
+
+
+def test_text_prompt_and_usage(server, hf):
+    done = run(server.stub(), greedy(TEXT[:300]))
+    ids = hf[1](TEXT[:300])["input_ids"]
+    assert done.usage.prompt_tokens == len(ids)
+    assert done.token_ids == hf_greedy(hf, ids, NEW_TOKENS)
+    assert done.usage.completion_tokens == NEW_TOKENS
+    assert done.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_streamed_chinese_text_is_never_split(server, hf):
+    request = build_request([{"role": "user", "content": "用中文写一首关于春天的短诗。"}],
+                            temperature=0.0, max_tokens=48, ignore_eos=True)
+    done = run(server.stub(), request)
+    assert done.num_messages > 10
+    assert any(ord(c) > 0x2E80 for c in done.text), f"no CJK in the output: {done.text!r}"
+    # Byte-level BPE splits CJK characters across tokens: some deltas must have been held back.
+    assert done.num_messages - 1 > sum(1 for d in done.deltas if d)
+    for delta in done.deltas[:-1]:  # the last may end in U+FFFD if max_tokens cut a character
+        assert "\ufffd" not in delta
+    assert "".join(done.deltas) == done.text == hf[1].decode(done.token_ids, skip_special_tokens=True)
+
+
+def test_chat_prompt_matches_transformers_template(server, hf):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    done = run(server.stub(), build_request(messages, temperature=0.0, max_tokens=64))
+    ids = hf[1].apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert done.usage.prompt_tokens == len(ids)
+    assert done.finish_reason == pb.FINISH_REASON_STOP  # the model ends its answer with EOS
+    assert "Paris" in done.text
+
+
+def test_stop_string_and_stop_token(server, prompts, expected, hf):
+    tok = hf[1]
+    text = tok.decode(expected[6])
+    stop = text[10:14]
+    done = run(server.stub(), build_request(prompts[6], temperature=0.0, max_tokens=NEW_TOKENS, stop=[stop]))
+    assert done.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE and done.matched_stop == stop
+    assert done.text == text[:text.index(stop)]
+    stop_id = expected[6][5]
+    request = build_request(prompts[6], temperature=0.0, max_tokens=NEW_TOKENS, stop_token_ids=[stop_id])
+    done = run(server.stub(), request)
+    assert done.token_ids == expected[6][:expected[6].index(stop_id) + 1]
+    assert done.finish_reason == pb.FINISH_REASON_STOP
+
+
+def test_seeded_sampling_is_reproducible_and_logprobs(server, prompts):
+    stub = server.stub()
+    req = build_request(prompts[3], temperature=0.8, top_p=0.9, seed=1234, max_tokens=16, logprobs=3,
+                        ignore_eos=True)
+    a, b = run(stub, req), run(stub, req)
+    assert a.token_ids == b.token_ids and len(a.logprobs) == 16
+    for lp in a.logprobs:
+        assert len(lp.top) == 3 and lp.logprob <= 0
+        assert lp.top[0].logprob >= lp.top[1].logprob >= lp.top[2].logprob
+
+
+@pytest.mark.parametrize("request_fn, field", [
+    (lambda: pb.GenerateRequest(text=""), "prompt"),
+    (lambda: build_request([1, 2, 10**6]), "token_ids"),
+    (lambda: build_request("hi", temperature=-1.0), "temperature"),
+    (lambda: build_request("hi", top_p=0.0), "top_p"),
+    (lambda: build_request("hi", max_tokens=10**6), "max_tokens"),
+    (lambda: build_request("hi", logprobs=100), "logprobs"),
+])
+def test_bad_input_is_invalid_argument(server, request_fn, field):
+    with pytest.raises(grpc.RpcError) as err:
+        run(server.stub(), request_fn())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+
+
+def test_cancelled_stream_frees_its_blocks(server, prompts):
+    stub = server.stub()
+    call = stub.Generate(build_request(prompts[7], temperature=0.0, max_tokens=500, ignore_eos=True))
+    next(call)  # the first token: the request holds blocks now
+    assert server.info().num_free_device_blocks < server.info().num_device_blocks
+    call.cancel()
+    # no_leaks checks the pool after the test
+
+
+def test_abort_by_id(server, prompts):
+    stub = server.stub()
+    call = stub.Generate(build_request(prompts[7], temperature=0.0, max_tokens=500, ignore_eos=True))
+    first = next(call)
+    assert stub.Abort(pb.AbortRequest(request_id=first.request_id)).found
+    rest = list(call)
+    assert rest[-1].finished and rest[-1].finish_reason == pb.FINISH_REASON_ABORTED
+    assert not stub.Abort(pb.AbortRequest(request_id=first.request_id)).found
+
+
+def test_running_scheduler_has_no_torch_loaded(server):
+    maps = open(f"/proc/{server.scheduler.pid}/maps").read()
+    assert "libtorch" not in maps
+    assert "libtorch" in open(f"/proc/{server.executor.pid}/maps").read()
+
+
+def test_chunkserve_serve_and_generate_cli(default_model_path, tmp_path):
+    """The README's path: `chunkserve serve` (executor as a child) and `chunkserve generate`."""
+    import os
+    import signal
+    import socket
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    env = dict(os.environ, CHUNKSERVE_PORT=str(ports[0]), CHUNKSERVE_EXECUTOR_PORT=str(ports[1]),
+               CHUNKSERVE_KV_CACHE_MEMORY_GIB="0.1")
+    cli = [sys.executable, "-m", "chunkserve.cli"]
+    log = open(tmp_path / "serve.log", "w")
+    serve = subprocess.Popen(cli + ["serve", "--model", str(default_model_path), "--host", "127.0.0.1"],
+                             env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 300
+        while "serving on" not in (tmp_path / "serve.log").read_text():
+            assert serve.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.5)
+        out = subprocess.run(cli + ["generate", "--chat", "--temperature", "0", "--max-tokens", "40",
+                                    "What is the capital of France?"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "Paris" in out.stdout
+        assert "[stop; prompt" in out.stderr
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(30) == 0, (tmp_path / "serve.log").read_text()
