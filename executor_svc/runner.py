@@ -100,7 +100,8 @@ class ModelRunner:
 
     def _collect(self, plan: epb.StepRequest
                  ) -> tuple[list[int], list[int], list[int], list[list[int]], list[tuple[int, int]]]:
-        """Validates the plan's entries and gathers the batch's inputs.
+        """Validates the plan's entries and gathers the batch's inputs; state changes only
+        when the whole plan is valid.
 
         Returns flat token ids, query lengths, computed lengths, block tables and, for the
         entries that sample, (entry index, position of the token to be sampled).
@@ -133,21 +134,22 @@ class ModelRunner:
                 raise PlanError(f"{where}: no token ids and no sampled token to feed back")
             if s.block_ids and max(s.block_ids) >= self.num_blocks:
                 raise PlanError(f"{where}: block id {max(s.block_ids)} >= {self.num_blocks} device blocks")
-            if s.replace_block_table:
-                state.block_table = list(s.block_ids)
-            else:
-                state.block_table.extend(s.block_ids)
-            if len(state.block_table) * self.block_size < s.num_computed_tokens + n:
-                raise PlanError(f"{where}: {len(state.block_table)} blocks cannot hold {s.num_computed_tokens + n} tokens")
+            table = list(s.block_ids) if s.replace_block_table else state.block_table + list(s.block_ids)
+            if len(table) * self.block_size < s.num_computed_tokens + n:
+                raise PlanError(f"{where}: {len(table)} blocks cannot hold {s.num_computed_tokens + n} tokens")
             query_lens.append(n)
             computed.append(s.num_computed_tokens)
-            tables.append(state.block_table)
-            state.num_computed_tokens += n
+            tables.append(table)
             if s.sample:
                 sampling.append((i, s.num_computed_tokens + n))
         if len(token_ids) > self.max_num_batched_tokens:
             raise PlanError(f"step {plan.step_id}: {len(token_ids)} tokens exceed the executor's "
                             f"max_num_batched_tokens {self.max_num_batched_tokens}")
+        # Only a plan that passed every check changes state.
+        for s, table in zip(plan.seqs, tables):
+            state = self.seqs[s.seq_id]
+            state.block_table = table
+            state.num_computed_tokens += s.num_new_tokens
         return token_ids, query_lens, computed, tables, sampling
 
     def _swap(self, plan: epb.StepRequest) -> None:

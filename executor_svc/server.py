@@ -38,10 +38,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    """auto = bfloat16: on these CPUs and on GPUs it is the fast path, and the checkpoints
-    this server targets are trained in it. float32 is there for exact comparisons."""
-    return torch.bfloat16 if name == "auto" else DTYPES[name]
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto = bfloat16 on CUDA; float32 on CPU, where without AVX512-BF16/AMX bf16 matmuls are
+    emulated and a batch-32 decode step measured 3.4x slower than in float32."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
 
 
 def eos_token_ids(model_path: Path, hf_config: object) -> list[int]:
@@ -85,7 +87,8 @@ def load(config: ExecutorConfig) -> Loaded:
     """Loads the model and allocates the KV cache; raises ValueError on a setting that cannot work."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    device, dtype = resolve_device(config.device), resolve_dtype(config.dtype)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
     backend_name = "torch" if config.attention_backend == "auto" else config.attention_backend
     backend = get_backend(backend_name)
     backend.check_dtype(dtype)

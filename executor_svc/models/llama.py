@@ -1,0 +1,188 @@
+"""The Llama family (Llama, SmolLM, Mistral, Qwen2) on flat varlen token batches.
+
+One decoder block serves all of them; the differences are switches read once from the HF
+config into a `BlockSpec` (q/k/v bias for Qwen2, `attention_bias` / `mlp_bias` for Llama,
+head_dim, RoPE). q/k/v and gate/up are fused into one matmul each: on CPU a step is
+dominated by weight reads and per-op overhead, so fewer, larger GEMMs win.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chunkserve_kernels import AttentionBackend, get_backend
+from executor_svc.models.layers import (
+    Embedding,
+    Linear,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    linear,
+    rope_parameters,
+)
+from executor_svc.models.weights import load_weights
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSpec:
+    """What every sub-module needs to build itself, read once from the HF config."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    backend: AttentionBackend
+    dtype: torch.dtype
+    device: torch.device | str
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, s: BlockSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = s.heads, s.kv_heads, s.head_dim
+        q_size, kv_size = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        shards = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
+        self.qkv_proj = Linear(s.hidden, q_size + 2 * kv_size, s.qkv_bias, s.dtype, s.device, shards)
+        self.o_proj = Linear(q_size, s.hidden, s.o_bias, s.dtype, s.device)
+        self.attn = PagedAttention(layer_idx, s.backend, s.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens, qk_heads = x.shape[0], self.heads + self.kv_heads
+        qkv = self.qkv_proj(x).view(num_tokens, qk_heads + self.kv_heads, self.head_dim)
+        qk = apply_rotary(qkv[:, :qk_heads], cos, sin)  # q and k rotated in one go
+        o = self.attn(qk[:, : self.heads], qk[:, self.heads :], qkv[:, qk_heads:])
+        return self.o_proj(o.reshape(num_tokens, self.heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, s: BlockSpec) -> None:
+        super().__init__()
+        shards = {"gate": (0, s.intermediate), "up": (s.intermediate, s.intermediate)}
+        self.gate_up_proj = Linear(s.hidden, 2 * s.intermediate, s.mlp_bias, s.dtype, s.device, shards)
+        self.down_proj = Linear(s.intermediate, s.hidden, s.mlp_bias, s.dtype, s.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, s: BlockSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(s, layer_idx)
+        self.mlp = LlamaMLP(s)
+        self.input_layernorm = RMSNorm(s.hidden, s.eps, s.dtype, s.device)
+        self.post_attention_layernorm = RMSNorm(s.hidden, s.eps, s.dtype, s.device)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, s: BlockSpec) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, s.hidden, s.dtype, s.device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(s, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(s.hidden, s.eps, s.dtype, s.device)
+        self.rotary_emb = RotaryEmbedding(s.head_dim, rope_parameters(config), s.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, h.dtype)  # once per step, shared by all layers
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / SmolLM. `forward(input_ids, positions)` reads attention from the forward context."""
+
+    # Qwen2 always has q/k/v bias (and never o_proj bias); Llama follows `attention_bias`.
+    qkv_bias_always: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        config: Any,
+        backend: AttentionBackend | str = "torch",
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        backend = get_backend(backend) if isinstance(backend, str) else backend
+        backend.check_dtype(dtype)
+        self.config = config
+        self.model = LlamaModel(config, self._block_spec(config, backend, dtype, device))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        self.max_model_len = _max_model_len(config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[T] token ids at [T] absolute positions -> final-normed hidden states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for the given rows only (the vocab projection is the
+        single most expensive matmul per row, so callers pass just the rows that sample)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return linear(hidden, weight).float().contiguous()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors into the (fused) parameters; see weights.py."""
+        load_weights(self, weights)
+
+    @classmethod
+    def _block_spec(cls, config: Any, backend: AttentionBackend, dtype: torch.dtype, device: Any) -> BlockSpec:
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return BlockSpec(
+            hidden=config.hidden_size,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            intermediate=config.intermediate_size,
+            eps=config.rms_norm_eps,
+            qkv_bias=cls.qkv_bias_always or attention_bias,
+            o_bias=attention_bias and not cls.qkv_bias_always,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            backend=backend,
+            dtype=dtype,
+            device=device,
+        )
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: the Llama block; its sliding window only caps `max_model_len`."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias_always = True
+
+
+def _max_model_len(config: Any) -> int:
+    """Longest context this implementation computes exactly. Attention here is full causal,
+    which equals sliding-window attention only while the context fits in the window."""
+    limit = int(getattr(config, "max_position_embeddings", 2**31 - 1))
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):  # Qwen2 has an explicit switch
+        limit = min(limit, int(window))
+    return limit

@@ -1,0 +1,145 @@
+"""Token sampling for the rows of a step that sample.
+
+Two properties drive the design:
+- Seeded requests are reproducible whatever else shares the batch and across preemption:
+  each seeded row draws from its own generator, seeded from (request seed, position of
+  the token being sampled), and uses exactly one uniform draw (inverse-CDF sampling), so
+  the stream never depends on how many numbers other rows consumed.
+- The common case is cheap: an all-greedy batch is one argmax, and log_softmax / top-k
+  over the 49K vocab run only when some row asked for logprobs.
+Logprobs describe the model, not the sampler: they come from the raw logits, before
+temperature and filtering (what OpenAI-style APIs report).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+_GREEDY_BELOW = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingSpec:
+    temperature: float = 1.0  # 0 (or < 1e-5) -> greedy argmax
+    top_k: int = 0  # 0 -> off
+    top_p: float = 1.0  # 1.0 -> off
+    min_p: float = 0.0  # 0 -> off; drop tokens with prob < min_p * max prob
+    seed: int | None = None  # None -> the sampler's own (unseeded) generator
+    num_logprobs: int = -1  # -1 none; 0 sampled token only; k also the top k
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        if self.num_logprobs < -1:
+            raise ValueError(f"num_logprobs must be >= -1 (-1 disables it), got {self.num_logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        # Below ~1e-5, logits / temperature overflows float32; such a request means greedy.
+        return self.temperature < _GREEDY_BELOW
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # of the sampled token; NaN for rows with num_logprobs == -1
+    top: list[list[tuple[int, float]]]  # (token id, logprob), best first; [] unless num_logprobs > 0
+
+
+def _mix(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): neighbouring seeds/positions give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def _filtered_probs(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p (each row independently)."""
+    temps = torch.tensor([s.temperature for s in specs], dtype=logits.dtype, device=logits.device)
+    x = logits / temps[:, None]
+    k_rows = [i for i, s in enumerate(specs) if s.top_k > 0]
+    if k_rows:
+        rows = torch.tensor(k_rows, device=x.device)
+        sub = x.index_select(0, rows)
+        k = torch.tensor([specs[i].top_k for i in k_rows], device=x.device).clamp_(max=x.shape[1])
+        kth = sub.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        x = x.index_copy(0, rows, sub.masked_fill(sub < kth, float("-inf")))
+    probs = x.softmax(dim=-1)
+    if any(s.top_p < 1 for s in specs):
+        # Rows without top-p get an infinite threshold: cumsum rounding must not cut their tail.
+        top_p = torch.tensor([s.top_p if s.top_p < 1 else math.inf for s in specs], device=x.device)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= top_p[:, None]  # never drops the top token
+        drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    min_p = [s.min_p for s in specs]
+    if any(min_p):
+        floor = torch.tensor(min_p, device=x.device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
+
+
+def _draw(probs: torch.Tensor, specs: list[SamplingSpec], positions: list[int]) -> torch.Tensor:
+    """One uniform per row, inverse CDF; seeded rows use their own (seed, position) stream."""
+    uniforms = torch.rand(len(specs), dtype=torch.float64)
+    for i, (spec, pos) in enumerate(zip(specs, positions)):
+        if spec.seed is not None:
+            gen = torch.Generator().manual_seed(_mix(spec.seed, pos))
+            uniforms[i] = torch.rand(1, generator=gen, dtype=torch.float64)
+    cdf = probs.double().cumsum(dim=-1)
+    target = (uniforms.to(cdf.device) * cdf[:, -1])[:, None]
+    ids = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1).squeeze(1)
+    # Rounding can only push past the last non-zero token; fall back to the likeliest one.
+    dead = probs.gather(1, ids[:, None]).squeeze(1) == 0
+    return torch.where(dead, probs.argmax(dim=-1), ids)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingSpec], positions: list[int]) -> SampleOutput:
+    """Pick one token per row of float32 `logits` [N, V].
+
+    `positions[i]` is the absolute position the sampled token will occupy in its sequence;
+    with the request seed it keys the row's random stream.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(positions):
+        raise ValueError(
+            f"need logits [N, V] with one SamplingSpec and one position per row; got logits "
+            f"{tuple(logits.shape)}, {len(params)} specs, {len(positions)} positions"
+        )
+    token_ids = logits.argmax(dim=-1)
+    random_rows = [i for i, s in enumerate(params) if not s.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        specs = [params[i] for i in random_rows]
+        probs = _filtered_probs(logits.index_select(0, rows), specs)
+        drawn = _draw(probs, specs, [positions[i] for i in random_rows])
+        token_ids = token_ids.index_copy(0, rows, drawn)
+    ids = token_ids.tolist()
+
+    logprobs, top = [math.nan] * len(params), [[] for _ in params]
+    wanted = [i for i, s in enumerate(params) if s.num_logprobs >= 0]
+    if wanted:
+        rows = torch.tensor(wanted, device=logits.device)
+        lp = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+        chosen = lp.gather(1, token_ids.index_select(0, rows)[:, None]).squeeze(1).tolist()
+        k = min(max(params[i].num_logprobs for i in wanted), lp.shape[1])
+        top_vals = top_ids = [[] for _ in wanted]
+        if k > 0:
+            vals, idx = lp.topk(k, dim=-1)
+            top_vals, top_ids = vals.tolist(), idx.tolist()
+        for j, i in enumerate(wanted):
+            logprobs[i] = chosen[j]
+            n = params[i].num_logprobs
+            top[i] = list(zip(top_ids[j][:n], top_vals[j][:n]))
+    return SampleOutput(ids, logprobs, top)

@@ -1,0 +1,30 @@
+"""chunkserve_kernels: paged varlen attention for the executor.
+
+Import as `chunkserve_kernels` (the source folder is kernels/, but a top-level `kernels`
+package would collide with Hugging Face's own distribution of that name).
+"""
+
+from __future__ import annotations
+
+from chunkserve_kernels.backend import (
+    DEFAULT_BACKEND,
+    AttentionBackend,
+    available_backends,
+    get_backend,
+    register_backend,
+)
+from chunkserve_kernels.forward_context import ForwardContext, get_forward_context, set_forward_context
+from chunkserve_kernels.metadata import AttentionMetadata, build_metadata
+
+__all__ = [
+    "DEFAULT_BACKEND",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "ForwardContext",
+    "available_backends",
+    "build_metadata",
+    "get_backend",
+    "get_forward_context",
+    "register_backend",
+    "set_forward_context",
+]

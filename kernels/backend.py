@@ -1,0 +1,87 @@
+"""Attention backend interface and a tiny registry by name.
+
+A backend is a stateless strategy object: it writes this step's K/V into the paged cache
+and computes causal attention for a flat varlen batch. Backends declare what they support
+(dtypes, block sizes) so that start-up fails with a clear message instead of a kernel
+error deep inside the first forward. The registry maps names to "module:Class" strings and
+imports lazily, so a CPU machine never imports flash-attn or Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from chunkserve_kernels.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Paged causal attention over one layer's cache `[2, num_blocks, block_size, Hkv, D]`."""
+
+    name: ClassVar[str]
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]]
+
+    def check_block_size(self, block_size: int) -> None:
+        """Raise ValueError if this backend cannot use `block_size` (default: any positive)."""
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Raise ValueError if this backend cannot compute in `dtype`."""
+        if dtype not in self.supported_dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.supported_dtypes)
+            raise ValueError(
+                f"attention backend {self.name!r} does not support dtype "
+                f"{str(dtype).removeprefix('torch.')}; use one of: {names}"
+            )
+
+    def write_kv(
+        self, kv_cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store K/V `[T, Hkv, D]` of the step's new tokens at their flat slots.
+
+        `view` (not `reshape`) on purpose: a non-contiguous cache would make reshape copy,
+        and the write would silently land in a temporary.
+        """
+        num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
+        kv_cache_layer[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+        kv_cache_layer[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, kv_cache_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Causal attention of q `[T, Hq, D]` over the cached context; returns `[T, Hq, D]`.
+
+        The step's own K/V must already be written (write_kv) before this is called.
+        """
+
+
+_REGISTRY: dict[str, str] = {
+    "torch": "chunkserve_kernels.torch_backend:TorchBackend",
+    "torch_ref": "chunkserve_kernels.torch_ref:TorchRefBackend",
+}
+DEFAULT_BACKEND = "torch"
+
+
+def register_backend(name: str, target: str) -> None:
+    """Register `"module:Class"` under `name` (imported only when first requested)."""
+    _REGISTRY[name] = target
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_backend(name: str = DEFAULT_BACKEND) -> AttentionBackend:
+    """Instantiate the backend registered as `name`."""
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"unknown attention backend {name!r}; available: {', '.join(available_backends())}"
+        )
+    module_name, _, class_name = _REGISTRY[name].partition(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls()

@@ -1,0 +1,175 @@
+"""The default CPU backend: paged varlen attention on top of torch SDPA.
+
+One step mixes decode tokens and prefill chunks. Decodes dominate the step count, so all
+of them are batched: ONE padded gather of their keys and ONE attention call. A decode
+query has a single position, so its GQA group of `Hq / Hkv` query heads is laid out as
+the "query length" axis of its KV head (q viewed as [D, Hkv, group, head_dim]) -- no K/V
+repeat, no mask beyond key padding. Prefill chunks are few and large; each gets its own
+SDPA call, with `is_causal` when the chunk starts the sequence and an end-aligned mask
+otherwise.
+
+Decode attention on CPU is memory-bound: every decode reads its whole context's K/V, in
+random blocks. So the gather indices, masks and buffers are planned once per step and
+reused by all layers through `AttentionMetadata.scratch`, the gather is head-major (the
+math reads contiguous [Hkv, ctx, head_dim] keys), and in float32 V is never gathered at
+all: `embedding_bag` with the attention probabilities as per-sample weights computes
+P @ V straight from the paged cache (one read of V instead of gather-write-read; ~20%
+less decode attention time at 32 x 256 tokens on a 2-core AVX2 machine). bfloat16 keeps
+SDPA because bf16 bmm has no fast path on CPUs without AVX512-BF16/AMX.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from chunkserve_kernels.backend import AttentionBackend
+from chunkserve_kernels.metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class _DecodePlan:
+    tokens: torch.Tensor | None  # flat token index of each decode; None if they are tokens 0..D-1
+    rows: torch.Tensor  # [D*Hkv*max_ctx] row indices into the cache viewed as [slots*Hkv, head_dim]
+    mask: torch.Tensor | None  # [D, 1, 1, max_ctx] True = real key; None when all contexts are equal
+    max_ctx: int
+    k_buf: torch.Tensor | None = None  # reused by every layer of the step
+    v_buf: torch.Tensor | None = None
+    bag_rows: torch.Tensor | None = None  # float32 path: V rows per query head, [D*Hq*max_ctx]
+    bag_offsets: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class _PrefillPlan:
+    start: int  # first flat token of the chunk
+    end: int
+    ctx: int  # context length including the chunk
+    rows: torch.Tensor  # [Hkv*ctx] head-major row indices
+    mask: torch.Tensor | None  # [q, ctx] end-aligned causal mask; None -> is_causal (no prior context)
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    decode: _DecodePlan | None
+    prefills: list[_PrefillPlan]
+    pure_decode: bool
+
+
+def _head_major_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[..., n] slots -> [..., Hkv, n] row indices into the cache viewed as [slots*Hkv, D]."""
+    heads = torch.arange(num_kv_heads, device=slots.device)
+    return (slots.unsqueeze(-2) * num_kv_heads + heads[:, None]).reshape(-1)
+
+
+def _plan_step(meta: AttentionMetadata, num_kv_heads: int, device: torch.device) -> _StepPlan:
+    bs = meta.block_size
+    block_table = meta.block_table.to(torch.int64)
+    decode_seqs, decode_tokens, prefills = [], [], []
+    start = 0
+    for i, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+        if q_len == 1:
+            decode_seqs.append(i)
+            decode_tokens.append(start)
+        else:
+            pos = torch.arange(ctx, device=device)
+            slots = block_table[i, pos // bs] * bs + pos % bs
+            mask = None
+            if ctx > q_len:
+                query_pos = torch.arange(ctx - q_len, ctx, device=device)
+                mask = pos[None, :] <= query_pos[:, None]
+            prefills.append(_PrefillPlan(start, start + q_len, ctx, _head_major_rows(slots, num_kv_heads), mask))
+        start += q_len
+
+    decode = None
+    if decode_seqs:
+        ctx_lens = [meta.context_lens[i] for i in decode_seqs]
+        max_ctx = max(ctx_lens)
+        ctx_t = torch.tensor(ctx_lens, device=device)
+        pos = torch.arange(max_ctx, device=device)
+        # Padding positions re-read the last real token: always a valid slot, masked out.
+        clamped = torch.minimum(pos[None, :], (ctx_t - 1)[:, None])
+        tables = block_table.index_select(0, torch.tensor(decode_seqs, device=device))
+        slots = tables.gather(1, clamped // bs) * bs + clamped % bs
+        mask = None if min(ctx_lens) == max_ctx else (pos[None, :] < ctx_t[:, None])[:, None, None, :]
+        in_order = decode_tokens == list(range(len(decode_tokens)))
+        tokens = None if in_order else torch.tensor(decode_tokens, device=device)
+        decode = _DecodePlan(tokens, _head_major_rows(slots, num_kv_heads), mask, max_ctx)
+    return _StepPlan(decode, prefills, pure_decode=not prefills)
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+    supported_dtypes = (torch.float32, torch.bfloat16)
+
+    def forward(
+        self, q: torch.Tensor, kv_cache_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        num_tokens, num_q_heads, head_dim = q.shape
+        num_kv_heads = kv_cache_layer.shape[3]
+        plan = meta.scratch.get(self.name)
+        if plan is None:
+            plan = meta.scratch[self.name] = _plan_step(meta, num_kv_heads, q.device)
+        k_rows = kv_cache_layer[0].view(-1, head_dim)
+        v_rows = kv_cache_layer[1].view(-1, head_dim)
+
+        out = None if plan.pure_decode else q.new_empty(num_tokens, num_q_heads, head_dim)
+        if plan.decode is not None:
+            dec = self._decode(q, k_rows, v_rows, plan.decode, num_kv_heads, scale)
+            if out is None:
+                return dec
+            if plan.decode.tokens is None:
+                out[: dec.shape[0]] = dec
+            else:
+                out.index_copy_(0, plan.decode.tokens, dec)
+        for chunk in plan.prefills:
+            k = k_rows.index_select(0, chunk.rows).view(1, num_kv_heads, chunk.ctx, head_dim)
+            v = v_rows.index_select(0, chunk.rows).view(1, num_kv_heads, chunk.ctx, head_dim)
+            qc = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
+            o = F.scaled_dot_product_attention(
+                qc, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True
+            )
+            out[chunk.start : chunk.end] = o[0].transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,
+        k_rows: torch.Tensor,
+        v_rows: torch.Tensor,
+        plan: _DecodePlan,
+        num_kv_heads: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """All decode tokens in one gather + one attention; returns [D, Hq, head_dim]."""
+        num_rows, head_dim = plan.rows.shape[0], k_rows.shape[1]
+        num_dec, num_q_heads = num_rows // (num_kv_heads * plan.max_ctx), q.shape[1]
+        group = num_q_heads // num_kv_heads
+        qd = q[:num_dec] if plan.tokens is None else q.index_select(0, plan.tokens)
+        qd = qd.reshape(num_dec, num_kv_heads, group, head_dim)
+        if plan.k_buf is None or plan.k_buf.dtype != k_rows.dtype:
+            plan.k_buf = k_rows.new_empty(num_rows, head_dim)
+        torch.index_select(k_rows, 0, plan.rows, out=plan.k_buf)
+        keys = plan.k_buf.view(num_dec, num_kv_heads, plan.max_ctx, head_dim)
+
+        if k_rows.dtype == torch.float32:
+            if plan.bag_rows is None:
+                rows = plan.rows.view(num_dec, num_kv_heads, 1, plan.max_ctx)
+                plan.bag_rows = rows.expand(-1, -1, group, -1).reshape(-1)
+                plan.bag_offsets = torch.arange(0, plan.bag_rows.shape[0], plan.max_ctx, device=q.device)
+            scores = torch.matmul(qd * scale, keys.transpose(-1, -2))  # [D, Hkv, group, ctx]
+            if plan.mask is not None:
+                scores.masked_fill_(~plan.mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out = F.embedding_bag(
+                plan.bag_rows, v_rows, plan.bag_offsets, mode="sum", per_sample_weights=probs.view(-1)
+            )
+            return out.view(num_dec, num_q_heads, head_dim)
+
+        if plan.v_buf is None or plan.v_buf.dtype != v_rows.dtype:
+            plan.v_buf = v_rows.new_empty(num_rows, head_dim)
+        torch.index_select(v_rows, 0, plan.rows, out=plan.v_buf)
+        values = plan.v_buf.view(num_dec, num_kv_heads, plan.max_ctx, head_dim)
+        o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=plan.mask, scale=scale)
+        return o.reshape(num_dec, num_q_heads, head_dim)

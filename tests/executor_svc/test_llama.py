@@ -1,0 +1,113 @@
+"""Our Llama-family models against Hugging Face transformers on the same random weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from executor_svc.models import get_model_class
+
+TOL = dict(atol=2e-5, rtol=1e-4)
+
+
+def _ours(hf_model, dtype=torch.float32, backend="torch"):
+    model = get_model_class(hf_model.config)(hf_model.config, backend, dtype)
+    model.load_weights(hf_model.state_dict().items())
+    return model
+
+
+def _hf_logits(hf_model, tokens):
+    with torch.no_grad():
+        return hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+def test_full_prompt_logits_match_hf(tiny_configs, config_name, hf_model_factory, paged_runner):
+    hf = hf_model_factory(tiny_configs[config_name]())
+    model = _ours(hf)
+    tokens = torch.randint(0, 128, (23,), generator=torch.Generator().manual_seed(1)).tolist()
+    hidden = paged_runner(model, block_size=4).step({0: tokens})[0]
+    torch.testing.assert_close(model.compute_logits(hidden), _hf_logits(hf, tokens), **TOL)
+
+
+@pytest.mark.parametrize(("block_size", "chunks"), [(4, [5, 1, 7]), (16, [3, 3, 3, 3]), (1, [13])])
+def test_chunked_prefill_then_decode_matches_hf(
+    tiny_configs, config_name, hf_model_factory, paged_runner, block_size, chunks
+):
+    """Two sequences share every step: one prefills in chunks while the other decodes, then
+    both decode token by token. Each sampled row must equal HF's logits at that position."""
+    hf = hf_model_factory(tiny_configs[config_name](), seed=2)
+    model = _ours(hf)
+    gen = torch.Generator().manual_seed(3)
+    seq_a = torch.randint(0, 128, (sum(chunks) + 6,), generator=gen).tolist()
+    seq_b = torch.randint(0, 128, (len(chunks) + 12,), generator=gen).tolist()
+    ref = {0: _hf_logits(hf, seq_a), 1: _hf_logits(hf, seq_b)}
+    runner = paged_runner(model, block_size, num_blocks=80, seed=block_size)
+    done = {0: 0, 1: 0}
+    runner.step({1: seq_b[:6]})
+    done[1] = 6
+    plan = [{0: c, 1: 1} for c in chunks] + [{0: 1, 1: 1}] * 6
+    for work in plan:
+        # Alternate which sequence comes first so decodes are not always tokens 0..D-1.
+        order = sorted(work, reverse=len(work) % 2 == 0 and done[0] % 2 == 1)
+        step = {sid: (seq_a, seq_b)[sid][done[sid] : done[sid] + work[sid]] for sid in order}
+        hidden = runner.step(step)
+        for sid, rows in hidden.items():
+            done[sid] += len(step[sid])
+            logits = model.compute_logits(rows[-1:])
+            torch.testing.assert_close(logits[0], ref[sid][done[sid] - 1], **TOL)
+    assert done[0] == len(seq_a)
+
+
+def test_bf16_forward_tracks_fp32(tiny_configs, hf_model_factory, paged_runner):
+    hf = hf_model_factory(tiny_configs["smollm_tied"]())
+    tokens = list(range(3, 40))
+    fp32 = _ours(hf)
+    bf16 = _ours(hf, torch.bfloat16)
+    a = fp32.compute_logits(paged_runner(fp32, 4).step({0: tokens})[0])
+    b = bf16.compute_logits(paged_runner(bf16, 4).step({0: tokens})[0])
+    assert b.dtype == torch.float32
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.99
+
+
+def test_reference_backend_gives_same_model_output(tiny_configs, hf_model_factory, paged_runner):
+    hf = hf_model_factory(tiny_configs["llama"]())
+    tokens = list(range(1, 30))
+    fast = paged_runner(_ours(hf), 4).step({0: tokens[:20]})[0]
+    ref = paged_runner(_ours(hf, backend="torch_ref"), 4).step({0: tokens[:20]})[0]
+    torch.testing.assert_close(fast, ref, **TOL)
+
+
+def test_unsupported_architecture_is_refused():
+    config = transformers.GPT2Config(n_layer=1)
+    config.architectures = ["GPT2LMHeadModel"]
+    supported = "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"
+    with pytest.raises(ValueError, match=f"GPT2LMHeadModel.*{supported}"):
+        get_model_class(config)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "yarn", "factor": 4.0}, {"rope_type": "linear", "factor": 2.0}])
+def test_unsupported_rope_type_is_refused(tiny_configs, rope):
+    config = tiny_configs["llama"]()
+    config.rope_parameters = {"rope_theta": 10000.0, **rope}
+    config.architectures = ["LlamaForCausalLM"]
+    with pytest.raises(ValueError, match=f"unsupported rope_type '{rope['rope_type']}'; supported: default, llama3"):
+        get_model_class(config)(config)
+
+
+def test_weight_loading_is_strict(tiny_configs, hf_model_factory):
+    hf = hf_model_factory(tiny_configs["llama"]())
+    model = get_model_class(hf.config)(hf.config)
+    state = dict(hf.state_dict())
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    with pytest.raises(ValueError, match=r"missing 1 weights: model.layers.1.self_attn.qkv_proj.weight\[k\]"):
+        model.load_weights(state.items())
+    with pytest.raises(ValueError, match="has no matching model parameter"):
+        model.load_weights([("model.layers.0.self_attn.rope.weight", torch.zeros(1))])
+
+
+def test_sliding_window_caps_max_model_len(tiny_configs):
+    config = tiny_configs["mistral"]()
+    config.sliding_window = 64
+    config.architectures = ["MistralForCausalLM"]
+    assert get_model_class(config)(config).max_model_len == 64
