@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 
 TEXT = (ROOT / "README.md").read_text()
 
@@ -87,7 +86,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from conftest import start_server  # tests/conftest.py: the same launcher the tests use
+    from chunkserve.launch import start_server
     from executor_svc.config import default_cache_dir
     from executor_svc.model_loader import resolve_model
 

@@ -183,3 +183,57 @@ class GetInfoResponse(_message.Message):
     num_requests_running: int
     num_requests_waiting: int
     def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., enable_chunked_prefill: _Optional[bool] = ..., attention_backend: _Optional[str] = ..., version: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_free_device_blocks: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ...) -> None: ...
+
+class WatchStepsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StepTraceEntry(_message.Message):
+    __slots__ = ("request_id", "num_tokens", "is_prefill", "num_computed_tokens", "num_prompt_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IS_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_tokens: int
+    is_prefill: bool
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., is_prefill: _Optional[bool] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class StepTrace(_message.Message):
+    __slots__ = ("step_id", "timestamp", "num_tokens", "token_budget", "num_prefill_tokens", "num_decode_tokens", "num_preempted", "num_swapped_out", "num_swapped_in", "num_cached_tokens", "executor_ns", "step_ns", "num_running", "num_waiting", "kv_cache_usage", "seqs")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPPED_OUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPPED_IN_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_NS_FIELD_NUMBER: _ClassVar[int]
+    STEP_NS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    timestamp: float
+    num_tokens: int
+    token_budget: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preempted: int
+    num_swapped_out: int
+    num_swapped_in: int
+    num_cached_tokens: int
+    executor_ns: int
+    step_ns: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    seqs: _containers.RepeatedCompositeFieldContainer[StepTraceEntry]
+    def __init__(self, step_id: _Optional[int] = ..., timestamp: _Optional[float] = ..., num_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_preempted: _Optional[int] = ..., num_swapped_out: _Optional[int] = ..., num_swapped_in: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., executor_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., seqs: _Optional[_Iterable[_Union[StepTraceEntry, _Mapping]]] = ...) -> None: ...

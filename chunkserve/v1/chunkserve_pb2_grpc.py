@@ -189,3 +189,82 @@ class Generation:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminStub:
+    """Operator service, served on its own port (--admin-port; off by default, loopback by
+    default when on): never exposed to clients of the Generation service.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.WatchSteps = channel.unary_stream(
+                '/chunkserve.v1.Admin/WatchSteps',
+                request_serializer=chunkserve_dot_v1_dot_chunkserve__pb2.WatchStepsRequest.SerializeToString,
+                response_deserializer=chunkserve_dot_v1_dot_chunkserve__pb2.StepTrace.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Operator service, served on its own port (--admin-port; off by default, loopback by
+    default when on): never exposed to clients of the Generation service.
+    """
+
+    def WatchSteps(self, request, context):
+        """Streams a summary of every executed step from now on, until the client cancels.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'WatchSteps': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchSteps,
+                    request_deserializer=chunkserve_dot_v1_dot_chunkserve__pb2.WatchStepsRequest.FromString,
+                    response_serializer=chunkserve_dot_v1_dot_chunkserve__pb2.StepTrace.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'chunkserve.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('chunkserve.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Operator service, served on its own port (--admin-port; off by default, loopback by
+    default when on): never exposed to clients of the Generation service.
+    """
+
+    @staticmethod
+    def WatchSteps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/chunkserve.v1.Admin/WatchSteps',
+            chunkserve_dot_v1_dot_chunkserve__pb2.WatchStepsRequest.SerializeToString,
+            chunkserve_dot_v1_dot_chunkserve__pb2.StepTrace.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

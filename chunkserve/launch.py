@@ -1,0 +1,96 @@
+"""Starts a scheduler + executor pair as two processes on free loopback ports.
+
+Used by the tests, `chunkserve bench --compare` and the benchmarks, so that all of them run
+the services exactly the way `python -m executor_svc` / `python -m scheduler_svc` do.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from chunkserve.v1 import chunkserve_pb2 as pb
+from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A running scheduler + executor pair."""
+
+    port: int
+    scheduler: subprocess.Popen
+    executor: subprocess.Popen
+    log: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stub(self) -> pb_grpc.GenerationStub:
+        return pb_grpc.GenerationStub(grpc.insecure_channel(self.address))
+
+    def info(self) -> pb.GetInfoResponse:
+        return self.stub().GetInfo(pb.GetInfoRequest(), timeout=10)
+
+    def assert_idle_and_no_leaks(self, timeout: float = 5.0) -> None:
+        """Every block free and no request left (finishing is asynchronous: poll briefly)."""
+        deadline = time.time() + timeout
+        while True:
+            info = self.info()
+            if (info.num_free_device_blocks == info.num_device_blocks and not info.num_requests_running
+                    and not info.num_requests_waiting):
+                return
+            if time.time() > deadline:
+                raise RuntimeError(f"leak: {info.num_device_blocks - info.num_free_device_blocks} blocks "
+                                     f"held, {info.num_requests_running} running, {info.num_requests_waiting} waiting")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for proc in (self.scheduler, self.executor):
+            proc.terminate()
+        for proc in (self.scheduler, self.executor):
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def start_server(tmp_dir: Path, executor_args: list[str], scheduler_args: list[str],
+                 timeout: float = 600) -> Server:
+    """Starts `python -m executor_svc` and `python -m scheduler_svc` as separate processes."""
+    eport, port = free_port(), free_port()
+    log = tmp_dir / f"server-{port}.log"
+    out = open(log, "w")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    executor = subprocess.Popen([sys.executable, "-m", "executor_svc", "--executor-port", str(eport), *executor_args],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_svc", "--host", "127.0.0.1", "--port", str(port),
+                                  "--executor-address", f"127.0.0.1:{eport}", *scheduler_args],
+                                 stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = Server(port, scheduler, executor, log)
+    deadline = time.time() + timeout
+    while True:
+        for proc in (scheduler, executor):
+            if proc.poll() is not None:
+                server.stop()
+                raise RuntimeError(f"server process exited during start-up:\n{log.read_text()[-4000:]}")
+        try:
+            server.info()
+            return server
+        except grpc.RpcError:
+            if time.time() > deadline:
+                server.stop()
+                raise RuntimeError(f"server not ready after {timeout}s:\n{log.read_text()[-4000:]}")
+            time.sleep(0.5)
