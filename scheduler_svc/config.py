@@ -22,6 +22,13 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = field(default=True, metadata={
         "help": "split long prefills into chunks mixed with decodes; off = whole-prompt prefill "
                 "steps without decodes (prompts longer than the budget are refused)"})
+    max_num_partial_prefills: int = field(default=4, metadata={
+        "help": "most requests in the middle of a chunked prefill at once"})
+    max_long_partial_prefills: int = field(default=1, metadata={
+        "help": "most of those whose remaining prompt is longer than --long-prefill-token-threshold; "
+                "a long prompt over this cap waits and shorter ones behind it start"})
+    long_prefill_token_threshold: int = field(default=0, metadata={
+        "help": "a prefill with more tokens left than this is long (0 = 4%% of max_model_len)"})
     max_waiting_requests: int = field(default=1024, metadata={
         "help": "requests allowed to wait for admission; more get RESOURCE_EXHAUSTED"})
     host: str = field(default="0.0.0.0", metadata={"help": "address the public gRPC API listens on"})
@@ -42,5 +49,12 @@ class SchedulerConfig:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.max_num_partial_prefills < 1:
+            raise ValueError(f"--max-num-partial-prefills must be >= 1, got {self.max_num_partial_prefills}")
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            raise ValueError(f"--max-long-partial-prefills must be in [1, --max-num-partial-prefills], "
+                             f"got {self.max_long_partial_prefills}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.max_waiting_requests < 1:
             raise ValueError(f"--max-waiting-requests must be >= 1, got {self.max_waiting_requests}")

@@ -45,6 +45,8 @@ class StepPlan:
     """Everything the executor does in one step."""
 
     step_id: int
+    # The token budget this plan was built under (for the step trace).
+    token_budget: int = 0
     seqs: list[ScheduledSeq] = field(default_factory=list)
     new_seqs: list[NewSeq] = field(default_factory=list)
     # Sequences that ended or were preempted by recompute: the executor drops their state.

@@ -73,6 +73,10 @@ class Request:
     executor_has_last_token: bool = False
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    # Monotonic timestamps for the latency metrics (one clock: this process's).
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,6 +15,7 @@ With `enable_chunked_prefill=False` a step is either whole-prompt prefills or de
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 from scheduler_svc.block_manager import BlockPool
@@ -48,6 +49,9 @@ class Scheduler:
         self._dropped_seq_ids: list[int] = []  # executor state to drop in the next plan
         self._step_ids = itertools.count()
         self.num_preemptions = 0
+        # A prefill with more tokens left than this is "long" (vLLM's rule: 4% of max_model_len).
+        self.long_prefill_token_threshold = (config.long_prefill_token_threshold
+                                             or max(pool.block_size, int(max_model_len * 0.04)))
 
     # ---- queue bookkeeping -------------------------------------------------------------
 
@@ -102,30 +106,38 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Builds the next step's plan and allocates its blocks."""
-        plan = StepPlan(step_id=next(self._step_ids))
+        plan = StepPlan(step_id=next(self._step_ids), token_budget=self.config.max_num_batched_tokens)
+        budget = self.config.max_num_batched_tokens
         if self.config.enable_chunked_prefill:
-            budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
+            decodes, short, long = [], [], []
+            for r in self.running:
+                (decodes if r.num_remaining_tokens == 1 else long if self._is_long(r) else short).append(r)
+            budget = self._schedule_running(plan, decodes, budget)
+            budget = self._schedule_running(plan, short, budget)
             if not plan.preempted:
-                self._schedule_waiting(plan, budget, whole=False)
+                budget = self._schedule_waiting(plan, budget, whole=False)
+            self._schedule_running(plan, long, budget)
         else:
-            budget = self._schedule_waiting(plan, self.config.max_num_batched_tokens, whole=True)
+            budget = self._schedule_waiting(plan, budget, whole=True)
             if not plan.seqs:
-                self._schedule_running(plan, budget)
+                self._schedule_running(plan, list(self.running), budget)
         plan.finished_seq_ids = self._dropped_seq_ids
         self._dropped_seq_ids = []
         return plan
 
-    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
-        # Decodes first (stable sort keeps arrival order within each group).
-        for request in sorted(self.running, key=lambda r: r.is_prefilling):
+    def _is_long(self, request: Request) -> bool:
+        return request.num_remaining_tokens > self.long_prefill_token_threshold
+
+    def _schedule_running(self, plan: StepPlan, requests: list[Request], budget: int) -> int:
+        for request in requests:
             if budget == 0 or len(plan.seqs) >= self.config.max_num_seqs:
                 break
             if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+                continue  # preempted earlier in this step
             n = min(request.num_remaining_tokens, budget)
-            if request.is_prefilling:
-                # Shrink a prefill chunk to the free blocks rather than preempt for it; with
-                # nothing free, preempt for one block's worth.
+            if n > 1:
+                # Shrink a chunk to the free blocks rather than preempt for it; with nothing
+                # free, preempt for one block's worth.
                 fit = self._tokens_that_fit(request)
                 n = min(n, fit if fit > 0 else self.pool.block_size)
             if not self._make_room(request, n, plan):
@@ -135,19 +147,38 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, whole: bool) -> int:
+        """Admits waiting requests in policy order.
+
+        With chunked prefill, the partial-prefill caps gate admission: at most
+        max_num_partial_prefills requests are mid-prefill at once, and at most
+        max_long_partial_prefills of them long, so a long prompt over the long cap is
+        skipped and the short ones behind it still start.
+        """
+        prefilling = sum(1 for r in self.running if r.num_remaining_tokens > 1)
+        long_prefilling = sum(1 for r in self.running if r.num_remaining_tokens > 1 and self._is_long(r))
         for request in self.policy.order_waiting(self.waiting):
             if budget == 0 or len(plan.seqs) >= self.config.max_num_seqs:
                 break
             n = min(request.num_remaining_tokens, budget)
             if whole and n < request.num_remaining_tokens:
                 break
+            is_long = self._is_long(request)
+            if not whole:
+                if prefilling >= self.config.max_num_partial_prefills:
+                    break
+                if is_long and long_prefilling >= self.config.max_long_partial_prefills:
+                    continue
             if not self.pool.can_allocate(request, n):
                 break
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self._add(plan, request, n)
             budget -= n
+            prefilling += request.num_remaining_tokens > n
+            long_prefilling += is_long and request.num_remaining_tokens > n
         return budget
 
     def _tokens_that_fit(self, request: Request) -> int:

@@ -163,3 +163,51 @@ def test_late_result_of_an_aborted_request_is_dropped(fakes):
     sched.abort("r1")  # while the step is "in flight"
     assert sched.update(plan, result) == []
     assert req.output_token_ids == [] and sched.pool.num_free_blocks == 64
+
+
+def test_partial_prefill_caps_hold_in_every_step(fakes):
+    sched = fakes.make_scheduler(num_blocks=8192, block_size=16, max_num_batched_tokens=512,
+                                 max_num_partial_prefills=3, max_long_partial_prefills=1,
+                                 long_prefill_token_threshold=256)
+    fake = fakes.FakeExecutor(8192, 16)
+    for i in range(12):  # alternating long (3000) and short (100) prompts
+        sched.add_request(fakes.make_request(i, prompt_len=3000 if i % 2 == 0 else 100, max_tokens=4))
+    seen_long = 0
+
+    def check(s, plan):
+        nonlocal seen_long
+        # After this step: who is mid-prefill?
+        n = {e.seq_id: e.num_new_tokens for e in plan.seqs}
+        mid = [r for r in s.running if 0 < r.num_computed_tokens + n.get(r.seq_id, 0) < r.num_prompt_tokens]
+        assert len(mid) <= 3
+        longs = [r for r in mid if r.num_prompt_tokens == 3000]
+        assert len(longs) <= 1
+        seen_long = max(seen_long, len(longs))
+
+    out = fakes.run_to_completion(sched, fake, check=check)
+    assert seen_long == 1 and all(len(o) == 4 for o in out.values())
+
+
+def test_short_prompt_behind_two_long_ones_gets_its_first_token_at_once(fakes):
+    sched = fakes.make_scheduler(num_blocks=8192, block_size=16, max_num_batched_tokens=1024)
+    fake = fakes.FakeExecutor(8192, 16)
+    for i in range(2):
+        sched.add_request(fakes.make_request(i, prompt_len=8000, max_tokens=4))
+    sched.update(plan := sched.schedule(), fake.execute(plan))
+    short = fakes.make_request(9, prompt_len=60, max_tokens=4)
+    sched.add_request(short)
+    plan = sched.schedule()
+    sched.update(plan, fake.execute(plan))
+    # The next step already prefilled it whole and sampled its first token.
+    assert len(short.output_token_ids) == 1
+    # ...while the long prompt that was running kept going with the rest of the budget.
+    assert sum(e.num_new_tokens for e in plan.seqs) == 1024
+
+
+def test_a_long_prefill_alone_uses_the_whole_budget(fakes):
+    sched = fakes.make_scheduler(num_blocks=8192, block_size=16, max_num_batched_tokens=2048)
+    fake = fakes.FakeExecutor(8192, 16)
+    sched.add_request(fakes.make_request(0, prompt_len=8192 - 100, max_tokens=2))
+    fakes.run_to_completion(sched, fake)
+    chunks = [e.num_new_tokens for p in fake.plans for e in p.seqs if e.is_prefill]
+    assert chunks == [2048, 2048, 2048, 1948]
