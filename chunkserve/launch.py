@@ -30,6 +30,8 @@ class Server:
     """A running scheduler + executor pair."""
 
     port: int
+    metrics_port: int
+    admin_port: int
     scheduler: subprocess.Popen
     executor: subprocess.Popen
     log: Path
@@ -37,6 +39,14 @@ class Server:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def admin_address(self) -> str:
+        return f"127.0.0.1:{self.admin_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def stub(self) -> pb_grpc.GenerationStub:
         return pb_grpc.GenerationStub(grpc.insecure_channel(self.address))
@@ -70,16 +80,17 @@ class Server:
 def start_server(tmp_dir: Path, executor_args: list[str], scheduler_args: list[str],
                  timeout: float = 600) -> Server:
     """Starts `python -m executor_svc` and `python -m scheduler_svc` as separate processes."""
-    eport, port = free_port(), free_port()
+    eport, port, mport, aport = free_port(), free_port(), free_port(), free_port()
     log = tmp_dir / f"server-{port}.log"
     out = open(log, "w")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     executor = subprocess.Popen([sys.executable, "-m", "executor_svc", "--executor-port", str(eport), *executor_args],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_svc", "--host", "127.0.0.1", "--port", str(port),
-                                  "--executor-address", f"127.0.0.1:{eport}", *scheduler_args],
+                                  "--executor-address", f"127.0.0.1:{eport}", "--metrics-port", str(mport),
+                                  "--admin-port", str(aport), *scheduler_args],
                                  stdout=out, stderr=subprocess.STDOUT, env=env)
-    server = Server(port, scheduler, executor, log)
+    server = Server(port, mport, aport, scheduler, executor, log)
     deadline = time.time() + timeout
     while True:
         for proc in (scheduler, executor):

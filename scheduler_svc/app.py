@@ -22,12 +22,15 @@ from chunkserve.v1 import chunkserve_pb2 as pb
 from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.block_manager import BlockPool
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.admin import AdminServicer
 from scheduler_svc.engine import Engine
 from scheduler_svc.executor_client import CHANNEL_OPTIONS, ExecutorClient
+from scheduler_svc.metrics import Metrics
 from scheduler_svc.policy import create_policy
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.server import GenerationServicer
 from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.trace import StepTracer
 from scheduler_svc.validation import Limits
 
 log = logging.getLogger(__name__)
@@ -78,11 +81,19 @@ class SchedulerApp:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
         self.port = 0
+        self.tracer = StepTracer(config.step_trace_file)
+        self.admin: grpc.aio.Server | None = None
+        if config.admin_port:
+            self.admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            pb_grpc.add_AdminServicer_to_server(AdminServicer(self.tracer), self.admin)
 
     async def start(self) -> None:
         """Listens, then connects to the executor; returns when requests can be served."""
         self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         await self.server.start()
+        if self.admin is not None:
+            self.admin.add_insecure_port(f"{self.config.admin_host}:{self.config.admin_port}")
+            await self.admin.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         log.info("public API on %s:%d; waiting for the executor at %s",
@@ -102,8 +113,11 @@ class SchedulerApp:
         scheduler = Scheduler(self.config, BlockPool(hs.num_device_blocks, hs.block_size),
                               create_policy("fcfs"), max_model_len)
         eos = frozenset(hs.model.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
+        metrics = Metrics(hs.model_name)
+        if self.config.metrics_port:
+            metrics.serve(self.config.metrics_host, self.config.metrics_port)
         engine = Engine(scheduler, client, tokenizer, frozenset(eos), self.config.max_waiting_requests,
-                        self.config.step_timeout_s)
+                        self.config.step_timeout_s, metrics, self.tracer)
         engine.start()
         info = pb.GetInfoResponse(
             model_name=hs.model_name, max_model_len=max_model_len, vocab_size=hs.model.vocab_size,
@@ -119,6 +133,9 @@ class SchedulerApp:
     async def stop(self, grace: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.admin is not None:
+            await self.admin.stop(None)
+        self.tracer.close()
         if self.ready is not None:
             await self.ready.engine.stop()
             await self.ready.client.close()

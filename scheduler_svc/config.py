@@ -33,6 +33,13 @@ class SchedulerConfig:
         "help": "requests allowed to wait for admission; more get RESOURCE_EXHAUSTED"})
     host: str = field(default="0.0.0.0", metadata={"help": "address the public gRPC API listens on"})
     port: int = field(default=50051, metadata={"help": "port of the public gRPC API"})
+    metrics_host: str = field(default="0.0.0.0", metadata={"help": "address of the Prometheus /metrics HTTP server"})
+    metrics_port: int = field(default=9400, metadata={"help": "port of the Prometheus /metrics server; 0 = off"})
+    admin_host: str = field(default="127.0.0.1", metadata={
+        "help": "address of the Admin gRPC service (operators only: keep it on loopback)"})
+    admin_port: int = field(default=0, metadata={"help": "port of the Admin gRPC service; 0 = off"})
+    step_trace_file: str | None = field(default=None, metadata={
+        "help": "append every step's plan summary to this file as JSON lines"})
     executor_address: str = field(default="127.0.0.1:50061", metadata={
         "help": "host:port of the executor service"})
     tokenizer: str | None = field(default=None, metadata={

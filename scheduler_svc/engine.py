@@ -11,15 +11,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from scheduler_svc.errors import QueueFullError, ServingError, UnavailableError
+from scheduler_svc.metrics import Metrics
 from scheduler_svc.plan import StepPlan, StepResult
 from scheduler_svc.request import FinishReason, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, TokenOutput
 from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer
+from scheduler_svc.trace import StepTracer
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +83,8 @@ class Engine:
     """Owns the scheduler and drives the executor one step at a time."""
 
     def __init__(self, scheduler: Scheduler, executor: StepRunner, tokenizer: Tokenizer,
-                 eos_token_ids: frozenset[int], max_waiting: int, step_timeout_s: float) -> None:
+                 eos_token_ids: frozenset[int], max_waiting: int, step_timeout_s: float,
+                 metrics: Metrics | None = None, tracer: StepTracer | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
@@ -93,6 +97,8 @@ class Engine:
         self._dead: str | None = None
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
+        self.metrics = metrics
+        self.tracer = tracer or StepTracer()
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -122,6 +128,8 @@ class Engine:
         if live is None:
             return False
         self.scheduler.abort(request_id)
+        if self.metrics is not None:
+            self.metrics.on_finish(live.request, FinishReason.ABORTED, time.monotonic())
         live.stream.put(self._final(live, FinishReason.ABORTED, ""))
         self._wake.set()
         return True
@@ -155,6 +163,7 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            planned_at, started = time.time(), time.perf_counter_ns()
             try:
                 result = await self.executor.step(plan, self.step_timeout_s)
             except asyncio.CancelledError:
@@ -165,21 +174,39 @@ class Engine:
                 return
             self.num_steps += 1
             self._emit(self.scheduler.update(plan, result))
+            self._observe(plan, result, planned_at, time.perf_counter_ns() - started)
+
+    def _observe(self, plan: StepPlan, result: StepResult, planned_at: float, step_ns: int) -> None:
+        sched = self.scheduler
+        running, waiting, usage = len(sched.running), len(sched.waiting), sched.pool.usage
+        if self.metrics is not None:
+            self.metrics.on_step(plan, result, running, waiting, usage)
+        if self.tracer.active:
+            self.tracer.record(plan, result, planned_at, step_ns, running, waiting, usage)
 
     def _fail_all(self, reason: str) -> None:
         self._dead = reason
         for request_id, live in list(self._live.items()):
             self.scheduler.abort(request_id)
+            if self.metrics is not None:
+                self.metrics.on_finish(live.request, FinishReason.ABORTED, time.monotonic())
             live.stream.put(StreamDelta(error=UnavailableError(f"executor unavailable: {reason}")))
         self._live.clear()
 
     # ---- output ------------------------------------------------------------------------
 
     def _emit(self, outputs: list[TokenOutput]) -> None:
+        now = time.monotonic()
         for out in outputs:
             live = self._live.get(out.request.request_id)
             if live is None:
                 continue
+            request = out.request
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if self.metrics is not None:
+                self.metrics.on_token(request, now)
+            request.last_token_time = now
             token = out.sampled.token_id
             reason = out.finish_reason
             # A token that stopped the request by id (EOS, stop id) contributes no text.
@@ -199,6 +226,8 @@ class Engine:
             if reason is FinishReason.STOP and token in out.request.sampling.stop_token_ids:
                 final.matched_stop_token_id = token
             del self._live[out.request.request_id]
+            if self.metrics is not None:
+                self.metrics.on_finish(request, reason, now)
             live.stream.put(final)
 
     @staticmethod

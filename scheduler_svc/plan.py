@@ -30,6 +30,8 @@ class ScheduledSeq:
     sample: bool
     # Whether the sequence is still in its prompt (for metrics and the step trace).
     is_prefill: bool
+    # The request's prompt length (for the step trace).
+    num_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -214,6 +214,7 @@ class Scheduler:
             new_block_ids=new_blocks,
             sample=start + n == request.num_tokens,
             is_prefill=start < request.num_prompt_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
         ))
 
     # ---- applying a step's result ------------------------------------------------------

@@ -1,0 +1,98 @@
+"""Prometheus metrics with vLLM's names under the `chunkserve_` prefix, owned by the scheduler.
+
+Dashboards built for vLLM carry over by replacing `vllm:` with `chunkserve_`: same names,
+suffixes, buckets and `model_name` label. Two deliberate differences, because the output
+must pass `promtool check metrics`: the prefix ends in `_`, not `:` (colons are reserved
+for recording rules), and the tokens-per-step histogram is `iteration_tokens`, not
+`iteration_tokens_total` (`_total` is for counters). All
+intervals are measured on this process's monotonic clock (the executor only reports its
+own step time), so no multiprocess registry is needed. Served over plain HTTP on
+`--metrics-port` by prometheus_client's threaded server.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from scheduler_svc.plan import StepPlan, StepResult
+from scheduler_svc.request import FinishReason, Request
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+FINISH_LABELS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
+                 FinishReason.STOP_SEQUENCE: "stop_sequence", FinishReason.ABORTED: "abort"}
+
+
+class Metrics:
+    """Every metric the scheduler exports; `registry` is private to this instance."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"chunkserve_{name}", doc, labels, registry=reg).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"chunkserve_{name}", doc, labels, registry=reg).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"chunkserve_{name}", doc, labels, buckets=buckets, registry=reg).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests being computed (prefilling or decoding).")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting for admission, preempted ones included.")
+        self.swapped = gauge("num_requests_swapped", "Requests whose KV is swapped out to host memory.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of device KV blocks in use, 0 to 1.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (counted at the first token).")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.preemptions = counter("num_preemptions", "Preemptions (a request losing its KV blocks).")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._success = Counter("chunkserve_request_success", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=reg)
+        self._model_name = model_name
+        for label in FINISH_LABELS.values():
+            self._success.labels(model_name, label)  # export zeros so rate() works from the start
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.", REQUEST_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "First token to finish.", REQUEST_BUCKETS)
+        self.step_tokens = histogram("iteration_tokens", "Tokens computed per step.", STEP_TOKEN_BUCKETS)
+
+    def serve(self, host: str, port: int) -> None:
+        """Serves /metrics over HTTP in a background thread."""
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def on_step(self, plan: StepPlan, result: StepResult, running: int, waiting: int, kv_usage: float) -> None:
+        self.step_tokens.observe(plan.num_tokens)
+        if plan.preempted:
+            self.preemptions.inc(len(plan.preempted))
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
+
+    def on_token(self, request: Request, now: float) -> None:
+        """Called for every generated token, after the request's timestamps are updated."""
+        self.generation_tokens.inc()
+        if request.num_output_tokens == 1:
+            self.prompt_tokens.inc(request.num_prompt_tokens)
+            self.ttft.observe(now - request.arrival_time)
+            if request.first_scheduled_time is not None:
+                self.prefill.observe(now - request.first_scheduled_time)
+        elif request.last_token_time is not None:
+            self.itl.observe(now - request.last_token_time)
+
+    def on_finish(self, request: Request, reason: FinishReason, now: float) -> None:
+        self._success.labels(self._model_name, FINISH_LABELS[reason]).inc()
+        self.e2e.observe(now - request.arrival_time)
+        if request.first_scheduled_time is not None:
+            self.queue.observe(request.first_scheduled_time - request.arrival_time)
+        if request.first_token_time is not None:
+            self.decode.observe(now - request.first_token_time)

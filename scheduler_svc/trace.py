@@ -1,0 +1,61 @@
+"""The step trace: what every step did, for people watching chunked prefill work.
+
+Off unless someone asks: a JSON-lines file (`--step-trace-file`) and/or subscribers of
+Admin.WatchSteps. Building a trace costs O(sequences in the step), so it is skipped
+entirely when nobody listens. A subscriber that falls behind loses steps (its queue is
+bounded) rather than growing the server's memory.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import IO
+
+from google.protobuf import json_format
+
+from chunkserve.v1 import chunkserve_pb2 as pb
+from scheduler_svc.plan import StepPlan, StepResult
+
+QUEUE_STEPS = 4096
+
+
+class StepTracer:
+    """Fans step traces out to a file and to subscribers."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self._file: IO[str] | None = open(path, "a", buffering=1) if path else None
+        self._subscribers: set[asyncio.Queue[pb.StepTrace]] = set()
+
+    @property
+    def active(self) -> bool:
+        return self._file is not None or bool(self._subscribers)
+
+    def subscribe(self) -> asyncio.Queue[pb.StepTrace]:
+        queue: asyncio.Queue[pb.StepTrace] = asyncio.Queue(QUEUE_STEPS)
+        self._subscribers.add(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[pb.StepTrace]) -> None:
+        self._subscribers.discard(queue)
+
+    def record(self, plan: StepPlan, result: StepResult, planned_at: float, step_ns: int,
+               running: int, waiting: int, kv_usage: float) -> None:
+        prefill = sum(s.num_new_tokens for s in plan.seqs if s.is_prefill)
+        trace = pb.StepTrace(
+            step_id=plan.step_id, timestamp=planned_at, num_tokens=plan.num_tokens,
+            token_budget=plan.token_budget, num_prefill_tokens=prefill,
+            num_decode_tokens=plan.num_tokens - prefill, num_preempted=len(plan.preempted),
+            executor_ns=result.execute_ns, step_ns=step_ns, num_running=running, num_waiting=waiting,
+            kv_cache_usage=kv_usage,
+            seqs=[pb.StepTraceEntry(request_id=s.request_id, num_tokens=s.num_new_tokens, is_prefill=s.is_prefill,
+                                    num_computed_tokens=s.num_computed_tokens,
+                                    num_prompt_tokens=s.num_prompt_tokens) for s in plan.seqs])
+        if self._file is not None:
+            self._file.write(json_format.MessageToJson(trace, indent=None) + "\n")
+        for queue in self._subscribers:
+            if not queue.full():
+                queue.put_nowait(trace)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
