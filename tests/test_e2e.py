@@ -248,3 +248,27 @@ def test_chunkserve_serve_and_generate_cli(default_model_path, tmp_path):
     finally:
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(30) == 0, (tmp_path / "serve.log").read_text()
+
+
+@pytest.mark.parametrize("scheduler_args", [
+    ["--max-num-batched-tokens", "16"],  # one block per step
+    ["--max-num-batched-tokens", "64"],
+    ["--max-num-batched-tokens", "256"],
+    ["--max-num-batched-tokens", "2048"],
+    ["--max-num-batched-tokens", "2048", "--no-enable-chunked-prefill"],
+], ids=["budget16", "budget64", "budget256", "budget2048", "unchunked"])
+def test_greedy_tokens_do_not_depend_on_chunking(default_model_path, prompts, expected, tmp_path, scheduler_args):
+    """All prompts at once, so steps mix prefill chunks and decodes differently per budget."""
+    from chunkserve.launch import start_server
+
+    server = start_server(tmp_path, ["--model", str(default_model_path), "--dtype", "float32",
+                                     "--block-size", str(BLOCK), "--kv-cache-memory-gib", "0.1"],
+                          scheduler_args + ["--max-num-seqs", "32"])
+    try:
+        stub = server.stub()
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: run(stub, greedy(p)).token_ids, prompts))
+        assert got == expected
+        server.assert_idle_and_no_leaks()
+    finally:
+        server.stop()
