@@ -110,8 +110,11 @@ class SchedulerApp:
             vocab_size=hs.model.vocab_size,
             max_prompt_tokens=max_model_len,
         )
+        if self.config.preemption_mode == "swap" and not hs.num_host_blocks:
+            raise ValueError("--preemption-mode swap needs host swap blocks: give the executor --swap-space > 0")
+        host_pool = BlockPool(hs.num_host_blocks, hs.block_size) if hs.num_host_blocks else None
         scheduler = Scheduler(self.config, BlockPool(hs.num_device_blocks, hs.block_size),
-                              create_policy("fcfs"), max_model_len)
+                              create_policy("fcfs"), max_model_len, host_pool)
         eos = frozenset(hs.model.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
         metrics = Metrics(hs.model_name)
         if self.config.metrics_port:

@@ -21,7 +21,7 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class BlockPool:
-    """A free list of device blocks with per-request tables."""
+    """A free list of blocks (device, or host swap space) with an owner per used block."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -49,27 +49,32 @@ class BlockPool:
         return self.num_new_blocks(request, num_new_tokens) <= len(self._free)
 
     def allocate(self, request: Request, num_new_tokens: int) -> list[int]:
-        """Appends the blocks request needs for num_new_tokens more tokens; returns the new ids.
-
-        Raises RuntimeError when the pool is short: callers check can_allocate first, so a
-        failure here is a scheduler bug, not a user error.
-        """
-        n = self.num_new_blocks(request, num_new_tokens)
-        if n > len(self._free):
-            raise RuntimeError(f"allocate {n} blocks with {len(self._free)} free (check can_allocate first)")
-        new = [self._free.popleft() for _ in range(n)]
-        for block in new:
-            self._owner[block] = request.request_id
+        """Appends the blocks request needs for num_new_tokens more tokens; returns the new ids."""
+        new = self.take(request.request_id, self.num_new_blocks(request, num_new_tokens))
         request.block_ids.extend(new)
         return new
 
     def free(self, request: Request) -> None:
-        """Returns all of request's blocks, tail first (the tail is the least likely to be shared)."""
-        for block in reversed(request.block_ids):
-            if self._owner.pop(block, None) != request.request_id:
-                raise RuntimeError(f"block {block} freed by {request.request_id} which does not own it")
-            self._free.append(block)
+        """Returns all of request's device blocks, tail first."""
+        self.release(request.request_id, request.block_ids)
         request.block_ids.clear()
+
+    def take(self, owner: str, n: int) -> list[int]:
+        """n blocks for owner. Raises RuntimeError when short: callers check first, so a
+        failure here is a scheduler bug, not a user error."""
+        if n > len(self._free):
+            raise RuntimeError(f"allocate {n} blocks with {len(self._free)} free (check the pool first)")
+        new = [self._free.popleft() for _ in range(n)]
+        for block in new:
+            self._owner[block] = owner
+        return new
+
+    def release(self, owner: str, blocks: list[int]) -> None:
+        """Returns owner's blocks, last first (the tail is the least likely to be shared)."""
+        for block in reversed(blocks):
+            if self._owner.pop(block, None) != owner:
+                raise RuntimeError(f"block {block} freed by {owner} which does not own it")
+            self._free.append(block)
 
     def check_invariants(self) -> None:
         """Raises if a block is both free and owned, or lost (leak check for tests and idle)."""

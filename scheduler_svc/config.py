@@ -29,6 +29,13 @@ class SchedulerConfig:
                 "a long prompt over this cap waits and shorter ones behind it start"})
     long_prefill_token_threshold: int = field(default=0, metadata={
         "help": "a prefill with more tokens left than this is long (0 = 4%% of max_model_len)"})
+    preemption_mode: str = field(default="recompute", metadata={
+        "help": "when KV blocks run out: recompute (free the victim's blocks, prefill again later) "
+                "or swap (copy them to host memory and back; falls back to recompute when full)",
+        "choices": ("recompute", "swap")})
+    max_preemptions: int = field(default=8, metadata={
+        "help": "a request preempted this many times is never chosen as a victim again while another "
+                "can be (forward progress)"})
     max_waiting_requests: int = field(default=1024, metadata={
         "help": "requests allowed to wait for admission; more get RESOURCE_EXHAUSTED"})
     host: str = field(default="0.0.0.0", metadata={"help": "address the public gRPC API listens on"})
@@ -63,5 +70,9 @@ class SchedulerConfig:
                              f"got {self.max_long_partial_prefills}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
+        if self.max_preemptions < 1:
+            raise ValueError(f"--max-preemptions must be >= 1, got {self.max_preemptions}")
         if self.max_waiting_requests < 1:
             raise ValueError(f"--max-waiting-requests must be >= 1, got {self.max_waiting_requests}")

@@ -97,6 +97,7 @@ class Engine:
         self._dead: str | None = None
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
+        self._recomputed_seen = 0
         self.metrics = metrics
         self.tracer = tracer or StepTracer()
 
@@ -180,7 +181,9 @@ class Engine:
         sched = self.scheduler
         running, waiting, usage = len(sched.running), len(sched.waiting), sched.pool.usage
         if self.metrics is not None:
-            self.metrics.on_step(plan, result, running, waiting, usage)
+            recomputed = sched.num_recomputed_tokens - self._recomputed_seen
+            self._recomputed_seen = sched.num_recomputed_tokens
+            self.metrics.on_step(plan, running, waiting, len(sched.swapped), usage, recomputed)
         if self.tracer.active:
             self.tracer.record(plan, result, planned_at, step_ns, running, waiting, usage)
 

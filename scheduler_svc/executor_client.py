@@ -38,11 +38,14 @@ def plan_to_proto(plan: StepPlan) -> epb.StepRequest:
                 num_new_tokens=s.num_new_tokens,
                 token_ids=s.token_ids,
                 block_ids=s.new_block_ids,
+                replace_block_table=s.replace_block_table,
                 sample=s.sample,
             )
             for s in plan.seqs
         ],
         finished_seq_ids=plan.finished_seq_ids,
+        swap_out=[epb.BlockCopy(src=d, dst=h) for d, h in plan.swap_out],
+        swap_in=[epb.BlockCopy(src=h, dst=d) for h, d in plan.swap_in],
     )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from scheduler_svc.plan import StepPlan, StepResult
+from scheduler_svc.plan import StepPlan
 from scheduler_svc.request import FinishReason, Request
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -51,6 +51,9 @@ class Metrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (counted at the first token).")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.preemptions = counter("num_preemptions", "Preemptions (a request losing its KV blocks).")
+        self.swapped_out = counter("kv_blocks_swapped_out", "KV blocks copied device -> host by swap preemption.")
+        self.swapped_in = counter("kv_blocks_swapped_in", "KV blocks copied host -> device on resume.")
+        self.recomputed = counter("num_recomputed_tokens", "Computed tokens discarded by recompute preemption.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._success = Counter("chunkserve_request_success", "Finished requests by finish reason.",
@@ -70,12 +73,19 @@ class Metrics:
         """Serves /metrics over HTTP in a background thread."""
         start_http_server(port, addr=host, registry=self.registry)
 
-    def on_step(self, plan: StepPlan, result: StepResult, running: int, waiting: int, kv_usage: float) -> None:
+    def on_step(self, plan: StepPlan, running: int, waiting: int, swapped: int, kv_usage: float,
+                recomputed_tokens: int) -> None:
         self.step_tokens.observe(plan.num_tokens)
         if plan.preempted:
             self.preemptions.inc(len(plan.preempted))
+            self.swapped_out.inc(len(plan.swap_out))
+        if plan.swap_in:
+            self.swapped_in.inc(len(plan.swap_in))
+        if recomputed_tokens:
+            self.recomputed.inc(recomputed_tokens)
         self.running.set(running)
         self.waiting.set(waiting)
+        self.swapped.set(swapped)
         self.kv_usage.set(kv_usage)
 
     def on_token(self, request: Request, now: float) -> None:

@@ -32,6 +32,8 @@ class ScheduledSeq:
     is_prefill: bool
     # The request's prompt length (for the step trace).
     num_prompt_tokens: int = 0
+    # new_block_ids is the whole table (after a swap-in), not an append.
+    replace_block_table: bool = False
 
 
 @dataclass(slots=True)
@@ -55,6 +57,10 @@ class StepPlan:
     finished_seq_ids: list[int] = field(default_factory=list)
     # Request ids preempted while building this plan (for metrics and the step trace).
     preempted: list[str] = field(default_factory=list)
+    # (device block, host block) copies before the forward pass, swap-outs first.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    # (host block, device block) copies.
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +68,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs and not self.finished_seq_ids
+        return not self.seqs and not self.finished_seq_ids and not self.swap_out
 
 
 @dataclass(slots=True)

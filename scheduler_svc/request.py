@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV in host memory
     FINISHED = "finished"
 
 
@@ -62,6 +63,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    host_block_ids: list[int] = field(default_factory=list)  # while swapped out
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     # Whether the executor holds this sequence's state (sampling params, block table, the

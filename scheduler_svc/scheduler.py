@@ -37,18 +37,25 @@ class TokenOutput:
 class Scheduler:
     """Owns the waiting and running queues and the block pool."""
 
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, policy: Policy, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, policy: Policy, max_model_len: int,
+                 host_pool: BlockPool | None = None) -> None:
         self.config = config
         self.pool = pool
+        self.host_pool = host_pool  # swap space; None = recompute only
         self.policy = policy
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
         self._dropped_seq_ids: list[int] = []  # executor state to drop in the next plan
         self._step_ids = itertools.count()
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # KV discarded by recompute preemption
+        # Admission keeps this many blocks free while others run, so that the decodes of
+        # running requests do not immediately preempt what was just admitted.
+        self.watermark_blocks = max(1, pool.num_blocks // 100)
         # A prefill with more tokens left than this is "long" (vLLM's rule: 4% of max_model_len).
         self.long_prefill_token_threshold = (config.long_prefill_token_threshold
                                              or max(pool.block_size, int(max_model_len * 0.04)))
@@ -62,7 +69,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._dropped_seq_ids)
+        return bool(self.waiting or self.running or self.swapped or self._dropped_seq_ids)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Ends a request for any reason: leaves every queue and map, frees its blocks."""
@@ -72,6 +79,9 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self._free_host(request)
         self.pool.free(request)
         if request.known_to_executor:
             self._dropped_seq_ids.append(request.seq_id)
@@ -88,19 +98,41 @@ class Scheduler:
             self.finish(request, FinishReason.ABORTED)
         return request
 
-    def preempt(self, request: Request) -> None:
-        """Recompute preemption: free the blocks, forget the KV, wait at the queue's head."""
+    def preempt(self, request: Request, plan: StepPlan) -> None:
+        """Takes request's device blocks away; swaps its KV out when the mode and space allow.
+
+        Swap keeps `num_computed_tokens` exactly (mid-prefill included) and the executor keeps
+        the sequence's state; recompute frees the blocks tail first and the request later
+        prefills its prompt and generated tokens again. Short of host blocks, swap falls back
+        to recompute.
+        """
         self.running.remove(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        plan.preempted.append(request.request_id)
+        host = self.host_pool
+        if (self.config.preemption_mode == "swap" and host is not None
+                and host.num_free_blocks >= len(request.block_ids)):
+            request.host_block_ids = host.take(request.request_id, len(request.block_ids))
+            plan.swap_out.extend(zip(request.block_ids, request.host_block_ids))
+            self.pool.free(request)
+            request.status = RequestStatus.SWAPPED
+            self.swapped.append(request)
+            return
         self.pool.free(request)
         if request.known_to_executor:
             self._dropped_seq_ids.append(request.seq_id)
         request.known_to_executor = False
         request.executor_has_last_token = False
+        self.num_recomputed_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.insert(0, request)
-        self.num_preemptions += 1
+
+    def _free_host(self, request: Request) -> None:
+        if self.host_pool is not None and request.host_block_ids:
+            self.host_pool.release(request.request_id, request.host_block_ids)
+        request.host_block_ids = []
 
     # ---- building a step ---------------------------------------------------------------
 
@@ -115,12 +147,16 @@ class Scheduler:
             budget = self._schedule_running(plan, decodes, budget)
             budget = self._schedule_running(plan, short, budget)
             if not plan.preempted:
-                budget = self._schedule_waiting(plan, budget, whole=False)
+                budget = self._schedule_swapped(plan, budget)
+                if not self.swapped:  # preempted requests resume before new ones start
+                    budget = self._schedule_waiting(plan, budget, whole=False)
             self._schedule_running(plan, long, budget)
         else:
-            budget = self._schedule_waiting(plan, budget, whole=True)
+            budget = self._schedule_waiting(plan, budget, whole=True) if not self.swapped else budget
             if not plan.seqs:
-                self._schedule_running(plan, list(self.running), budget)
+                budget = self._schedule_running(plan, list(self.running), budget)
+                if not plan.preempted:
+                    self._schedule_swapped(plan, budget)
         plan.finished_seq_ids = self._dropped_seq_ids
         self._dropped_seq_ids = []
         return plan
@@ -146,6 +182,25 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _schedule_swapped(self, plan: StepPlan, budget: int) -> int:
+        """Swaps requests back in, in the step they run again, with a fresh device table."""
+        for request in self.policy.order_waiting(self.swapped):
+            if budget == 0 or len(plan.seqs) >= self.config.max_num_seqs:
+                break
+            n = min(request.num_remaining_tokens, budget)
+            if not self.pool.can_allocate(request, n):
+                break
+            self.swapped.remove(request)
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            entry = self._add(plan, request, n)
+            entry.replace_block_table = True
+            entry.new_block_ids = list(request.block_ids)
+            plan.swap_in.extend(zip(request.host_block_ids, request.block_ids))
+            self._free_host(request)
+            budget -= n
+        return budget
+
     def _schedule_waiting(self, plan: StepPlan, budget: int, whole: bool) -> int:
         """Admits waiting requests in policy order.
 
@@ -168,7 +223,8 @@ class Scheduler:
                     break
                 if is_long and long_prefilling >= self.config.max_long_partial_prefills:
                     continue
-            if not self.pool.can_allocate(request, n):
+            spare = self.pool.num_free_blocks - self.pool.num_new_blocks(request, n)
+            if spare < 0 or (self.running and spare < self.watermark_blocks):
                 break
             self.waiting.remove(request)
             self.running.append(request)
@@ -191,14 +247,16 @@ class Scheduler:
         scheduled = {s.seq_id for s in plan.seqs}
         while not self.pool.can_allocate(request, n):
             candidates = [r for r in self.running if r.seq_id not in scheduled]
-            victim = self.policy.pick_victim(candidates)
-            self.preempt(victim)
-            plan.preempted.append(victim.request_id)
+            # Forward progress: a request preempted max_preemptions times is pinned, never
+            # a victim again while anyone else can be.
+            unpinned = [r for r in candidates if r.num_preemptions < self.config.max_preemptions]
+            victim = self.policy.pick_victim(unpinned or candidates)
+            self.preempt(victim, plan)
             if victim is request:
                 return False
         return True
 
-    def _add(self, plan: StepPlan, request: Request, n: int) -> None:
+    def _add(self, plan: StepPlan, request: Request, n: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         new_blocks = self.pool.allocate(request, n)
         if not request.known_to_executor:
@@ -216,6 +274,7 @@ class Scheduler:
             is_prefill=start < request.num_prompt_tokens,
             num_prompt_tokens=request.num_prompt_tokens,
         ))
+        return plan.seqs[-1]
 
     # ---- applying a step's result ------------------------------------------------------
 

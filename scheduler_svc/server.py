@@ -96,7 +96,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         sched = engine.scheduler
         info.num_free_device_blocks = sched.pool.num_free_blocks
         info.num_requests_running = len(sched.running)
-        info.num_requests_waiting = len(sched.waiting)
+        info.num_requests_waiting = len(sched.waiting) + len(sched.swapped)
         return info
 
 

@@ -44,6 +44,7 @@ class StepTracer:
             step_id=plan.step_id, timestamp=planned_at, num_tokens=plan.num_tokens,
             token_budget=plan.token_budget, num_prefill_tokens=prefill,
             num_decode_tokens=plan.num_tokens - prefill, num_preempted=len(plan.preempted),
+            num_swapped_out=len(plan.swap_out), num_swapped_in=len(plan.swap_in),
             executor_ns=result.execute_ns, step_ns=step_ns, num_running=running, num_waiting=waiting,
             kv_cache_usage=kv_usage,
             seqs=[pb.StepTraceEntry(request_id=s.request_id, num_tokens=s.num_new_tokens, is_prefill=s.is_prefill,

@@ -272,3 +272,33 @@ def test_greedy_tokens_do_not_depend_on_chunking(default_model_path, prompts, ex
         server.assert_idle_and_no_leaks()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_forced_preemption_gives_the_same_tokens(default_model_path, prompts, expected, tmp_path, mode):
+    """A 16-block pool (256 tokens) for 5 concurrent requests of 49..232 tokens: preemption
+    is certain; greedy tokens must not change."""
+    import urllib.request
+
+    from chunkserve.launch import start_server
+
+    server = start_server(tmp_path, ["--model", str(default_model_path), "--dtype", "float32",
+                                     "--block-size", str(BLOCK), "--num-gpu-blocks-override", "16",
+                                     "--swap-space", "0.05"],
+                          ["--max-num-batched-tokens", "64", "--preemption-mode", mode])
+    try:
+        stub = server.stub()
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: run(stub, greedy(p)).token_ids, prompts[3:]))
+        assert got == expected[3:]
+        server.assert_idle_and_no_leaks()
+        metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+        values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("chunkserve_") and "{" in line}
+        assert values["chunkserve_num_preemptions_total"] > 0
+        swapped = values["chunkserve_kv_blocks_swapped_out_total"]
+        assert (swapped > 0) == (mode == "swap")
+        if mode == "swap":
+            assert values["chunkserve_kv_blocks_swapped_in_total"] == swapped
+    finally:
+        server.stop()

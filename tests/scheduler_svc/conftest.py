@@ -20,45 +20,65 @@ EOS = 256
 
 
 class FakeExecutor:
-    """Holds per-sequence state exactly as the real executor does and checks each plan.
+    """Plays the executor: keeps per-sequence state and simulated KV contents, checks plans.
 
-    The sampled token is a pure function of the sequence's token history, so a request's
-    output does not depend on chunking, batching or preemption — unless the scheduler
-    sends the wrong tokens, which this fake then turns into wrong outputs or errors.
+    Each KV slot holds the token id written there, copied by swaps like real KV. A sampled
+    token is a pure function of the token history READ BACK FROM THE SEQUENCE'S BLOCKS, so
+    a request's output does not depend on chunking, batching or preemption — unless the
+    scheduler gets block tables, swaps or token ids wrong, which changes the output or
+    trips an assertion here.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, eos_after: int | None = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, eos_after: int | None = None,
+                 num_host_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
         self.block_size = block_size
+        self.device: dict[int, list] = {}
+        self.host: dict[int, list] = {}
         self.seqs: dict[int, dict] = {}
         self.plans: list[StepPlan] = []
         self.eos_after = eos_after
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
+        bs = self.block_size
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
         for new in plan.new_seqs:
             assert new.seq_id not in self.seqs, "new sequence the executor already knows"
-            self.seqs[new.seq_id] = {"tokens": [], "blocks": [], "last": None}
+            self.seqs[new.seq_id] = {"computed": 0, "blocks": [], "last": None}
+        for d, h in plan.swap_out:
+            assert 0 <= d < self.num_blocks and 0 <= h < self.num_host_blocks
+            self.host[h] = list(self.device.get(d, [None] * bs))
+        for h, d in plan.swap_in:
+            assert 0 <= d < self.num_blocks and 0 <= h < self.num_host_blocks
+            self.device[d] = list(self.host[h])
         used: set[int] = set()
         sampled = []
         for s in plan.seqs:
             st = self.seqs[s.seq_id]
-            assert s.num_computed_tokens == len(st["tokens"]), "cursor mismatch"
+            assert s.num_computed_tokens == st["computed"], "cursor mismatch"
             if s.token_ids:
                 assert len(s.token_ids) == s.num_new_tokens
-                st["tokens"] += s.token_ids
+                new_tokens = list(s.token_ids)
             else:
                 assert s.num_new_tokens == 1 and st["last"] is not None, "decode without a known token"
-                st["tokens"].append(st["last"])
-            st["blocks"] += s.new_block_ids
-            assert len(st["blocks"]) == blocks_needed(len(st["tokens"]), self.block_size), "blocks != tokens"
+                new_tokens = [st["last"]]
+            st["blocks"] = list(s.new_block_ids) if s.replace_block_table else st["blocks"] + s.new_block_ids
+            total = st["computed"] + s.num_new_tokens
+            assert len(st["blocks"]) == blocks_needed(total, bs), "blocks != tokens"
             assert all(0 <= b < self.num_blocks for b in st["blocks"])
             assert not used & set(st["blocks"]), "two sequences share a block"
             used |= set(st["blocks"])
+            for i, tok in enumerate(new_tokens):
+                pos = st["computed"] + i
+                self.device.setdefault(st["blocks"][pos // bs], [None] * bs)[pos % bs] = tok
+            st["computed"] = total
             if s.sample:
-                tok = self.next_token(st["tokens"])
+                history = [self.device[st["blocks"][p // bs]][p % bs] for p in range(total)]
+                assert None not in history, "a sequence reads KV that was never written"
+                tok = self.next_token(history)
                 st["last"] = tok
                 sampled.append(Sampled(s.seq_id, tok))
         return StepResult(plan.step_id, sampled)
@@ -66,16 +86,17 @@ class FakeExecutor:
     def next_token(self, history: list[int]) -> int:
         if self.eos_after is not None and len(history) >= self.eos_after:
             return EOS
-        return 97 + (sum(history) * 31 + len(history)) % 26  # a lowercase ASCII letter
+        return 97 + (sum(h * (i + 1) for i, h in enumerate(history)) * 31 + len(history)) % 26
 
     async def step(self, plan: StepPlan, timeout: float) -> StepResult:
         await asyncio.sleep(0.001)  # a real step awaits the network: let other tasks run
         return self.execute(plan)
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_model_len=4096, **cfg) -> Scheduler:
+def make_scheduler(num_blocks=64, block_size=4, max_model_len=4096, num_host_blocks=0, **cfg) -> Scheduler:
     config = SchedulerConfig(**cfg)
-    return Scheduler(config, BlockPool(num_blocks, block_size), create_policy("fcfs"), max_model_len)
+    host = BlockPool(num_host_blocks, block_size) if num_host_blocks else None
+    return Scheduler(config, BlockPool(num_blocks, block_size), create_policy("fcfs"), max_model_len, host)
 
 
 def make_request(seq_id: int, prompt_len: int, max_tokens: int = 8, **sampling) -> Request:
