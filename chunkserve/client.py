@@ -11,9 +11,11 @@ from chunkserve.v1 import chunkserve_pb2 as pb
 from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
 
 
-def build_request(prompt: str | list[int] | list[dict[str, str]], **sampling: object) -> pb.GenerateRequest:
+def build_request(prompt: str | list[int] | list[dict[str, str]], cache_salt: str = "",
+                  **sampling: object) -> pb.GenerateRequest:
     """A GenerateRequest from text, token ids or chat messages; sampling as keyword fields."""
-    req = pb.GenerateRequest(sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}))
+    req = pb.GenerateRequest(sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
+                             cache_salt=cache_salt)
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):

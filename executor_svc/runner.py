@@ -27,7 +27,8 @@ class PlanError(ValueError):
 class SeqState:
     sampling: SamplingSpec
     block_table: list[int]
-    num_computed_tokens: int = 0
+    # None until the first entry: a prefix-cache hit makes a new sequence start mid-prompt.
+    num_computed_tokens: int | None = None
     last_token: int | None = None
 
 
@@ -111,12 +112,14 @@ class ModelRunner:
         computed: list[int] = []
         tables: list[list[int]] = []
         sampling: list[tuple[int, int]] = []
+        if len({s.seq_id for s in plan.seqs}) != len(plan.seqs):
+            raise PlanError(f"step {plan.step_id}: a sequence appears twice")
         for i, s in enumerate(plan.seqs):
             state = self.seqs.get(s.seq_id)
             where = f"step {plan.step_id}, sequence {s.seq_id}"
             if state is None:
                 raise PlanError(f"{where}: unknown sequence (never sent as new, or finished)")
-            if s.num_computed_tokens != state.num_computed_tokens:
+            if state.num_computed_tokens is not None and s.num_computed_tokens != state.num_computed_tokens:
                 raise PlanError(f"{where}: plan says {s.num_computed_tokens} computed tokens, "
                                 f"executor has {state.num_computed_tokens}")
             n = s.num_new_tokens
@@ -149,7 +152,7 @@ class ModelRunner:
         for s, table in zip(plan.seqs, tables):
             state = self.seqs[s.seq_id]
             state.block_table = table
-            state.num_computed_tokens += s.num_new_tokens
+            state.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
         return token_ids, query_lens, computed, tables, sampling
 
     def _swap(self, plan: epb.StepRequest) -> None:

@@ -85,7 +85,9 @@ class SchedulerApp:
         self.admin: grpc.aio.Server | None = None
         if config.admin_port:
             self.admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-            pb_grpc.add_AdminServicer_to_server(AdminServicer(self.tracer), self.admin)
+            servicer = AdminServicer(self.tracer, lambda: None if self.ready is None else
+                                     self.ready.engine.scheduler.pool)
+            pb_grpc.add_AdminServicer_to_server(servicer, self.admin)
 
     async def start(self) -> None:
         """Listens, then connects to the executor; returns when requests can be served."""
@@ -113,7 +115,8 @@ class SchedulerApp:
         if self.config.preemption_mode == "swap" and not hs.num_host_blocks:
             raise ValueError("--preemption-mode swap needs host swap blocks: give the executor --swap-space > 0")
         host_pool = BlockPool(hs.num_host_blocks, hs.block_size) if hs.num_host_blocks else None
-        scheduler = Scheduler(self.config, BlockPool(hs.num_device_blocks, hs.block_size),
+        pool = BlockPool(hs.num_device_blocks, hs.block_size, enable_caching=self.config.enable_prefix_caching)
+        scheduler = Scheduler(self.config, pool,
                               create_policy("fcfs"), max_model_len, host_pool)
         eos = frozenset(hs.model.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
         metrics = Metrics(hs.model_name)

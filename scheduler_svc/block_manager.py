@@ -1,16 +1,25 @@
-"""The KV block pool: which physical blocks of the executor's cache each request holds.
+"""The KV block pool: block tables, reference counts and the prefix cache.
 
 Blocks grow with the work: after being scheduled for `n` tokens a request holds exactly
 `ceil((num_computed_tokens + n) / block_size)` blocks, so a long prompt never reserves its
-whole length up front. Block ids are physical indices into the executor's KV tensors; the
-pool is sized from the executor's handshake.
+whole length up front. Block ids are physical indices into the executor's KV tensors.
 
-Why a deque of free ids and not a heap: any free block is as good as another, and
-reusing recently freed blocks first keeps the touched memory small.
+Prefix caching: a block whose `block_size` tokens are all computed gets a chained hash of
+(parent block's hash, its token ids, the request's cache salt) and is registered, so a later
+request with the same prefix takes it instead of recomputing it (its reference count goes
+up). A freed block keeps its hash and joins the free queue; it is evicted — its hash
+dropped — only when a block is needed and it is at the front. Hits are verified against
+the block's token ids, so a hash collision costs a miss, never wrong output.
+
+Why an OrderedDict for the free queue and not a deque: a cache hit must take a block out
+of the *middle* of the queue in O(1). The order is the eviction order: blocks are appended
+as they are freed, and a request frees its blocks tail first, so the end of a prompt
+(least likely to be shared) is evicted before its beginning.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from scheduler_svc.request import Request
 
@@ -20,25 +29,38 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-class BlockPool:
-    """A free list of blocks (device, or host swap space) with an owner per used block."""
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None  # set while registered in the prefix cache
+    token_ids: tuple[int, ...] = ()  # the registered content, to verify hits
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+
+class BlockPool:
+    """Free queue, reference counts and (optionally) the prefix cache of one block space."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks}x{block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self._owner: dict[int, str] = {}
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (cached-but-free ones included: evictable)."""
         return len(self._free)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks in use, 0..1 (the kv_cache_usage_perc gauge)."""
         return 1.0 - len(self._free) / self.num_blocks
+
+    # ---- per request -------------------------------------------------------------------
 
     def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
         """Blocks `request` must gain to compute num_new_tokens more tokens."""
@@ -50,38 +72,108 @@ class BlockPool:
 
     def allocate(self, request: Request, num_new_tokens: int) -> list[int]:
         """Appends the blocks request needs for num_new_tokens more tokens; returns the new ids."""
-        new = self.take(request.request_id, self.num_new_blocks(request, num_new_tokens))
+        new = self.take(self.num_new_blocks(request, num_new_tokens))
         request.block_ids.extend(new)
         return new
 
     def free(self, request: Request) -> None:
-        """Returns all of request's device blocks, tail first."""
-        self.release(request.request_id, request.block_ids)
+        """Drops request's references to its device blocks, tail first."""
+        self.release(request.block_ids)
         request.block_ids.clear()
+        request.block_hashes.clear()
 
-    def take(self, owner: str, n: int) -> list[int]:
-        """n blocks for owner. Raises RuntimeError when short: callers check first, so a
-        failure here is a scheduler bug, not a user error."""
+    def match_prefix(self, request: Request, salt: str | None) -> int:
+        """Takes the cached blocks that hold request's leading tokens; returns how many tokens.
+
+        The whole known sequence is matched before any chunking, but never its last token:
+        at least one token is always computed, so the step that reaches it can sample.
+        """
+        if not self.enable_caching or request.block_ids:
+            return 0
+        tokens = request.token_ids(0, request.num_tokens)
+        parent: int | None = None
+        bs = self.block_size
+        for i in range((len(tokens) - 1) // bs):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            block_hash = hash((parent, chunk, salt if i == 0 else None))
+            block_id = self._cached.get(block_hash)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            self._ref(block_id)
+            request.block_ids.append(block_id)
+            request.block_hashes.append(block_hash)
+            parent = block_hash
+        return len(request.block_ids) * bs
+
+    def cache_full_blocks(self, request: Request, salt: str | None) -> None:
+        """Registers request's blocks that became full of computed tokens (after a step)."""
+        if not self.enable_caching:
+            return
+        bs = self.block_size
+        full = request.num_computed_tokens // bs
+        for i in range(len(request.block_hashes), full):
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            chunk = tuple(request.token_ids(i * bs, (i + 1) * bs))
+            block_hash = hash((parent, chunk, salt if i == 0 else None))
+            request.block_hashes.append(block_hash)
+            block = self.blocks[request.block_ids[i]]
+            if block_hash not in self._cached and block.block_hash is None:
+                block.block_hash, block.token_ids = block_hash, chunk
+                self._cached[block_hash] = block.block_id
+
+    def reset_cache(self) -> int:
+        """Forgets every cached block (an operator's reset); returns how many were dropped."""
+        dropped = len(self._cached)
+        for block_id in self._cached.values():
+            self.blocks[block_id].block_hash, self.blocks[block_id].token_ids = None, ()
+        self._cached.clear()
+        return dropped
+
+    # ---- raw blocks (also used for host swap space) --------------------------------------
+
+    def take(self, n: int) -> list[int]:
+        """n fresh blocks, evicting cached ones from the front of the free queue. Raises
+        RuntimeError when short: callers check first, so that is a scheduler bug."""
         if n > len(self._free):
             raise RuntimeError(f"allocate {n} blocks with {len(self._free)} free (check the pool first)")
-        new = [self._free.popleft() for _ in range(n)]
-        for block in new:
-            self._owner[block] = owner
+        new = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:  # evict
+                del self._cached[block.block_hash]
+                block.block_hash, block.token_ids = None, ()
+            block.ref_count = 1
+            new.append(block_id)
         return new
 
-    def release(self, owner: str, blocks: list[int]) -> None:
-        """Returns owner's blocks, last first (the tail is the least likely to be shared)."""
-        for block in reversed(blocks):
-            if self._owner.pop(block, None) != owner:
-                raise RuntimeError(f"block {block} freed by {owner} which does not own it")
-            self._free.append(block)
+    def release(self, block_ids: list[int]) -> None:
+        """Drops one reference to each block, last first; unreferenced ones become free."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block_id} freed with ref count {block.ref_count} (double free)")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
 
     def check_invariants(self) -> None:
-        """Raises if a block is both free and owned, or lost (leak check for tests and idle)."""
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise RuntimeError("a block is in the free list twice")
-        if free & self._owner.keys():
-            raise RuntimeError("a block is both free and owned")
-        if len(free) + len(self._owner) != self.num_blocks:
-            raise RuntimeError(f"{self.num_blocks - len(free) - len(self._owner)} blocks lost")
+        """Raises on a broken invariant (for tests and the idle self-check)."""
+        for block in self.blocks:
+            if block.ref_count < 0:
+                raise RuntimeError(f"block {block.block_id} has ref count {block.ref_count}")
+            if (block.ref_count == 0) != (block.block_id in self._free):
+                raise RuntimeError(f"block {block.block_id}: ref count {block.ref_count} but "
+                                   f"{'in' if block.block_id in self._free else 'not in'} the free queue")
+        for block_hash, block_id in self._cached.items():
+            if self.blocks[block_id].block_hash != block_hash:
+                raise RuntimeError(f"cached hash points at block {block_id} which has another hash")
+
+    def num_used_references(self) -> int:
+        return sum(b.ref_count for b in self.blocks)

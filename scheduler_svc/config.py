@@ -29,6 +29,8 @@ class SchedulerConfig:
                 "a long prompt over this cap waits and shorter ones behind it start"})
     long_prefill_token_threshold: int = field(default=0, metadata={
         "help": "a prefill with more tokens left than this is long (0 = 4%% of max_model_len)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV blocks of identical prompt prefixes across requests"})
     preemption_mode: str = field(default="recompute", metadata={
         "help": "when KV blocks run out: recompute (free the victim's blocks, prefill again later) "
                 "or swap (copy them to host memory and back; falls back to recompute when full)",

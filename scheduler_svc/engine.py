@@ -9,6 +9,7 @@ only touched between awaits and needs no locks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -20,7 +21,7 @@ from scheduler_svc.errors import QueueFullError, ServingError, UnavailableError
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.plan import StepPlan, StepResult
 from scheduler_svc.request import FinishReason, Request, SamplingParams
-from scheduler_svc.scheduler import Scheduler, TokenOutput
+from scheduler_svc.scheduler import Scheduler, SchedulerStats, TokenOutput
 from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler_svc.trace import StepTracer
 
@@ -97,13 +98,14 @@ class Engine:
         self._dead: str | None = None
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
-        self._recomputed_seen = 0
+        self._stats_seen = SchedulerStats()
         self.metrics = metrics
         self.tracer = tracer or StepTracer()
 
     # ---- requests ----------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: list[int], sampling: SamplingParams) -> RequestStream:
+    def add_request(self, prompt_ids: list[int], sampling: SamplingParams,
+                    cache_salt: str | None = None) -> RequestStream:
         """Queues a validated request; its tokens arrive on the returned stream."""
         if self._dead is not None:
             raise UnavailableError(f"executor unavailable: {self._dead}")
@@ -115,6 +117,7 @@ class Engine:
             prompt_token_ids=prompt_ids,
             sampling=sampling,
             eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt,
         )
         stream = RequestStream(request.request_id)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop)
@@ -181,9 +184,12 @@ class Engine:
         sched = self.scheduler
         running, waiting, usage = len(sched.running), len(sched.waiting), sched.pool.usage
         if self.metrics is not None:
-            recomputed = sched.num_recomputed_tokens - self._recomputed_seen
-            self._recomputed_seen = sched.num_recomputed_tokens
-            self.metrics.on_step(plan, running, waiting, len(sched.swapped), usage, recomputed)
+            now, seen = sched.stats, self._stats_seen
+            self.metrics.on_step(plan, running, waiting, len(sched.swapped), usage,
+                                 recomputed_tokens=now.recomputed_tokens - seen.recomputed_tokens,
+                                 prefix_queries=now.prefix_queries - seen.prefix_queries,
+                                 prefix_hits=now.prefix_hits - seen.prefix_hits)
+            self._stats_seen = dataclasses.replace(now)
         if self.tracer.active:
             self.tracer.record(plan, result, planned_at, step_ns, running, waiting, usage)
 

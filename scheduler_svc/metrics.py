@@ -73,8 +73,9 @@ class Metrics:
         """Serves /metrics over HTTP in a background thread."""
         start_http_server(port, addr=host, registry=self.registry)
 
-    def on_step(self, plan: StepPlan, running: int, waiting: int, swapped: int, kv_usage: float,
-                recomputed_tokens: int) -> None:
+    def on_step(self, plan: StepPlan, running: int, waiting: int, swapped: int, kv_usage: float, *,
+                recomputed_tokens: int, prefix_queries: int, prefix_hits: int) -> None:
+        """Per step; the counts are what happened since the previous call."""
         self.step_tokens.observe(plan.num_tokens)
         if plan.preempted:
             self.preemptions.inc(len(plan.preempted))
@@ -83,6 +84,9 @@ class Metrics:
             self.swapped_in.inc(len(plan.swap_in))
         if recomputed_tokens:
             self.recomputed.inc(recomputed_tokens)
+        if prefix_queries:
+            self.prefix_queries.inc(prefix_queries)
+            self.prefix_hits.inc(prefix_hits)
         self.running.set(running)
         self.waiting.set(waiting)
         self.swapped.set(swapped)

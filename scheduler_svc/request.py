@@ -64,6 +64,10 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     host_block_ids: list[int] = field(default_factory=list)  # while swapped out
+    # Chained prefix-cache hashes of the leading full blocks (see block_manager.py).
+    block_hashes: list[int] = field(default_factory=list)
+    # Mixed into the prefix-cache hashes: requests with different salts never share blocks.
+    cache_salt: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     # Whether the executor holds this sequence's state (sampling params, block table, the

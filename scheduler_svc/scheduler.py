@@ -26,6 +26,16 @@ from scheduler_svc.request import FinishReason, Request, RequestStatus
 
 
 @dataclass(slots=True)
+class SchedulerStats:
+    """Monotonic counters the engine turns into metrics."""
+
+    preemptions: int = 0
+    recomputed_tokens: int = 0  # computed tokens discarded by recompute preemption
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (once per request)
+    prefix_hits: int = 0  # of which found
+
+
+@dataclass(slots=True)
 class TokenOutput:
     """A token a request gained in a step, and whether that token finished it."""
 
@@ -51,8 +61,7 @@ class Scheduler:
         self._by_seq: dict[int, Request] = {}
         self._dropped_seq_ids: list[int] = []  # executor state to drop in the next plan
         self._step_ids = itertools.count()
-        self.num_preemptions = 0
-        self.num_recomputed_tokens = 0  # KV discarded by recompute preemption
+        self.stats = SchedulerStats()
         # Admission keeps this many blocks free while others run, so that the decodes of
         # running requests do not immediately preempt what was just admitted.
         self.watermark_blocks = max(1, pool.num_blocks // 100)
@@ -108,12 +117,12 @@ class Scheduler:
         """
         self.running.remove(request)
         request.num_preemptions += 1
-        self.num_preemptions += 1
+        self.stats.preemptions += 1
         plan.preempted.append(request.request_id)
         host = self.host_pool
         if (self.config.preemption_mode == "swap" and host is not None
                 and host.num_free_blocks >= len(request.block_ids)):
-            request.host_block_ids = host.take(request.request_id, len(request.block_ids))
+            request.host_block_ids = host.take(len(request.block_ids))
             plan.swap_out.extend(zip(request.block_ids, request.host_block_ids))
             self.pool.free(request)
             request.status = RequestStatus.SWAPPED
@@ -124,14 +133,14 @@ class Scheduler:
             self._dropped_seq_ids.append(request.seq_id)
         request.known_to_executor = False
         request.executor_has_last_token = False
-        self.num_recomputed_tokens += request.num_computed_tokens
+        self.stats.recomputed_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.insert(0, request)
 
     def _free_host(self, request: Request) -> None:
         if self.host_pool is not None and request.host_block_ids:
-            self.host_pool.release(request.request_id, request.host_block_ids)
+            self.host_pool.release(request.host_block_ids)
         request.host_block_ids = []
 
     # ---- building a step ---------------------------------------------------------------
@@ -170,7 +179,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            n = min(request.num_remaining_tokens, budget)
+            n = self._chunk(request, budget)
             if n > 1:
                 # Shrink a chunk to the free blocks rather than preempt for it; with nothing
                 # free, preempt for one block's worth.
@@ -214,18 +223,25 @@ class Scheduler:
         for request in self.policy.order_waiting(self.waiting):
             if budget == 0 or len(plan.seqs) >= self.config.max_num_seqs:
                 break
-            n = min(request.num_remaining_tokens, budget)
-            if whole and n < request.num_remaining_tokens:
-                break
+            # The whole known sequence is matched against the prefix cache before chunking.
+            request.num_computed_tokens = self.pool.match_prefix(request, request.cache_salt)
+            n = self._chunk(request, budget)
             is_long = self._is_long(request)
-            if not whole:
+            stop = whole and n < request.num_remaining_tokens
+            if not whole and not stop:
                 if prefilling >= self.config.max_num_partial_prefills:
-                    break
-                if is_long and long_prefilling >= self.config.max_long_partial_prefills:
+                    stop = True
+                elif is_long and long_prefilling >= self.config.max_long_partial_prefills:
+                    self._unmatch(request)
                     continue
             spare = self.pool.num_free_blocks - self.pool.num_new_blocks(request, n)
-            if spare < 0 or (self.running and spare < self.watermark_blocks):
+            if stop or spare < 0 or (self.running and spare < self.watermark_blocks):
+                self._unmatch(request)
                 break
+            if request.first_scheduled_time is None:  # hit accounting once per request
+                request.num_cached_tokens = request.num_computed_tokens
+                self.stats.prefix_queries += request.num_prompt_tokens if self.pool.enable_caching else 0
+                self.stats.prefix_hits += request.num_computed_tokens
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -236,6 +252,22 @@ class Scheduler:
             prefilling += request.num_remaining_tokens > n
             long_prefilling += is_long and request.num_remaining_tokens > n
         return budget
+
+    def _unmatch(self, request: Request) -> None:
+        """Gives back the cached blocks a request took but could not be admitted with."""
+        self.pool.free(request)
+        request.num_computed_tokens = 0
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        """Tokens to compute for request within budget. With prefix caching a non-final chunk
+        ends on a block boundary, so every block it fills can be cached."""
+        n = min(request.num_remaining_tokens, budget)
+        if self.pool.enable_caching and n < request.num_remaining_tokens:
+            bs = self.pool.block_size
+            aligned = (request.num_computed_tokens + n) // bs * bs - request.num_computed_tokens
+            if aligned > 0:
+                n = aligned
+        return n
 
     def _tokens_that_fit(self, request: Request) -> int:
         """How many more tokens request can compute with the blocks it has plus the free ones."""
@@ -262,6 +294,7 @@ class Scheduler:
         if not request.known_to_executor:
             plan.new_seqs.append(NewSeq(request.seq_id, request.sampling))
             request.known_to_executor = True
+            new_blocks = list(request.block_ids)  # the whole table: cached prefix blocks too
         is_decode = n == 1 and start == request.num_tokens - 1 and request.executor_has_last_token
         plan.seqs.append(ScheduledSeq(
             seq_id=request.seq_id,
@@ -289,6 +322,7 @@ class Scheduler:
             request = self._by_seq.get(entry.seq_id)
             if request is not None and request.status is RequestStatus.RUNNING:
                 request.num_computed_tokens = entry.num_computed_tokens + entry.num_new_tokens
+                self.pool.cache_full_blocks(request, request.cache_salt)
         outputs: list[TokenOutput] = []
         for sampled in result.sampled:
             request = self._by_seq.get(sampled.seq_id)

@@ -302,3 +302,20 @@ def test_forced_preemption_gives_the_same_tokens(default_model_path, prompts, ex
             assert values["chunkserve_kv_blocks_swapped_in_total"] == swapped
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("shared", [40, 48, None], ids=["inside-block", "at-boundary", "whole-prompt"])
+def test_prefix_cache_hits_give_the_same_tokens(server, hf, shared):
+    """A shared system prefix (or the whole prompt again): the second request is served
+    from cached blocks and must still equal transformers exactly."""
+    ids = hf[1](TEXT, add_special_tokens=False)["input_ids"]
+    first = ids[100:100 + (shared or 70)] + ids[:20]
+    second = first if shared is None else ids[100:100 + shared] + ids[20:50]
+    stub = server.stub()
+    run(stub, greedy(first))
+    done = run(stub, greedy(second))
+    common = len(second) - 1 if shared is None else shared
+    assert done.usage.cached_tokens == common // BLOCK * BLOCK > 0
+    assert done.token_ids == hf_greedy(hf, second, NEW_TOKENS)
+    salted = run(stub, greedy(second, cache_salt=f"tenant-{shared}"))  # a tenant new to the cache
+    assert salted.usage.cached_tokens == 0 and salted.token_ids == done.token_ids

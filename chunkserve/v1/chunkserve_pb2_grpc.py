@@ -207,6 +207,11 @@ class AdminStub:
                 request_serializer=chunkserve_dot_v1_dot_chunkserve__pb2.WatchStepsRequest.SerializeToString,
                 response_deserializer=chunkserve_dot_v1_dot_chunkserve__pb2.StepTrace.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/chunkserve.v1.Admin/ResetPrefixCache',
+                request_serializer=chunkserve_dot_v1_dot_chunkserve__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=chunkserve_dot_v1_dot_chunkserve__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -221,6 +226,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Forgets every cached prefix block (takes effect at the next step boundary).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -228,6 +240,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.WatchSteps,
                     request_deserializer=chunkserve_dot_v1_dot_chunkserve__pb2.WatchStepsRequest.FromString,
                     response_serializer=chunkserve_dot_v1_dot_chunkserve__pb2.StepTrace.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=chunkserve_dot_v1_dot_chunkserve__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=chunkserve_dot_v1_dot_chunkserve__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +276,33 @@ class Admin:
             '/chunkserve.v1.Admin/WatchSteps',
             chunkserve_dot_v1_dot_chunkserve__pb2.WatchStepsRequest.SerializeToString,
             chunkserve_dot_v1_dot_chunkserve__pb2.StepTrace.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chunkserve.v1.Admin/ResetPrefixCache',
+            chunkserve_dot_v1_dot_chunkserve__pb2.ResetPrefixCacheRequest.SerializeToString,
+            chunkserve_dot_v1_dot_chunkserve__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

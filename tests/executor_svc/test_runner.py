@@ -97,8 +97,8 @@ def test_logprobs_are_log_softmax_of_the_logits(tiny):
 
 @pytest.mark.parametrize("make, message", [
     (lambda: epb.StepRequest(step_id=9, seqs=[entry(77, 0, 1, [1], [0])]), "unknown sequence"),
-    (lambda: epb.StepRequest(step_id=9, new_seqs=[epb.NewSequence(seq_id=5, sampling=GREEDY)],
-                             seqs=[entry(5, 3, 1, [1], [0])]), "computed tokens"),
+    (lambda: epb.StepRequest(step_id=9, seqs=[entry(8, 5, 1, [1], [])]), "computed tokens"),
+    (lambda: epb.StepRequest(step_id=9, seqs=[entry(6, 4, 1, [1], [])]), "twice"),
     (lambda: epb.StepRequest(step_id=9, new_seqs=[epb.NewSequence(seq_id=5, sampling=GREEDY)],
                              seqs=[entry(5, 0, 2, [1, 2], [99])]), "block id 99"),
     (lambda: epb.StepRequest(step_id=9, new_seqs=[epb.NewSequence(seq_id=5, sampling=GREEDY)],
@@ -113,8 +113,9 @@ def test_logprobs_are_log_softmax_of_the_logits(tiny):
 def test_malformed_plans_are_refused(tiny, make, message):
     runner = tiny[1].runner
     runner.reset()
-    runner.execute(epb.StepRequest(step_id=1, new_seqs=[epb.NewSequence(seq_id=6, sampling=GREEDY)],
-                                   seqs=[entry(6, 0, 3, [1, 2, 3], [4], True)]))
+    runner.execute(epb.StepRequest(step_id=1, new_seqs=[epb.NewSequence(seq_id=6, sampling=GREEDY),
+                                                        epb.NewSequence(seq_id=8, sampling=GREEDY)],
+                                   seqs=[entry(6, 0, 3, [1, 2, 3], [4], True), entry(8, 0, 3, [1, 2, 3], [5])]))
     with pytest.raises(PlanError, match=message):
         # A valid entry first: a refused plan must not move its state either.
         plan = make()

@@ -39,6 +39,7 @@ class FakeExecutor:
         self.seqs: dict[int, dict] = {}
         self.plans: list[StepPlan] = []
         self.eos_after = eos_after
+        self.seq_of: dict[str, int] = {}  # request id -> seq id, as seen in plans
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
@@ -47,17 +48,26 @@ class FakeExecutor:
             self.seqs.pop(seq_id, None)
         for new in plan.new_seqs:
             assert new.seq_id not in self.seqs, "new sequence the executor already knows"
-            self.seqs[new.seq_id] = {"computed": 0, "blocks": [], "last": None}
+            self.seqs[new.seq_id] = {"computed": None, "blocks": [], "last": None}
+        swapped_out = set()
         for d, h in plan.swap_out:
             assert 0 <= d < self.num_blocks and 0 <= h < self.num_host_blocks
             self.host[h] = list(self.device.get(d, [None] * bs))
+            swapped_out.add(d)
+        for rid in plan.preempted:  # a preempted sequence the executor still knows was swapped
+            st = self.seqs.get(self.seq_of.get(rid, -1))
+            if st is not None:
+                assert set(st["blocks"]) <= swapped_out, "swapped without all its blocks"
+                st["blocks"], st["swapped"] = [], True  # its device table is void
         for h, d in plan.swap_in:
             assert 0 <= d < self.num_blocks and 0 <= h < self.num_host_blocks
             self.device[d] = list(self.host[h])
-        used: set[int] = set()
         sampled = []
         for s in plan.seqs:
+            self.seq_of[s.request_id] = s.seq_id
             st = self.seqs[s.seq_id]
+            if st["computed"] is None:  # first entry: may start after a prefix-cache hit
+                st["computed"] = s.num_computed_tokens
             assert s.num_computed_tokens == st["computed"], "cursor mismatch"
             if s.token_ids:
                 assert len(s.token_ids) == s.num_new_tokens
@@ -65,15 +75,18 @@ class FakeExecutor:
             else:
                 assert s.num_new_tokens == 1 and st["last"] is not None, "decode without a known token"
                 new_tokens = [st["last"]]
+            assert s.replace_block_table or not st.get("swapped"), "resumed without a new block table"
+            st["swapped"] = False
             st["blocks"] = list(s.new_block_ids) if s.replace_block_table else st["blocks"] + s.new_block_ids
             total = st["computed"] + s.num_new_tokens
             assert len(st["blocks"]) == blocks_needed(total, bs), "blocks != tokens"
             assert all(0 <= b < self.num_blocks for b in st["blocks"])
-            assert not used & set(st["blocks"]), "two sequences share a block"
-            used |= set(st["blocks"])
+            others = {b for sid, o in self.seqs.items() if sid != s.seq_id for b in o["blocks"]}
             for i, tok in enumerate(new_tokens):
                 pos = st["computed"] + i
-                self.device.setdefault(st["blocks"][pos // bs], [None] * bs)[pos % bs] = tok
+                block = st["blocks"][pos // bs]
+                assert block not in others, "a sequence writes into a block another one holds"
+                self.device.setdefault(block, [None] * bs)[pos % bs] = tok
             st["computed"] = total
             if s.sample:
                 history = [self.device[st["blocks"][p // bs]][p % bs] for p in range(total)]
@@ -96,7 +109,8 @@ class FakeExecutor:
 def make_scheduler(num_blocks=64, block_size=4, max_model_len=4096, num_host_blocks=0, **cfg) -> Scheduler:
     config = SchedulerConfig(**cfg)
     host = BlockPool(num_host_blocks, block_size) if num_host_blocks else None
-    return Scheduler(config, BlockPool(num_blocks, block_size), create_policy("fcfs"), max_model_len, host)
+    pool = BlockPool(num_blocks, block_size, enable_caching=config.enable_prefix_caching)
+    return Scheduler(config, pool, create_policy("fcfs"), max_model_len, host)
 
 
 def make_request(seq_id: int, prompt_len: int, max_tokens: int = 8, **sampling) -> Request:

@@ -50,13 +50,13 @@ def check_drained(sched) -> None:
 def test_forced_preemption_gives_the_same_tokens(fakes, mode):
     reference, _, _ = run(fakes, 1000, mode, num_host_blocks=1000)
     out, sched, fake = run(fakes, 20, mode, num_host_blocks=100)
-    assert sched.num_preemptions > 0
+    assert sched.stats.preemptions > 0
     assert out == reference
     swaps = sum(len(p.swap_out) for p in fake.plans)
     assert (swaps > 0) == (mode == "swap")
     if mode == "swap":
         assert sum(len(p.swap_in) for p in fake.plans) == swaps
-        assert sched.num_recomputed_tokens == 0
+        assert sched.stats.recomputed_tokens == 0
 
 
 def test_swap_keeps_a_mid_prefill_cursor_exactly(fakes):
@@ -89,7 +89,7 @@ def test_swap_keeps_a_mid_prefill_cursor_exactly(fakes):
 
 def test_swap_falls_back_to_recompute_when_host_space_runs_out(fakes):
     out, sched, fake = run(fakes, 20, "swap", num_host_blocks=2)
-    assert sched.num_recomputed_tokens > 0
+    assert sched.stats.recomputed_tokens > 0
     reference, _, _ = run(fakes, 1000, "recompute")
     assert out == reference
 

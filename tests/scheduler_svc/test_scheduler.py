@@ -102,7 +102,7 @@ def test_small_pool_preempts_instead_of_failing_and_outputs_match(fakes):
             sched.add_request(fakes.make_request(i, prompt_len=25, max_tokens=30))
         out = fakes.run_to_completion(sched, fake)
         assert sched.pool.num_free_blocks == num_blocks
-        return out, sched.num_preemptions
+        return out, sched.stats.preemptions
 
     small, n_small = run(20)  # one request needs 14 blocks at most
     big, n_big = run(1000)
@@ -200,8 +200,9 @@ def test_short_prompt_behind_two_long_ones_gets_its_first_token_at_once(fakes):
     sched.update(plan, fake.execute(plan))
     # The next step already prefilled it whole and sampled its first token.
     assert len(short.output_token_ids) == 1
-    # ...while the long prompt that was running kept going with the rest of the budget.
-    assert sum(e.num_new_tokens for e in plan.seqs) == 1024
+    # ...while the long prompt that was running kept going with the rest of the budget
+    # (its chunk ends on a block boundary, so up to one block of it may be left unused).
+    assert 1024 - 16 < sum(e.num_new_tokens for e in plan.seqs) <= 1024
 
 
 def test_a_long_prefill_alone_uses_the_whole_budget(fakes):
