@@ -138,7 +138,7 @@ class ExecutorServicer(epb_grpc.ExecutorServicer):
         self._compute = compute
 
     def Handshake(self, request: epb.HandshakeRequest, context: grpc.ServicerContext) -> epb.HandshakeResponse:
-        log.info("handshake from scheduler %s", request.scheduler_version or "?")
+        log.debug("handshake from %s", request.scheduler_version or "a probe")
         return self._loaded.handshake
 
     def Step(self, request: epb.StepRequest, context: grpc.ServicerContext) -> epb.StepResponse:
