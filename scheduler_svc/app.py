@@ -22,7 +22,7 @@ from chunkserve.v1 import chunkserve_pb2 as pb
 from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.block_manager import BlockPool
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.admin import AdminServicer
+from scheduler_svc.admin import AdminServicer, Controls
 from scheduler_svc.engine import Engine
 from scheduler_svc.executor_client import CHANNEL_OPTIONS, ExecutorClient
 from scheduler_svc.metrics import Metrics
@@ -59,6 +59,7 @@ class Ready:
     limits: Limits
     info: pb.GetInfoResponse
     client: ExecutorClient
+    controls: Controls
 
 
 class SchedulerApp:
@@ -85,8 +86,7 @@ class SchedulerApp:
         self.admin: grpc.aio.Server | None = None
         if config.admin_port:
             self.admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-            servicer = AdminServicer(self.tracer, lambda: None if self.ready is None else
-                                     self.ready.engine.scheduler.pool)
+            servicer = AdminServicer(self.tracer, lambda: None if self.ready is None else self.ready.controls)
             pb_grpc.add_AdminServicer_to_server(servicer, self.admin)
 
     async def start(self) -> None:
@@ -117,7 +117,7 @@ class SchedulerApp:
         host_pool = BlockPool(hs.num_host_blocks, hs.block_size) if hs.num_host_blocks else None
         pool = BlockPool(hs.num_device_blocks, hs.block_size, enable_caching=self.config.enable_prefix_caching)
         scheduler = Scheduler(self.config, pool,
-                              create_policy("fcfs"), max_model_len, host_pool)
+                              create_policy(self.config.scheduling_policy), max_model_len, host_pool)
         eos = frozenset(hs.model.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
         metrics = Metrics(hs.model_name)
         if self.config.metrics_port:
@@ -131,7 +131,7 @@ class SchedulerApp:
             num_host_blocks=hs.num_host_blocks, max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs, enable_chunked_prefill=self.config.enable_chunked_prefill,
             attention_backend=hs.attention_backend, version=__version__, eos_token_ids=sorted(eos))
-        self.ready = Ready(engine, limits, info, client)
+        self.ready = Ready(engine, limits, info, client, Controls(scheduler, hs.max_num_batched_tokens))
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s (max_model_len %d, %d KV blocks of %d tokens, %s, %s)", hs.model_name,
                  max_model_len, hs.num_device_blocks, hs.block_size, hs.dtype, hs.attention_backend)

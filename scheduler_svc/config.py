@@ -31,6 +31,9 @@ class SchedulerConfig:
         "help": "a prefill with more tokens left than this is long (0 = 4%% of max_model_len)"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV blocks of identical prompt prefixes across requests"})
+    scheduling_policy: str = field(default="fcfs", metadata={
+        "help": "waiting order and preemption victims: fcfs, priority, sjf, fair, or a dotted path "
+                "to your own class (docs/policies.md)"})
     preemption_mode: str = field(default="recompute", metadata={
         "help": "when KV blocks run out: recompute (free the victim's blocks, prefill again later) "
                 "or swap (copy them to host memory and back; falls back to recompute when full)",

@@ -104,8 +104,8 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: list[int], sampling: SamplingParams,
-                    cache_salt: str | None = None) -> RequestStream:
+    def add_request(self, prompt_ids: list[int], sampling: SamplingParams, cache_salt: str | None = None,
+                    priority: int = 0, tenant: str = "") -> RequestStream:
         """Queues a validated request; its tokens arrive on the returned stream."""
         if self._dead is not None:
             raise UnavailableError(f"executor unavailable: {self._dead}")
@@ -118,6 +118,8 @@ class Engine:
             sampling=sampling,
             eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt,
+            priority=priority,
+            tenant=tenant,
         )
         stream = RequestStream(request.request_id)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop)

@@ -49,8 +49,9 @@ class StepPlan:
     """Everything the executor does in one step."""
 
     step_id: int
-    # The token budget this plan was built under (for the step trace).
+    # The token budget and policy this plan was built under (for the step trace).
     token_budget: int = 0
+    policy: str = ""
     seqs: list[ScheduledSeq] = field(default_factory=list)
     new_seqs: list[NewSeq] = field(default_factory=list)
     # Sequences that ended or were preempted by recompute: the executor drops their state.

@@ -68,6 +68,11 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     # Mixed into the prefix-cache hashes: requests with different salts never share blocks.
     cache_salt: str | None = None
+    # For the policies: lower priority value runs earlier; tenant label for fair sharing;
+    # the scheduler's step counter when the request arrived (for aging).
+    priority: int = 0
+    tenant: str = ""
+    arrival_step: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     # Whether the executor holds this sequence's state (sampling params, block table, the

@@ -14,7 +14,6 @@ With `enable_chunked_prefill=False` a step is either whole-prompt prefills or de
 """
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass
 
@@ -60,19 +59,32 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
         self._dropped_seq_ids: list[int] = []  # executor state to drop in the next plan
-        self._step_ids = itertools.count()
+        self.num_steps = 0  # plans built so far
         self.stats = SchedulerStats()
         # Admission keeps this many blocks free while others run, so that the decodes of
         # running requests do not immediately preempt what was just admitted.
         self.watermark_blocks = max(1, pool.num_blocks // 100)
+        self.long_prefill_token_threshold = 0
+        self.reconfigure(config, policy)
+
+    def reconfigure(self, config: SchedulerConfig, policy: Policy) -> None:
+        """Swaps settings and policy. Call it between steps (the engine's event loop only runs
+        other code between steps), so every plan is built under one configuration."""
+        self.config = config
+        self.policy = policy
         # A prefill with more tokens left than this is "long" (vLLM's rule: 4% of max_model_len).
         self.long_prefill_token_threshold = (config.long_prefill_token_threshold
-                                             or max(pool.block_size, int(max_model_len * 0.04)))
+                                             or max(self.pool.block_size, int(self.max_model_len * 0.04)))
+
+    @property
+    def policy_name(self) -> str:
+        return getattr(self.policy, "name", type(self.policy).__name__)
 
     # ---- queue bookkeeping -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        request.arrival_step = self.num_steps
         self.requests[request.request_id] = request
         self._by_seq[request.seq_id] = request
         self.waiting.append(request)
@@ -147,7 +159,9 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Builds the next step's plan and allocates its blocks."""
-        plan = StepPlan(step_id=next(self._step_ids), token_budget=self.config.max_num_batched_tokens)
+        plan = StepPlan(step_id=self.num_steps, token_budget=self.config.max_num_batched_tokens,
+                        policy=self.policy_name)
+        self.num_steps += 1
         budget = self.config.max_num_batched_tokens
         if self.config.enable_chunked_prefill:
             decodes, short, long = [], [], []
@@ -168,6 +182,10 @@ class Scheduler:
                     self._schedule_swapped(plan, budget)
         plan.finished_seq_ids = self._dropped_seq_ids
         self._dropped_seq_ids = []
+        on_scheduled = getattr(self.policy, "on_scheduled", None)
+        if on_scheduled is not None:
+            for entry in plan.seqs:
+                on_scheduled(self._by_seq[entry.seq_id], entry.num_new_tokens)
         return plan
 
     def _is_long(self, request: Request) -> bool:
@@ -193,7 +211,7 @@ class Scheduler:
 
     def _schedule_swapped(self, plan: StepPlan, budget: int) -> int:
         """Swaps requests back in, in the step they run again, with a fresh device table."""
-        for request in self.policy.order_waiting(self.swapped):
+        for request in self.policy.order_waiting(self.swapped, self.num_steps):
             if budget == 0 or len(plan.seqs) >= self.config.max_num_seqs:
                 break
             n = min(request.num_remaining_tokens, budget)
@@ -220,7 +238,7 @@ class Scheduler:
         """
         prefilling = sum(1 for r in self.running if r.num_remaining_tokens > 1)
         long_prefilling = sum(1 for r in self.running if r.num_remaining_tokens > 1 and self._is_long(r))
-        for request in self.policy.order_waiting(self.waiting):
+        for request in self.policy.order_waiting(self.waiting, self.num_steps):
             if budget == 0 or len(plan.seqs) >= self.config.max_num_seqs:
                 break
             # The whole known sequence is matched against the prefix cache before chunking.

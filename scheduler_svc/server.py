@@ -68,7 +68,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             engine, limits, _ = self._ready()
             prompt = tokenize_prompt(request, engine.tokenizer, limits)
             params = sampling_params(request, len(prompt), limits)
-            stream = engine.add_request(prompt, params, request.cache_salt or None)
+            stream = engine.add_request(prompt, params, request.cache_salt or None,
+                                        request.priority, request.tenant)
         except ServingError as exc:
             await context.abort(exc.code, str(exc))
             return

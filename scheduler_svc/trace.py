@@ -46,7 +46,7 @@ class StepTracer:
             num_decode_tokens=plan.num_tokens - prefill, num_preempted=len(plan.preempted),
             num_swapped_out=len(plan.swap_out), num_swapped_in=len(plan.swap_in),
             executor_ns=result.execute_ns, step_ns=step_ns, num_running=running, num_waiting=waiting,
-            kv_cache_usage=kv_usage,
+            kv_cache_usage=kv_usage, policy=plan.policy,
             seqs=[pb.StepTraceEntry(request_id=s.request_id, num_tokens=s.num_new_tokens, is_prefill=s.is_prefill,
                                     num_computed_tokens=s.num_computed_tokens,
                                     num_prompt_tokens=s.num_prompt_tokens) for s in plan.seqs])

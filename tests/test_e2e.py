@@ -319,3 +319,49 @@ def test_prefix_cache_hits_give_the_same_tokens(server, hf, shared):
     assert done.token_ids == hf_greedy(hf, second, NEW_TOKENS)
     salted = run(stub, greedy(second, cache_salt=f"tenant-{shared}"))  # a tenant new to the cache
     assert salted.usage.cached_tokens == 0 and salted.token_ids == done.token_ids
+
+
+def test_hot_swap_policy_and_budget_under_load(server, prompts, expected):
+    """32 streams; the policy changes twice and the budget once while they run. Every request
+    completes with the undisturbed tokens, and the trace shows each change at a step boundary."""
+    import threading
+
+    from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+
+    admin = pb_grpc.AdminStub(grpc.insecure_channel(server.admin_address))
+    traces: list[pb.StepTrace] = []
+    watch = admin.WatchSteps(pb.WatchStepsRequest())
+
+    def collect():
+        try:
+            for trace in watch:
+                traces.append(trace)
+        except grpc.RpcError:
+            pass
+
+    threading.Thread(target=collect, daemon=True).start()
+    time.sleep(0.3)
+    stub = server.stub()
+    updates = [pb.SchedulingConfig(policy="sjf"), pb.SchedulingConfig(max_num_batched_tokens=64),
+               pb.SchedulingConfig(policy="priority")]
+    applied = []
+    try:
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            futures = [pool.submit(lambda p: run(stub, greedy(p)).token_ids, p) for p in prompts * 4]
+            for update in updates:
+                time.sleep(1.0)
+                applied.append(admin.UpdateConfig(update, timeout=10))
+            got = [f.result() for f in futures]
+    finally:
+        admin.UpdateConfig(pb.SchedulingConfig(policy="fcfs", max_num_batched_tokens=BUDGET), timeout=10)
+        watch.cancel()
+    assert got == expected * 4
+    assert all(t.num_tokens <= t.token_budget for t in traces)
+    by_step = {t.step_id: t for t in traces}
+    settings = [("fcfs", BUDGET), ("sjf", BUDGET), ("sjf", 64), ("priority", 64)]
+    for answer, before, after in zip(applied, settings, settings[1:]):
+        assert (answer.policy, answer.max_num_batched_tokens) == after
+        # The step planned just before the change ran under the old settings, the next under the new.
+        step = answer.effective_step
+        assert (by_step[step - 1].policy, by_step[step - 1].token_budget) == before
+        assert (by_step[step].policy, by_step[step].token_budget) == after

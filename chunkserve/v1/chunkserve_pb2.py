@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x63hunkserve/v1/chunkserve.proto\x12\rchunkserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.chunkserve.v1.ChatMessage\"\xf2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\x07\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0b \x01(\rH\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\r\n\x0b_min_tokens\"\xe6\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.chunkserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1b.chunkserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.chunkserve.v1.SamplingParams\x12\x19\n\x11\x63lient_request_id\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"E\n\x08Logprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.chunkserve.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xcc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.chunkserve.v1.Logprobs\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.chunkserve.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x07 \x01(\t\x12\"\n\x15matched_stop_token_id\x18\x08 \x01(\rH\x00\x88\x01\x01\x12#\n\x05usage\x18\t \x01(\x0b\x32\x14.chunkserve.v1.Usage\x12\x19\n\x11\x63lient_request_id\x18\n \x01(\tB\x18\n\x16_matched_stop_token_id\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\x9c\x03\n\x0fGetInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x19\n\x11num_device_blocks\x18\x06 \x01(\r\x12\x17\n\x0fnum_host_blocks\x18\x07 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x08 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x1e\n\x16\x65nable_chunked_prefill\x18\n \x01(\x08\x12\x19\n\x11\x61ttention_backend\x18\x0b \x01(\t\x12\x0f\n\x07version\x18\x0c \x01(\t\x12\x15\n\reos_token_ids\x18\r \x03(\r\x12\x1e\n\x16num_free_device_blocks\x18\x0e \x01(\r\x12\x1c\n\x14num_requests_running\x18\x0f \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x10 \x01(\r\"\x19\n\x17ResetPrefixCacheRequest\"6\n\x18ResetPrefixCacheResponse\x12\x1a\n\x12num_blocks_dropped\x18\x01 \x01(\r\"\x13\n\x11WatchStepsRequest\"\x84\x01\n\x0eStepTraceEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x12\n\nis_prefill\x18\x03 \x01(\x08\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\"\x88\x03\n\tStepTrace\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x14\n\x0ctoken_budget\x18\x04 \x01(\r\x12\x1a\n\x12num_prefill_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_decode_tokens\x18\x06 \x01(\r\x12\x15\n\rnum_preempted\x18\x07 \x01(\r\x12\x17\n\x0fnum_swapped_out\x18\x08 \x01(\r\x12\x16\n\x0enum_swapped_in\x18\t \x01(\r\x12\x19\n\x11num_cached_tokens\x18\n \x01(\r\x12\x13\n\x0b\x65xecutor_ns\x18\x0b \x01(\x04\x12\x0f\n\x07step_ns\x18\x0c \x01(\x04\x12\x13\n\x0bnum_running\x18\r \x01(\r\x12\x13\n\x0bnum_waiting\x18\x0e \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x0f \x01(\x02\x12+\n\x04seqs\x18\x10 \x03(\x0b\x32\x1d.chunkserve.v1.StepTraceEntry*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x32\xe9\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.chunkserve.v1.GenerateRequest\x1a\x1f.chunkserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.chunkserve.v1.AbortRequest\x1a\x1c.chunkserve.v1.AbortResponse\x12H\n\x07GetInfo\x12\x1d.chunkserve.v1.GetInfoRequest\x1a\x1e.chunkserve.v1.GetInfoResponse2\xb8\x01\n\x05\x41\x64min\x12J\n\nWatchSteps\x12 .chunkserve.v1.WatchStepsRequest\x1a\x18.chunkserve.v1.StepTrace0\x01\x12\x63\n\x10ResetPrefixCache\x12&.chunkserve.v1.ResetPrefixCacheRequest\x1a\'.chunkserve.v1.ResetPrefixCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x63hunkserve/v1/chunkserve.proto\x12\rchunkserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.chunkserve.v1.ChatMessage\"\xf2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\x07\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0b \x01(\rH\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\r\n\x0b_min_tokens\"\x9a\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.chunkserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1b.chunkserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.chunkserve.v1.SamplingParams\x12\x19\n\x11\x63lient_request_id\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x15\n\x08priority\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x0e\n\x06tenant\x18\x08 \x01(\tB\x08\n\x06promptB\x0b\n\t_priority\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"E\n\x08Logprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.chunkserve.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xcc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.chunkserve.v1.Logprobs\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.chunkserve.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x07 \x01(\t\x12\"\n\x15matched_stop_token_id\x18\x08 \x01(\rH\x00\x88\x01\x01\x12#\n\x05usage\x18\t \x01(\x0b\x32\x14.chunkserve.v1.Usage\x12\x19\n\x11\x63lient_request_id\x18\n \x01(\tB\x18\n\x16_matched_stop_token_id\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\x9c\x03\n\x0fGetInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x19\n\x11num_device_blocks\x18\x06 \x01(\r\x12\x17\n\x0fnum_host_blocks\x18\x07 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x08 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x1e\n\x16\x65nable_chunked_prefill\x18\n \x01(\x08\x12\x19\n\x11\x61ttention_backend\x18\x0b \x01(\t\x12\x0f\n\x07version\x18\x0c \x01(\t\x12\x15\n\reos_token_ids\x18\r \x03(\r\x12\x1e\n\x16num_free_device_blocks\x18\x0e \x01(\r\x12\x1c\n\x14num_requests_running\x18\x0f \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x10 \x01(\r\"\x12\n\x10GetConfigRequest\"\x8e\x04\n\x10SchedulingConfig\x12\x13\n\x06policy\x18\x01 \x01(\tH\x00\x88\x01\x01\x12#\n\x16max_num_batched_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x19\n\x0cmax_num_seqs\x18\x03 \x01(\rH\x02\x88\x01\x01\x12#\n\x16\x65nable_chunked_prefill\x18\x04 \x01(\x08H\x03\x88\x01\x01\x12%\n\x18max_num_partial_prefills\x18\x05 \x01(\rH\x04\x88\x01\x01\x12&\n\x19max_long_partial_prefills\x18\x06 \x01(\rH\x05\x88\x01\x01\x12)\n\x1clong_prefill_token_threshold\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x13\n\x0bnum_running\x18\x08 \x01(\r\x12\x13\n\x0bnum_waiting\x18\t \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\n \x01(\x02\x12\x16\n\x0e\x65\x66\x66\x65\x63tive_step\x18\x0b \x01(\x04\x42\t\n\x07_policyB\x19\n\x17_max_num_batched_tokensB\x0f\n\r_max_num_seqsB\x19\n\x17_enable_chunked_prefillB\x1b\n\x19_max_num_partial_prefillsB\x1c\n\x1a_max_long_partial_prefillsB\x1f\n\x1d_long_prefill_token_threshold\"\x19\n\x17ResetPrefixCacheRequest\"6\n\x18ResetPrefixCacheResponse\x12\x1a\n\x12num_blocks_dropped\x18\x01 \x01(\r\"\x13\n\x11WatchStepsRequest\"\x84\x01\n\x0eStepTraceEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x12\n\nis_prefill\x18\x03 \x01(\x08\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\"\x98\x03\n\tStepTrace\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x14\n\x0ctoken_budget\x18\x04 \x01(\r\x12\x1a\n\x12num_prefill_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_decode_tokens\x18\x06 \x01(\r\x12\x15\n\rnum_preempted\x18\x07 \x01(\r\x12\x17\n\x0fnum_swapped_out\x18\x08 \x01(\r\x12\x16\n\x0enum_swapped_in\x18\t \x01(\r\x12\x19\n\x11num_cached_tokens\x18\n \x01(\r\x12\x13\n\x0b\x65xecutor_ns\x18\x0b \x01(\x04\x12\x0f\n\x07step_ns\x18\x0c \x01(\x04\x12\x13\n\x0bnum_running\x18\r \x01(\r\x12\x13\n\x0bnum_waiting\x18\x0e \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x0f \x01(\x02\x12+\n\x04seqs\x18\x10 \x03(\x0b\x32\x1d.chunkserve.v1.StepTraceEntry\x12\x0e\n\x06policy\x18\x11 \x01(\t*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x32\xe9\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.chunkserve.v1.GenerateRequest\x1a\x1f.chunkserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.chunkserve.v1.AbortRequest\x1a\x1c.chunkserve.v1.AbortResponse\x12H\n\x07GetInfo\x12\x1d.chunkserve.v1.GetInfoRequest\x1a\x1e.chunkserve.v1.GetInfoResponse2\xd9\x02\n\x05\x41\x64min\x12J\n\nWatchSteps\x12 .chunkserve.v1.WatchStepsRequest\x1a\x18.chunkserve.v1.StepTrace0\x01\x12\x63\n\x10ResetPrefixCache\x12&.chunkserve.v1.ResetPrefixCacheRequest\x1a\'.chunkserve.v1.ResetPrefixCacheResponse\x12M\n\tGetConfig\x12\x1f.chunkserve.v1.GetConfigRequest\x1a\x1f.chunkserve.v1.SchedulingConfig\x12P\n\x0cUpdateConfig\x12\x1f.chunkserve.v1.SchedulingConfig\x1a\x1f.chunkserve.v1.SchedulingConfigb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'chunkserve.v1.chunkserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2477
-  _globals['_FINISHREASON']._serialized_end=2632
+  _globals['_FINISHREASON']._serialized_start=3094
+  _globals['_FINISHREASON']._serialized_end=3249
   _globals['_CHATMESSAGE']._serialized_start=49
   _globals['_CHATMESSAGE']._serialized_end=93
   _globals['_CHATMESSAGES']._serialized_start=95
@@ -40,37 +40,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=158
   _globals['_SAMPLINGPARAMS']._serialized_end=528
   _globals['_GENERATEREQUEST']._serialized_start=531
-  _globals['_GENERATEREQUEST']._serialized_end=761
-  _globals['_TOKENIDS']._serialized_start=763
-  _globals['_TOKENIDS']._serialized_end=786
-  _globals['_TOKENLOGPROB']._serialized_start=788
-  _globals['_TOKENLOGPROB']._serialized_end=851
-  _globals['_LOGPROBS']._serialized_start=853
-  _globals['_LOGPROBS']._serialized_end=922
-  _globals['_USAGE']._serialized_start=924
-  _globals['_USAGE']._serialized_end=1004
-  _globals['_GENERATERESPONSE']._serialized_start=1007
-  _globals['_GENERATERESPONSE']._serialized_end=1339
-  _globals['_ABORTREQUEST']._serialized_start=1341
-  _globals['_ABORTREQUEST']._serialized_end=1375
-  _globals['_ABORTRESPONSE']._serialized_start=1377
-  _globals['_ABORTRESPONSE']._serialized_end=1407
-  _globals['_GETINFOREQUEST']._serialized_start=1409
-  _globals['_GETINFOREQUEST']._serialized_end=1425
-  _globals['_GETINFORESPONSE']._serialized_start=1428
-  _globals['_GETINFORESPONSE']._serialized_end=1840
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1842
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1867
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1869
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1923
-  _globals['_WATCHSTEPSREQUEST']._serialized_start=1925
-  _globals['_WATCHSTEPSREQUEST']._serialized_end=1944
-  _globals['_STEPTRACEENTRY']._serialized_start=1947
-  _globals['_STEPTRACEENTRY']._serialized_end=2079
-  _globals['_STEPTRACE']._serialized_start=2082
-  _globals['_STEPTRACE']._serialized_end=2474
-  _globals['_GENERATION']._serialized_start=2635
-  _globals['_GENERATION']._serialized_end=2868
-  _globals['_ADMIN']._serialized_start=2871
-  _globals['_ADMIN']._serialized_end=3055
+  _globals['_GENERATEREQUEST']._serialized_end=813
+  _globals['_TOKENIDS']._serialized_start=815
+  _globals['_TOKENIDS']._serialized_end=838
+  _globals['_TOKENLOGPROB']._serialized_start=840
+  _globals['_TOKENLOGPROB']._serialized_end=903
+  _globals['_LOGPROBS']._serialized_start=905
+  _globals['_LOGPROBS']._serialized_end=974
+  _globals['_USAGE']._serialized_start=976
+  _globals['_USAGE']._serialized_end=1056
+  _globals['_GENERATERESPONSE']._serialized_start=1059
+  _globals['_GENERATERESPONSE']._serialized_end=1391
+  _globals['_ABORTREQUEST']._serialized_start=1393
+  _globals['_ABORTREQUEST']._serialized_end=1427
+  _globals['_ABORTRESPONSE']._serialized_start=1429
+  _globals['_ABORTRESPONSE']._serialized_end=1459
+  _globals['_GETINFOREQUEST']._serialized_start=1461
+  _globals['_GETINFOREQUEST']._serialized_end=1477
+  _globals['_GETINFORESPONSE']._serialized_start=1480
+  _globals['_GETINFORESPONSE']._serialized_end=1892
+  _globals['_GETCONFIGREQUEST']._serialized_start=1894
+  _globals['_GETCONFIGREQUEST']._serialized_end=1912
+  _globals['_SCHEDULINGCONFIG']._serialized_start=1915
+  _globals['_SCHEDULINGCONFIG']._serialized_end=2441
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=2443
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=2468
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=2470
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=2524
+  _globals['_WATCHSTEPSREQUEST']._serialized_start=2526
+  _globals['_WATCHSTEPSREQUEST']._serialized_end=2545
+  _globals['_STEPTRACEENTRY']._serialized_start=2548
+  _globals['_STEPTRACEENTRY']._serialized_end=2680
+  _globals['_STEPTRACE']._serialized_start=2683
+  _globals['_STEPTRACE']._serialized_end=3091
+  _globals['_GENERATION']._serialized_start=3252
+  _globals['_GENERATION']._serialized_end=3485
+  _globals['_ADMIN']._serialized_start=3488
+  _globals['_ADMIN']._serialized_end=3833
 # @@protoc_insertion_point(module_scope)

@@ -212,6 +212,16 @@ class AdminStub:
                 request_serializer=chunkserve_dot_v1_dot_chunkserve__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=chunkserve_dot_v1_dot_chunkserve__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.GetConfig = channel.unary_unary(
+                '/chunkserve.v1.Admin/GetConfig',
+                request_serializer=chunkserve_dot_v1_dot_chunkserve__pb2.GetConfigRequest.SerializeToString,
+                response_deserializer=chunkserve_dot_v1_dot_chunkserve__pb2.SchedulingConfig.FromString,
+                _registered_method=True)
+        self.UpdateConfig = channel.unary_unary(
+                '/chunkserve.v1.Admin/UpdateConfig',
+                request_serializer=chunkserve_dot_v1_dot_chunkserve__pb2.SchedulingConfig.SerializeToString,
+                response_deserializer=chunkserve_dot_v1_dot_chunkserve__pb2.SchedulingConfig.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -233,6 +243,21 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetConfig(self, request, context):
+        """The live scheduling configuration and state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateConfig(self, request, context):
+        """Changes the scheduling configuration atomically at the next step boundary. Every field
+        set is validated first; on INVALID_ARGUMENT nothing changed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -245,6 +270,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=chunkserve_dot_v1_dot_chunkserve__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=chunkserve_dot_v1_dot_chunkserve__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'GetConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetConfig,
+                    request_deserializer=chunkserve_dot_v1_dot_chunkserve__pb2.GetConfigRequest.FromString,
+                    response_serializer=chunkserve_dot_v1_dot_chunkserve__pb2.SchedulingConfig.SerializeToString,
+            ),
+            'UpdateConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateConfig,
+                    request_deserializer=chunkserve_dot_v1_dot_chunkserve__pb2.SchedulingConfig.FromString,
+                    response_serializer=chunkserve_dot_v1_dot_chunkserve__pb2.SchedulingConfig.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -303,6 +338,60 @@ class Admin:
             '/chunkserve.v1.Admin/ResetPrefixCache',
             chunkserve_dot_v1_dot_chunkserve__pb2.ResetPrefixCacheRequest.SerializeToString,
             chunkserve_dot_v1_dot_chunkserve__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chunkserve.v1.Admin/GetConfig',
+            chunkserve_dot_v1_dot_chunkserve__pb2.GetConfigRequest.SerializeToString,
+            chunkserve_dot_v1_dot_chunkserve__pb2.SchedulingConfig.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chunkserve.v1.Admin/UpdateConfig',
+            chunkserve_dot_v1_dot_chunkserve__pb2.SchedulingConfig.SerializeToString,
+            chunkserve_dot_v1_dot_chunkserve__pb2.SchedulingConfig.FromString,
             options,
             channel_credentials,
             insecure,

@@ -110,7 +110,7 @@ def make_scheduler(num_blocks=64, block_size=4, max_model_len=4096, num_host_blo
     config = SchedulerConfig(**cfg)
     host = BlockPool(num_host_blocks, block_size) if num_host_blocks else None
     pool = BlockPool(num_blocks, block_size, enable_caching=config.enable_prefix_caching)
-    return Scheduler(config, pool, create_policy("fcfs"), max_model_len, host)
+    return Scheduler(config, pool, create_policy(config.scheduling_policy), max_model_len, host)
 
 
 def make_request(seq_id: int, prompt_len: int, max_tokens: int = 8, **sampling) -> Request:

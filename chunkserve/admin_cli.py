@@ -1,0 +1,63 @@
+"""`chunkserve admin ...`: read and change a running server's scheduling without a restart."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import grpc
+from google.protobuf import json_format
+
+from chunkserve.flags import env_name
+from chunkserve.v1 import chunkserve_pb2 as pb
+from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+
+_SETTINGS = {  # flag -> (SchedulingConfig field, type)
+    "--policy": ("policy", str),
+    "--max-num-batched-tokens": ("max_num_batched_tokens", int),
+    "--max-num-seqs": ("max_num_seqs", int),
+    "--max-num-partial-prefills": ("max_num_partial_prefills", int),
+    "--max-long-partial-prefills": ("max_long_partial_prefills", int),
+    "--long-prefill-token-threshold": ("long_prefill_token_threshold", int),
+}
+
+
+def add_admin_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("admin", help="inspect or reconfigure a running server (Admin service)")
+    default = f"127.0.0.1:{os.environ.get(env_name('admin_port'), '50052')}"
+    p.add_argument("--address", default=default, help=f"Admin service address (default {default})")
+    actions = p.add_subparsers(dest="action", required=True)
+    actions.add_parser("config", help="print the live scheduling configuration and state")
+    setp = actions.add_parser("set", help="change settings at the next step boundary (validated, atomic)")
+    for flag, (_, kind) in _SETTINGS.items():
+        setp.add_argument(flag, type=kind)
+    setp.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    actions.add_parser("watch-steps", help="stream the step trace as JSON lines until Ctrl-C")
+    actions.add_parser("reset-prefix-cache", help="forget every cached prefix block")
+
+
+def run_admin(args: argparse.Namespace) -> int:
+    stub = pb_grpc.AdminStub(grpc.insecure_channel(args.address))
+    try:
+        if args.action == "config":
+            print(json_format.MessageToJson(stub.GetConfig(pb.GetConfigRequest(), timeout=10)))
+        elif args.action == "set":
+            update = pb.SchedulingConfig()
+            for flag, (field, _) in _SETTINGS.items():
+                value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+                if value is not None:
+                    setattr(update, field, value)
+            if args.enable_chunked_prefill is not None:
+                update.enable_chunked_prefill = args.enable_chunked_prefill
+            print(json_format.MessageToJson(stub.UpdateConfig(update, timeout=10)))
+        elif args.action == "reset-prefix-cache":
+            print(stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=10).num_blocks_dropped, "blocks dropped")
+        else:
+            for trace in stub.WatchSteps(pb.WatchStepsRequest()):
+                print(json_format.MessageToJson(trace, indent=None), flush=True)
+    except grpc.RpcError as exc:
+        sys.stderr.write(f"chunkserve admin: {exc.code().name}: {exc.details()}\n")
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
