@@ -26,7 +26,7 @@ from scheduler_svc.admin import AdminServicer, Controls
 from scheduler_svc.engine import Engine
 from scheduler_svc.executor_client import CHANNEL_OPTIONS, ExecutorClient
 from scheduler_svc.metrics import Metrics
-from scheduler_svc.policy import create_policy
+from scheduler_svc.policy import Policy, create_policy
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.server import GenerationServicer
 from scheduler_svc.tokenizer import Tokenizer
@@ -82,6 +82,8 @@ class SchedulerApp:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
         self.port = 0
+        self.metrics: Metrics | None = None
+        self._supervisor: asyncio.Task[None] | None = None
         self.tracer = StepTracer(config.step_trace_file)
         self.admin: grpc.aio.Server | None = None
         if config.admin_port:
@@ -102,39 +104,68 @@ class SchedulerApp:
                  self.config.host, self.port, self.config.executor_address)
         client = ExecutorClient(self.config.executor_address)
         hs = await client.handshake(timeout=self.config.startup_timeout_s)
-        if self.config.max_num_batched_tokens > hs.max_num_batched_tokens:
-            raise ValueError(f"--max-num-batched-tokens {self.config.max_num_batched_tokens} is larger than the "
+        self.ready = self._build(client, hs, self.config, create_policy(self.config.scheduling_policy))
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="executor-supervisor")
+
+    def _build(self, client: ExecutorClient, hs: epb.HandshakeResponse, config: SchedulerConfig,
+               policy: Policy) -> Ready:
+        """A fresh block pool, scheduler and engine sized from a handshake."""
+        if config.max_num_batched_tokens > hs.max_num_batched_tokens:
+            raise ValueError(f"--max-num-batched-tokens {config.max_num_batched_tokens} is larger than the "
                              f"executor's {hs.max_num_batched_tokens}: give both the same value")
-        max_model_len = decide_max_model_len(self.config, hs)
-        tokenizer = Tokenizer(self.config.tokenizer or hs.model_path)
-        limits = Limits(
-            max_model_len=max_model_len,
-            vocab_size=hs.model.vocab_size,
-            max_prompt_tokens=max_model_len,
-        )
-        if self.config.preemption_mode == "swap" and not hs.num_host_blocks:
+        if config.preemption_mode == "swap" and not hs.num_host_blocks:
             raise ValueError("--preemption-mode swap needs host swap blocks: give the executor --swap-space > 0")
+        max_model_len = decide_max_model_len(config, hs)
+        tokenizer = Tokenizer(config.tokenizer or hs.model_path)
+        limits = Limits(max_model_len=max_model_len, vocab_size=hs.model.vocab_size, max_prompt_tokens=max_model_len)
         host_pool = BlockPool(hs.num_host_blocks, hs.block_size) if hs.num_host_blocks else None
-        pool = BlockPool(hs.num_device_blocks, hs.block_size, enable_caching=self.config.enable_prefix_caching)
-        scheduler = Scheduler(self.config, pool,
-                              create_policy(self.config.scheduling_policy), max_model_len, host_pool)
+        pool = BlockPool(hs.num_device_blocks, hs.block_size, enable_caching=config.enable_prefix_caching)
+        scheduler = Scheduler(config, pool, policy, max_model_len, host_pool)
         eos = frozenset(hs.model.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
-        metrics = Metrics(hs.model_name)
-        if self.config.metrics_port:
-            metrics.serve(self.config.metrics_host, self.config.metrics_port)
-        engine = Engine(scheduler, client, tokenizer, frozenset(eos), self.config.max_waiting_requests,
-                        self.config.step_timeout_s, metrics, self.tracer)
+        if self.metrics is None:
+            self.metrics = Metrics(hs.model_name)
+            if config.metrics_port:
+                self.metrics.serve(config.metrics_host, config.metrics_port)
+        engine = Engine(scheduler, client, tokenizer, frozenset(eos), config.max_waiting_requests,
+                        config.step_timeout_s, self.metrics, self.tracer)
         engine.start()
         info = pb.GetInfoResponse(
             model_name=hs.model_name, max_model_len=max_model_len, vocab_size=hs.model.vocab_size,
             dtype=hs.dtype, block_size=hs.block_size, num_device_blocks=hs.num_device_blocks,
-            num_host_blocks=hs.num_host_blocks, max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_num_seqs=self.config.max_num_seqs, enable_chunked_prefill=self.config.enable_chunked_prefill,
-            attention_backend=hs.attention_backend, version=__version__, eos_token_ids=sorted(eos))
-        self.ready = Ready(engine, limits, info, client, Controls(scheduler, hs.max_num_batched_tokens))
-        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+            num_host_blocks=hs.num_host_blocks, attention_backend=hs.attention_backend, version=__version__,
+            eos_token_ids=sorted(eos))
         log.info("serving %s (max_model_len %d, %d KV blocks of %d tokens, %s, %s)", hs.model_name,
                  max_model_len, hs.num_device_blocks, hs.block_size, hs.dtype, hs.attention_backend)
+        return Ready(engine, limits, info, client, Controls(scheduler, hs.max_num_batched_tokens))
+
+    async def _supervise(self) -> None:
+        """When the executor fails, go NOT_SERVING, wait for it to come back (a supervisor or
+        compose restarts it), and resume with a clean block pool and the live settings."""
+        while True:
+            ready = self.ready
+            while not ready.engine.dead.is_set():
+                try:
+                    await asyncio.wait_for(ready.engine.dead.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if not ready.engine.scheduler.has_work():  # idle: is the executor still there?
+                        try:
+                            await ready.client.handshake(timeout=2.0)
+                        except grpc.RpcError as exc:
+                            ready.engine.fail(f"executor unreachable: {exc.code().name}")
+            await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+            log.error("executor lost; waiting for it to come back at %s", self.config.executor_address)
+            await ready.engine.stop()
+            while True:
+                try:
+                    hs = await ready.client.handshake(timeout=5.0)
+                    await ready.client.reset()
+                    break
+                except grpc.RpcError:
+                    await asyncio.sleep(0.5)
+            sched = ready.engine.scheduler
+            self.ready = self._build(ready.client, hs, sched.config, sched.policy)
+            await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, grace: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
@@ -142,6 +173,8 @@ class SchedulerApp:
         if self.admin is not None:
             await self.admin.stop(None)
         self.tracer.close()
+        if self._supervisor is not None:
+            self._supervisor.cancel()
         if self.ready is not None:
             await self.ready.engine.stop()
             await self.ready.client.close()

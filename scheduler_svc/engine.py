@@ -96,6 +96,7 @@ class Engine:
         self._seq_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._dead: str | None = None
+        self.dead = asyncio.Event()  # set once the executor failed; this engine is then done
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
         self._stats_seen = SchedulerStats()
@@ -195,8 +196,16 @@ class Engine:
         if self.tracer.active:
             self.tracer.record(plan, result, planned_at, step_ns, running, waiting, usage)
 
+    def fail(self, reason: str) -> None:
+        """Declares the executor gone: every open stream ends with UNAVAILABLE, new requests
+        are refused, and the loop stops (the app builds a fresh engine on reconnect)."""
+        self._fail_all(reason)
+        if self._task is not None:
+            self._task.cancel()
+
     def _fail_all(self, reason: str) -> None:
         self._dead = reason
+        self.dead.set()
         for request_id, live in list(self._live.items()):
             self.scheduler.abort(request_id)
             if self.metrics is not None:

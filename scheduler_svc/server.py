@@ -95,6 +95,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         info = pb.GetInfoResponse()
         info.CopyFrom(static)
         sched = engine.scheduler
+        info.max_num_batched_tokens = sched.config.max_num_batched_tokens
+        info.max_num_seqs = sched.config.max_num_seqs
+        info.enable_chunked_prefill = sched.config.enable_chunked_prefill
         info.num_free_device_blocks = sched.pool.num_free_blocks
         info.num_requests_running = len(sched.running)
         info.num_requests_waiting = len(sched.waiting) + len(sched.swapped)

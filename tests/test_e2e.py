@@ -365,3 +365,55 @@ def test_hot_swap_policy_and_budget_under_load(server, prompts, expected):
         step = answer.effective_step
         assert (by_step[step - 1].policy, by_step[step - 1].token_budget) == before
         assert (by_step[step].policy, by_step[step].token_budget) == after
+
+
+def test_executor_killed_under_load_then_restarted(tiny_model_path, tmp_path):
+    """kill -9 the executor mid-stream: every open stream ends UNAVAILABLE within 5 s, health
+    flips to NOT_SERVING, and once an executor is back new requests succeed on a clean pool."""
+    import os
+    import signal
+    import subprocess
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from chunkserve.launch import start_server
+
+    server = start_server(tmp_path, ["--model", str(tiny_model_path), "--dtype", "float32"], [])
+    try:
+        stub = server.stub()
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
+        check = lambda: health.Check(health_pb2.HealthCheckRequest(service="chunkserve.v1.Generation"),
+                                     timeout=5).status
+        assert check() == health_pb2.HealthCheckResponse.SERVING
+        calls = [stub.Generate(build_request([5, 6, 7], temperature=0.0, max_tokens=3000, ignore_eos=True))
+                 for _ in range(6)]
+        for call in calls:
+            next(call)
+        executor_argv = server.executor.args
+        os.kill(server.executor.pid, signal.SIGKILL)
+        killed = time.time()
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in call:
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.time() - killed < 5
+        deadline = time.time() + 5
+        while check() != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.time() < deadline
+            time.sleep(0.1)
+        with pytest.raises(grpc.RpcError) as err:
+            run(stub, build_request([5, 6], max_tokens=2))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # What `chunkserve serve` or compose does: start the executor again, same flags.
+        server.executor = subprocess.Popen(executor_argv, stdout=open(tmp_path / "executor2.log", "w"),
+                                           stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while check() != health_pb2.HealthCheckResponse.SERVING:
+            assert time.time() < deadline, (tmp_path / "executor2.log").read_text()[-2000:]
+            time.sleep(0.2)
+        done = run(stub, build_request([5, 6, 7], temperature=0.0, max_tokens=4, ignore_eos=True))
+        assert len(done.token_ids) == 4
+        server.assert_idle_and_no_leaks()
+    finally:
+        server.stop()
