@@ -72,10 +72,17 @@ def generate_cli(args: argparse.Namespace) -> int:
                         logprobs=args.logprobs)
     req.sampling.stop.extend(args.stop)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    with grpc.insecure_channel(f"{host}:{args.port}") as channel:
+    target = f"{host}:{args.port}"
+    if args.tls_ca_file:
+        with open(args.tls_ca_file, "rb") as ca:
+            channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(ca.read()))
+    else:
+        channel = grpc.insecure_channel(target)
+    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
+    with channel:
         stub = pb_grpc.GenerationStub(channel)
         try:
-            for msg in stub.Generate(req, timeout=args.timeout):
+            for msg in stub.Generate(req, timeout=args.timeout, metadata=metadata):
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
                 if args.logprobs is not None:

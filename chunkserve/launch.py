@@ -97,8 +97,8 @@ def start_server(tmp_dir: Path, executor_args: list[str], scheduler_args: list[s
             if proc.poll() is not None:
                 server.stop()
                 raise RuntimeError(f"server process exited during start-up:\n{log.read_text()[-4000:]}")
-        try:
-            server.info()
+        try:  # the admin port answers GetConfig once the executor handshake is done (TLS or not)
+            pb_grpc.AdminStub(grpc.insecure_channel(server.admin_address)).GetConfig(pb.GetConfigRequest(), timeout=5)
             return server
         except grpc.RpcError:
             if time.time() > deadline:

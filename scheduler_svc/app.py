@@ -23,6 +23,7 @@ from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.block_manager import BlockPool
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.admin import AdminServicer, Controls
+from scheduler_svc.auth import BearerTokenInterceptor
 from scheduler_svc.engine import Engine
 from scheduler_svc.executor_client import CHANNEL_OPTIONS, ExecutorClient
 from scheduler_svc.metrics import Metrics
@@ -69,7 +70,8 @@ class SchedulerApp:
         self.config = config
         self.ready: Ready | None = None
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS + [
+        interceptors = [BearerTokenInterceptor(config.api_key)] if config.api_key else []
+        self.server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS + [
             ("grpc.so_reuseport", 0),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
@@ -93,7 +95,13 @@ class SchedulerApp:
 
     async def start(self) -> None:
         """Listens, then connects to the executor; returns when requests can be served."""
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.tls_cert_file:
+            with open(self.config.tls_cert_file, "rb") as cert, open(self.config.tls_key_file, "rb") as key:
+                credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+            self.port = self.server.add_secure_port(address, credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
         await self.server.start()
         if self.admin is not None:
             self.admin.add_insecure_port(f"{self.config.admin_host}:{self.config.admin_port}")

@@ -45,6 +45,12 @@ class SchedulerConfig:
         "help": "requests allowed to wait for admission; more get RESOURCE_EXHAUSTED"})
     host: str = field(default="0.0.0.0", metadata={"help": "address the public gRPC API listens on"})
     port: int = field(default=50051, metadata={"help": "port of the public gRPC API"})
+    api_key: str | None = field(default=None, metadata={
+        "help": "require `authorization: Bearer <key>` metadata on the public API (health and "
+                "reflection stay open); set it through the environment, not the command line"})
+    tls_cert_file: str | None = field(default=None, metadata={
+        "help": "PEM certificate chain: serve the public API over TLS (with --tls-key-file)"})
+    tls_key_file: str | None = field(default=None, metadata={"help": "PEM private key for --tls-cert-file"})
     metrics_host: str = field(default="0.0.0.0", metadata={"help": "address of the Prometheus /metrics HTTP server"})
     metrics_port: int = field(default=9400, metadata={"help": "port of the Prometheus /metrics server; 0 = off"})
     admin_host: str = field(default="127.0.0.1", metadata={
@@ -75,6 +81,8 @@ class SchedulerConfig:
                              f"got {self.max_long_partial_prefills}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("--tls-cert-file and --tls-key-file go together")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
         if self.max_preemptions < 1:
