@@ -160,7 +160,7 @@ class SchedulerApp:
                         try:
                             await ready.client.handshake(timeout=2.0)
                         except grpc.RpcError as exc:
-                            ready.engine.fail(f"executor unreachable: {exc.code().name}")
+                            ready.engine.fail(f"executor unavailable: unreachable ({exc.code().name})")
             await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
             log.error("executor lost; waiting for it to come back at %s", self.config.executor_address)
             await ready.engine.stop()

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from scheduler_svc.errors import QueueFullError, ServingError, UnavailableError
+from scheduler_svc.errors import InternalError, QueueFullError, ServingError, UnavailableError
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.plan import StepPlan, StepResult
 from scheduler_svc.request import FinishReason, Request, SamplingParams
@@ -109,7 +109,7 @@ class Engine:
                     priority: int = 0, tenant: str = "") -> RequestStream:
         """Queues a validated request; its tokens arrive on the returned stream."""
         if self._dead is not None:
-            raise UnavailableError(f"executor unavailable: {self._dead}")
+            raise UnavailableError(f"not serving: {self._dead}")
         if len(self.scheduler.waiting) >= self.max_waiting:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests waiting; retry later")
         request = Request(
@@ -159,6 +159,15 @@ class Engine:
         return self._dead is not None
 
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug: never leave streams waiting on a dead loop
+            log.exception("the step loop failed")
+            self._fail_all("internal error in the step loop (see the server log)", InternalError)
+
+    async def _loop(self) -> None:
         while True:
             if not self.scheduler.has_work():
                 self._wake.clear()
@@ -177,7 +186,7 @@ class Engine:
                 raise
             except Exception as exc:  # the executor failed or vanished
                 log.exception("step %d failed", plan.step_id)
-                self._fail_all(f"step failed: {type(exc).__name__}: {exc}")
+                self._fail_all(f"executor unavailable: step failed: {type(exc).__name__}: {exc}")
                 return
             self.num_steps += 1
             self._emit(self.scheduler.update(plan, result))
@@ -203,14 +212,14 @@ class Engine:
         if self._task is not None:
             self._task.cancel()
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, error: type[ServingError] = UnavailableError) -> None:
         self._dead = reason
         self.dead.set()
         for request_id, live in list(self._live.items()):
             self.scheduler.abort(request_id)
             if self.metrics is not None:
                 self.metrics.on_finish(live.request, FinishReason.ABORTED, time.monotonic())
-            live.stream.put(StreamDelta(error=UnavailableError(f"executor unavailable: {reason}")))
+            live.stream.put(StreamDelta(error=error(reason)))
         self._live.clear()
 
     # ---- output ------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Errors that map to gRPC status codes (the servicer turns them into aborts).
 
-Keeping the mapping in one place means the core never imports grpc and every path reports
-the same code for the same situation (REFERENCE.md's table).
+Keeping the mapping in one place means every path reports the same code for the same
+situation (REFERENCE.md's table).
 """
 from __future__ import annotations
 
@@ -30,3 +30,9 @@ class UnavailableError(ServingError):
     """Loading, draining, or the executor is gone."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class InternalError(ServingError):
+    """A bug or broken invariant; the server log has the traceback."""
+
+    code = grpc.StatusCode.INTERNAL

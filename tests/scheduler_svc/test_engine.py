@@ -105,3 +105,19 @@ def test_executor_failure_ends_every_stream_with_unavailable(fakes, byte_tokeniz
     engine, results = asyncio.run(main())
     assert all(isinstance(r[-1].error, UnavailableError) for r in results)
     assert engine.scheduler.pool.num_free_blocks == 256
+
+
+def test_a_bug_in_the_step_loop_ends_streams_instead_of_hanging(fakes, byte_tokenizer_dir):
+    from scheduler_svc.errors import InternalError
+
+    async def main():
+        engine, _ = make_engine(fakes, byte_tokenizer_dir)
+        engine.scheduler.schedule = lambda: 1 / 0  # stands in for any bug
+        engine.start()
+        stream = engine.add_request([5, 6, 7], SamplingParams(max_tokens=5))
+        deltas = await asyncio.wait_for(collect(stream), 5)
+        await engine.stop()
+        return deltas
+
+    deltas = asyncio.run(main())
+    assert isinstance(deltas[-1].error, InternalError)
