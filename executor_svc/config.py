@@ -36,7 +36,9 @@ class ExecutorConfig:
         "help": "use exactly this many device KV blocks (tests, reproducing memory pressure)"})
     swap_space: float = field(default=1.0, metadata={"help": "host swap space for preempted KV blocks, GiB"})
     attention_backend: str = field(default="auto", metadata={
-        "help": "attention kernels: auto, torch, torch_ref (slow oracle)"})
+        "help": "attention kernels: auto (flash_attn on CUDA when installed and the block size is a "
+                "multiple of 256, else triton on CUDA, else torch), torch, torch_ref (slow oracle), triton, "
+                "flash_attn"})
     max_num_batched_tokens: int = field(default=2048, metadata={
         "help": "largest number of tokens in one step (the scheduler's budget)"})
     executor_host: str = field(default="127.0.0.1", metadata={

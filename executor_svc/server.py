@@ -20,7 +20,7 @@ import torch
 from chunkserve import __version__
 from chunkserve.executor.v1 import executor_pb2 as epb
 from chunkserve.executor.v1 import executor_pb2_grpc as epb_grpc
-from chunkserve_kernels.backend import get_backend
+from chunkserve_kernels.backend import choose_backend, get_backend
 from executor_svc.config import ExecutorConfig
 from executor_svc.model_loader import load_model, resolve_model
 from executor_svc.runner import ModelRunner, PlanError
@@ -89,7 +89,7 @@ def load(config: ExecutorConfig) -> Loaded:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    backend_name = "torch" if config.attention_backend == "auto" else config.attention_backend
+    backend_name = choose_backend(device, dtype, config.block_size) if config.attention_backend == "auto" else config.attention_backend
     backend = get_backend(backend_name)
     backend.check_dtype(dtype)
     backend.check_block_size(config.block_size)

@@ -10,6 +10,7 @@ from chunkserve_kernels.backend import (
     DEFAULT_BACKEND,
     AttentionBackend,
     available_backends,
+    choose_backend,
     get_backend,
     register_backend,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "ForwardContext",
     "available_backends",
     "build_metadata",
+    "choose_backend",
     "get_backend",
     "get_forward_context",
     "register_backend",

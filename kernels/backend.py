@@ -2,14 +2,15 @@
 
 A backend is a stateless strategy object: it writes this step's K/V into the paged cache
 and computes causal attention for a flat varlen batch. Backends declare what they support
-(dtypes, block sizes) so that start-up fails with a clear message instead of a kernel
-error deep inside the first forward. The registry maps names to "module:Class" strings and
-imports lazily, so a CPU machine never imports flash-attn or Triton.
+(dtypes, head sizes, block sizes) so that start-up fails with a clear message instead of a
+kernel error deep inside the first forward. The registry maps names to "module:Class"
+strings and imports lazily, so a CPU machine never imports flash-attn or Triton.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -28,6 +29,11 @@ class AttentionBackend(ABC):
         """Raise ValueError if this backend cannot use `block_size` (default: any positive)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+
+    def check_head_size(self, head_size: int) -> None:
+        """Raise ValueError if this backend cannot use `head_size` (default: any positive)."""
+        if head_size <= 0:
+            raise ValueError(f"head size must be positive, got {head_size}")
 
     def check_dtype(self, dtype: torch.dtype) -> None:
         """Raise ValueError if this backend cannot compute in `dtype`."""
@@ -63,6 +69,8 @@ class AttentionBackend(ABC):
 _REGISTRY: dict[str, str] = {
     "torch": "chunkserve_kernels.torch_backend:TorchBackend",
     "torch_ref": "chunkserve_kernels.torch_ref:TorchRefBackend",
+    "triton": "chunkserve_kernels.triton_attn:TritonBackend",
+    "flash_attn": "chunkserve_kernels.flash_attn_backend:FlashAttnBackend",
 }
 DEFAULT_BACKEND = "torch"
 
@@ -85,3 +93,25 @@ def get_backend(name: str = DEFAULT_BACKEND) -> AttentionBackend:
     module_name, _, class_name = _REGISTRY[name].partition(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     return cls()
+
+
+def _importable(module: str) -> bool:
+    """True if `module` could be imported, without importing it (no CUDA init, no JIT)."""
+    return importlib.util.find_spec(module) is not None
+
+
+def choose_backend(device: torch.device | str, dtype: torch.dtype, block_size: int) -> str:
+    """The backend `--attention-backend auto` means on this machine.
+
+    flash_attn where it can run (CUDA, installed, fp16/bf16, and a block size upstream
+    flash-attn 2 accepts for a paged cache: a multiple of 256); else the Triton kernel on
+    CUDA (any block size); else the torch backend, which runs everywhere.
+    """
+    if torch.device(device).type != "cuda":
+        return "torch"
+    fa_ok = dtype in (torch.float16, torch.bfloat16) and block_size % 256 == 0
+    if fa_ok and _importable("flash_attn"):
+        return "flash_attn"
+    if _importable("triton"):
+        return "triton"
+    return "torch"

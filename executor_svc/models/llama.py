@@ -123,8 +123,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         backend = get_backend(backend) if isinstance(backend, str) else backend
         backend.check_dtype(dtype)
+        spec = self._block_spec(config, backend, dtype, device)
+        backend.check_head_size(spec.head_dim)
         self.config = config
-        self.model = LlamaModel(config, self._block_spec(config, backend, dtype, device))
+        self.model = LlamaModel(config, spec)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None
         if not self.tie_word_embeddings:
