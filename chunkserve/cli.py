@@ -15,6 +15,8 @@ import sys
 from chunkserve.flags import add_config_flags, config_from_args, config_to_argv, env_name
 
 log = logging.getLogger("chunkserve")
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 300
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -45,6 +47,9 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--logprobs", type=int, help="print each token's logprob and this many alternatives")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
+    p.add_argument("--api-key", default=os.environ.get(env_name("api_key")),
+                   help="bearer token, when the server has one [env CHUNKSERVE_API_KEY]")
+    p.add_argument("--tls-ca-file", help="PEM CA/certificate to trust: connect over TLS")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,9 +57,19 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _generate_parser(sub)
+    from chunkserve.bench.cli import add_bench_parser, run_bench
+
+    add_bench_parser(sub)
+    from chunkserve.admin_cli import add_admin_parser, run_admin
+
+    add_admin_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         _serve(args)
+    elif args.command == "bench":
+        sys.exit(run_bench(args))
+    elif args.command == "admin":
+        sys.exit(run_admin(args))
     else:
         from chunkserve.client import generate_cli
 
@@ -78,18 +93,21 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 async def _serve_async(scheduler_config: object, executor_config: object) -> int:
+    """Scheduler here, executor as a child; a child that dies is restarted (at most
+    MAX_RESTARTS times in RESTART_WINDOW_S) and the scheduler reconnects on its own."""
     from scheduler_svc.app import SchedulerApp
 
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "executor_svc", *config_to_argv(executor_config))
+    argv = [sys.executable, "-m", "executor_svc", *config_to_argv(executor_config)]
+    child = await asyncio.create_subprocess_exec(*argv)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     app = SchedulerApp(scheduler_config)  # type: ignore[arg-type]
-    child_exit = asyncio.create_task(child.wait())
+    restarts: list[float] = []
     try:
         starting = asyncio.create_task(app.start())
+        child_exit = asyncio.create_task(child.wait())
         done, _ = await asyncio.wait({starting, child_exit}, return_when=asyncio.FIRST_COMPLETED)
         if starting not in done:
             starting.cancel()
@@ -98,11 +116,18 @@ async def _serve_async(scheduler_config: object, executor_config: object) -> int
         starting.result()
         print(f"chunkserve: serving on {scheduler_config.host}:{app.port}", flush=True)  # type: ignore[attr-defined]
         stopping = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({stopping, child_exit}, return_when=asyncio.FIRST_COMPLETED)
-        if child_exit in done:
-            log.error("the executor exited with code %s", child.returncode)
-            return 1
-        return 0
+        while True:
+            done, _ = await asyncio.wait({stopping, child_exit}, return_when=asyncio.FIRST_COMPLETED)
+            if stopping in done:
+                return 0
+            now = loop.time()
+            restarts = [t for t in restarts if now - t < RESTART_WINDOW_S] + [now]
+            if len(restarts) > MAX_RESTARTS:
+                log.error("the executor exited %d times in %ds; giving up", len(restarts), RESTART_WINDOW_S)
+                return 1
+            log.error("the executor exited with code %s; restarting it", child.returncode)
+            child = await asyncio.create_subprocess_exec(*argv)
+            child_exit = asyncio.create_task(child.wait())
     except ValueError as exc:  # a setting that can never work, found at start-up
         log.error("%s", exc)
         return 2

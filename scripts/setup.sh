@@ -12,6 +12,6 @@ if ! .venv/bin/python -c "import torch, chunkserve, chunkserve_kernels, transfor
    || [ pyproject.toml -nt .venv/.chunkserve-installed ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   .venv/bin/python -m pip install --quiet "torch==2.13.0"
-  .venv/bin/python -m pip install --quiet -e ".[executor,dev]"
+  .venv/bin/python -m pip install --quiet -e ".[executor,dev,bench]"
   touch .venv/.chunkserve-installed
 fi

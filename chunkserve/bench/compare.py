@@ -1,0 +1,63 @@
+"""--compare: the same workload against several server configurations, in alternating rounds.
+
+Each configuration is a string of server flags added to the common --server-args (later
+flags win, as on a command line). For every round the configurations run in order A, B,
+(C...) — A, B, A, B over two rounds — so slow drift of a shared machine (thermal state,
+other jobs) falls on all of them alike. Only one server runs at a time: each is started
+fresh for its turn (chunkserve.launch.start_server) and stopped before the next starts.
+Every run sends the identical workload: same seed, same prompts, same arrival times.
+"""
+from __future__ import annotations
+
+import logging
+import shlex
+import string
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from chunkserve.bench.servers import launch
+from chunkserve.bench.session import Run, RunOptions, run_once
+from chunkserve.bench.workloads import BenchRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """A named server configuration: the full flag list it is started with."""
+
+    name: str
+    args: tuple[str, ...]
+
+    @property
+    def command_line(self) -> str:
+        return shlex.join(self.args)
+
+
+def configs_from(common: str, variants: Sequence[str]) -> list[ServerConfig]:
+    """A, B, C... = common flags + each variant's flags."""
+    if len(variants) < 2:
+        raise ValueError("--compare needs at least two configurations, e.g. --compare '' '--no-enable-chunked-prefill'")
+    if len(variants) > 26:
+        raise ValueError("--compare takes at most 26 configurations")
+    return [ServerConfig(name, tuple(shlex.split(common) + shlex.split(v)))
+            for name, v in zip(string.ascii_uppercase, variants)]
+
+
+def run_compare(configs: Sequence[ServerConfig], rounds: int, requests: Sequence[BenchRequest],
+                arrivals: Sequence[float], opts: RunOptions, log_dir: Path, launch_fn: Callable = launch, run_fn: Callable = run_once) -> dict[str, list[Run]]:
+    """Runs every configuration `rounds` times, alternating; returns name -> its runs in order."""
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    runs: dict[str, list[Run]] = {c.name: [] for c in configs}
+    for k in range(rounds):
+        for cfg in configs:
+            log.warning("round %d/%d, config %s: %s", k + 1, rounds, cfg.name, cfg.command_line or "(defaults)")
+            server, admin_address = launch_fn(log_dir / f"{cfg.name}-round{k + 1}", list(cfg.args))
+            try:
+                runs[cfg.name].append(run_fn(server.address, requests, arrivals, opts, admin_address,
+                                             desc=f"{cfg.name} round {k + 1}/{rounds}"))
+            finally:
+                server.stop()
+    return runs

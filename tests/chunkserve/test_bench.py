@@ -1,0 +1,371 @@
+"""`chunkserve bench`: workloads, arrivals, metrics math, capacity search, and a real run.
+
+The end-to-end tests run the real command in a child process against real servers on a
+tiny random-weight model (tests/conftest.py), and check the JSON report field by field.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import math
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from chunkserve.bench.arrivals import arrival_times
+from chunkserve.bench.capacity import PrefillModel, Probe, search_capacity
+from chunkserve.bench.cli import add_bench_parser
+from chunkserve.bench.metrics import compute_metrics, parse_slos, per_request_lists, percentile
+from chunkserve.bench.runner import RequestRecord, StalledError, run_requests
+from chunkserve.bench.servers import split_server_args
+from chunkserve.bench.workloads import BenchRequest, WorkloadSpec, build_workload, corpus_ids
+from chunkserve.v1 import chunkserve_pb2 as pb
+from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+
+CORPUS = list(range(1000, 2500))  # stand-in token ids: 1500 distinct "words"
+
+
+# ---------------------------------------------------------------- workloads
+
+def test_mixed_workload_is_repeatable_and_respects_the_mix():
+    spec = WorkloadSpec("mixed", num_prompts=50, output_len=(4, 9), long_fraction=0.3,
+                        long_len=(300, 400), short_len=(10, 20))
+    a, b = build_workload(spec, CORPUS, seed=7), build_workload(spec, CORPUS, seed=7)
+    assert a == b
+    assert build_workload(spec, CORPUS, seed=8) != a
+    assert [r.cls for r in a].count("long") == 15 and [r.cls for r in a].count("short") == 35
+    assert {r.cls for r in a[:15]} == {"short", "long"}, "classes are shuffled, not blocked"
+    for r in a:
+        low, high = spec.long_len if r.cls == "long" else spec.short_len
+        assert low <= len(r.prompt_ids) <= high
+        assert 4 <= r.output_len <= 9
+    assert len({r.prompt_ids[:8] for r in a}) == 50, "no two prompts share a prefix by accident"
+
+
+def test_fixed_workload_has_exact_lengths_and_wraps_the_corpus():
+    spec = WorkloadSpec("fixed", num_prompts=5, input_len=4000, output_len=(16, 16))
+    reqs = build_workload(spec, CORPUS, seed=0)
+    assert [(len(r.prompt_ids), r.output_len, r.cls) for r in reqs] == [(4000, 16, "fixed")] * 5
+    p = reqs[0].prompt_ids
+    assert all(b - a in (1, 1 - len(CORPUS)) for a, b in zip(p, p[1:])), "consecutive corpus ids, wrapping"
+
+
+def test_shared_prefix_workload_is_n_prefixes_times_m_users():
+    spec = WorkloadSpec("shared-prefix", num_prefixes=3, users_per_prefix=4, prefix_len=100, suffix_len=(5, 10))
+    reqs = build_workload(spec, CORPUS, seed=1)
+    assert len(reqs) == 12
+    groups: dict[str, list] = {}
+    for r in reqs:
+        groups.setdefault(r.cls, []).append(r.prompt_ids)
+    assert sorted(groups) == ["prefix-0", "prefix-1", "prefix-2"]
+    for prompts in groups.values():
+        assert len(prompts) == 4 and len({p[:100] for p in prompts}) == 1
+        assert len({p[100:] for p in prompts}) == 4 and all(5 <= len(p) - 100 <= 10 for p in prompts)
+    assert len({p[0][:100] for p in groups.values()}) == 3
+
+
+def test_workload_text_is_real_english(default_model_path):
+    from tokenizers import Tokenizer
+
+    ids = corpus_ids(default_model_path)
+    req = build_workload(WorkloadSpec("fixed", num_prompts=1, input_len=3000), ids, seed=0)[0]
+    assert len(req.prompt_ids) == 3000
+    text = Tokenizer.from_file(str(default_model_path / "tokenizer.json")).decode(list(req.prompt_ids))
+    assert text.count(" the ") > 20
+
+
+def test_bad_workload_settings_are_refused():
+    with pytest.raises(ValueError, match="--long-fraction"):
+        WorkloadSpec(long_fraction=1.5)
+    with pytest.raises(ValueError, match="--short-len"):
+        WorkloadSpec(short_len=(50, 10))
+
+
+# ---------------------------------------------------------------- arrivals
+
+@pytest.mark.parametrize("burstiness", [1.0, 0.25, 4.0])
+def test_gamma_arrivals_match_the_rate(burstiness):
+    rate, n = 5.0, 20000
+    times = arrival_times(n, rate, burstiness, seed=3)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert times[0] == 0.0 and min(gaps) >= 0
+    assert statistics.fmean(gaps) == pytest.approx(1 / rate, rel=0.05)
+    cv2 = statistics.pvariance(gaps) / statistics.fmean(gaps) ** 2  # gamma: 1 / shape
+    assert cv2 == pytest.approx(1 / burstiness, rel=0.1)
+    assert arrival_times(n, rate, burstiness, seed=3) == times
+    assert arrival_times(n, rate, burstiness, seed=4) != times
+
+
+def test_infinite_rate_sends_everything_at_once():
+    assert arrival_times(4, math.inf) == [0.0] * 4
+    with pytest.raises(ValueError):
+        arrival_times(4, 0.0)
+
+
+# ---------------------------------------------------------------- metrics
+
+def record(index, cls, send, chunks, *, error="", input_len=10, cached=0) -> RequestRecord:
+    r = RequestRecord(index, cls, input_len, len(chunks), arrival=send, send=send)
+    if error:
+        r.error_code = error
+        return r
+    r.chunk_times, r.chunk_tokens = list(chunks), [1] * len(chunks)
+    r.end, r.finish_reason, r.prompt_tokens, r.cached_tokens = chunks[-1], "LENGTH", input_len, cached
+    return r
+
+
+RECORDS = [
+    record(0, "short", 0.0, [0.100, 0.150, 0.250], cached=5),  # TTFT 100, ITL 50 100, TPOT 75, E2EL 250
+    record(1, "long", 1.0, [1.300], input_len=30),  # TTFT 300, one token: no TPOT or ITL
+    record(2, "long", 1.5, [], error="INVALID_ARGUMENT"),
+]
+
+
+def test_metrics_on_hand_made_records():
+    m = compute_metrics(RECORDS, duration=2.0, percentiles=[50, 99, 99.9],
+                        slos=parse_slos(["ttft:200", "tpot:80"]))
+    assert (m["completed"], m["failed"], m["failed_by_code"]) == (2, 1, {"INVALID_ARGUMENT": 1})
+    assert (m["total_input_tokens"], m["total_output_tokens"]) == (40, 4)
+    assert m["request_throughput"] == 1.0 and m["output_throughput"] == 2.0 and m["total_token_throughput"] == 22.0
+    assert m["mean_ttft_ms"] == pytest.approx(200) and m["median_ttft_ms"] == pytest.approx(200)
+    assert m["p99_ttft_ms"] == pytest.approx(298) and m["p99.9_ttft_ms"] == pytest.approx(299.8)
+    assert m["std_ttft_ms"] == pytest.approx(100)
+    assert m["mean_tpot_ms"] == pytest.approx(75) and m["p99_tpot_ms"] == pytest.approx(75)
+    assert m["mean_itl_ms"] == pytest.approx(75) and m["p99_itl_ms"] == pytest.approx(99.5)
+    assert m["median_e2el_ms"] == pytest.approx(275) and m["p50_e2el_ms"] == pytest.approx(275)
+    assert m["good_requests"] == 1 and m["request_goodput"] == 0.5  # record 1 misses the TTFT SLO
+    assert m["prefix_cache_hit_rate"] == pytest.approx(5 / 40) and m["total_cached_tokens"] == 5
+    assert m["finish_reasons"] == {"LENGTH": 2}
+    lists = per_request_lists(RECORDS)
+    assert lists["ttfts"] == [pytest.approx(0.1), pytest.approx(0.3), None]
+    assert lists["itls"][0] == [pytest.approx(0.05), pytest.approx(0.1)] and lists["itls"][1:] == [[], []]
+    assert lists["classes"] == ["short", "long", "long"] and lists["output_lens"] == [3, 1, 0]
+
+
+def test_goodput_needs_every_slo_and_empty_groups_are_zero():
+    assert compute_metrics(RECORDS, 2.0, slos=parse_slos(["e2el:200"]))["good_requests"] == 0
+    assert compute_metrics(RECORDS, 2.0, slos=parse_slos(["tpot:10"]))["good_requests"] == 1  # 1 token: TPOT 0
+    empty = compute_metrics(RECORDS[2:], 2.0)
+    assert empty["completed"] == 0 and empty["p99_itl_ms"] == 0.0
+    with pytest.raises(ValueError, match="unknown metric"):
+        parse_slos(["itl:5"])
+
+
+def test_percentile_matches_numpy():
+    np = pytest.importorskip("numpy")
+    rng = random.Random(0)
+    for n in (1, 2, 7, 100):
+        xs = [rng.expovariate(1.0) for _ in range(n)]
+        for p in (0, 50, 95, 99, 99.9, 100):
+            assert percentile(xs, p) == pytest.approx(float(np.percentile(xs, p)))
+
+
+# ---------------------------------------------------------------- runner (fake server)
+
+class FakeGeneration(pb_grpc.GenerationServicer):
+    """One token every 50 ms; prompts of 13 tokens are refused; prompts of 99 never answer."""
+
+    def Generate(self, request, context):
+        n = len(request.token_ids.ids)
+        if n == 13:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt too long")
+        if n == 99:
+            time.sleep(2)
+            return
+        for i in range(request.sampling.max_tokens):
+            time.sleep(0.05)
+            last = i == request.sampling.max_tokens - 1
+            yield pb.GenerateResponse(
+                request_id=f"id{n}", token_ids=[7], finished=last,
+                finish_reason=pb.FINISH_REASON_LENGTH if last else 0,
+                usage=pb.Usage(prompt_tokens=n, completion_tokens=i + 1, cached_tokens=4) if last else None)
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    """A plain (thread-pool) gRPC server: the bench's grpc.aio client is what is tested."""
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(4), options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_GenerationServicer_to_server(FakeGeneration(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+def test_runner_records_every_token_and_every_error(fake_server):
+    reqs = [BenchRequest(0, tuple(range(5)), 3, "short"), BenchRequest(1, tuple(range(13)), 3, "long")]
+    result = asyncio.run(run_requests(fake_server, reqs, [0.0, 0.2], progress=False))
+    ok, bad = result.records
+    assert ok.ok and ok.output_tokens == 3 and ok.finish_reason == "LENGTH" and ok.request_id == "id5"
+    assert (ok.prompt_tokens, ok.cached_tokens) == (5, 4)
+    assert all(0.04 <= b - a < 1.0 for a, b in zip([ok.send] + ok.chunk_times, ok.chunk_times))
+    assert ok.end == ok.chunk_times[-1]
+    assert not bad.ok and bad.error_code == "INVALID_ARGUMENT" and bad.send >= 0.2
+    assert result.duration >= ok.end
+
+
+def test_a_hung_server_stops_the_run_instead_of_hanging_it(fake_server):
+    reqs = [BenchRequest(0, tuple(range(99)), 3, "short")]
+    with pytest.raises(StalledError):
+        asyncio.run(run_requests(fake_server, reqs, [0.0], progress=False, stall_timeout=0.3))
+
+
+# ---------------------------------------------------------------- capacity
+
+def fake_probe(capacity: float, calls: list[float]):
+    def probe(rate: float) -> Probe:
+        calls.append(rate)
+        ok = rate <= capacity
+        return Probe(rate, 50.0 if ok else 900.0, 10.0, True, ok, {"completed": 1})
+    return probe
+
+
+@pytest.mark.parametrize("start", [0.1, 1.0, 30.0])
+def test_capacity_search_brackets_then_bisects(start):
+    calls: list[float] = []
+    best, probes = search_capacity(fake_probe(3.3, calls), start, max_probes=12, tolerance=0.05)
+    assert len(probes) == len(calls) <= 12
+    assert best is not None and 3.3 / 1.06 <= best <= 3.3
+
+
+def test_capacity_search_is_bounded_and_reports_none_when_nothing_fits():
+    calls: list[float] = []
+    best, _ = search_capacity(fake_probe(0.0001, calls), 1.0, max_probes=4)
+    assert best is None and calls == [1.0, 0.5, 0.25, 0.125]
+
+
+def test_prefill_model_interpolates_between_calibrated_lengths():
+    model = PrefillModel([(100, 0.1), (1000, 1.0), (100, 0.2), (3000, 2.0)])
+    assert model(100) == pytest.approx(0.1)  # the best of repeated measurements
+    assert model(550) == pytest.approx(0.55) and model(2000) == pytest.approx(1.5)
+    assert model(4000) == pytest.approx(2.5)  # extrapolates the last segment
+
+
+# ---------------------------------------------------------------- flags
+
+def test_server_args_go_to_the_process_that_owns_them():
+    executor, scheduler = split_server_args("--max-num-batched-tokens 256 --no-enable-chunked-prefill "
+                                            "--dtype=float32 --block-size 32 --max-num-seqs 8")
+    assert executor == ["--max-num-batched-tokens", "256", "--dtype=float32", "--block-size", "32"]
+    assert scheduler == ["--max-num-batched-tokens", "256", "--no-enable-chunked-prefill", "--max-num-seqs", "8"]
+    for bad in ("--port 5", "--frobnicate 1", "--max-num-seqs"):
+        with pytest.raises(ValueError):
+            split_server_args(bad)
+
+
+def test_compare_takes_flag_strings_as_values():
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--compare", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
+                              "--max-num-batched-tokens 64", "--rounds", "3", "--server-args",
+                              "--no-enable-chunked-prefill", "--seed", "4"])
+    assert args.compare == ["--enable-chunked-prefill", "--no-enable-chunked-prefill", "--max-num-batched-tokens 64"]
+    assert (args.rounds, args.server_args, args.seed) == (3, "--no-enable-chunked-prefill", 4)
+
+
+# ---------------------------------------------------------------- end to end
+
+REPORT_KEYS = (
+    ["completed", "failed", "failed_by_code", "duration", "total_input_tokens", "total_output_tokens",
+     "request_throughput", "output_throughput", "total_token_throughput", "request_goodput", "good_requests",
+     "total_cached_tokens", "prefix_cache_hit_rate"]
+    + [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p95", "p99")])
+LIST_KEYS = ["ttfts", "itls", "e2els", "input_lens", "output_lens", "classes"]
+WORKLOAD = ["--workload", "mixed", "--num-prompts", "10", "--long-len", "200:400", "--short-len", "8:32",
+            "--output-len", "4:8", "--seed", "5", "--percentiles", "50,95,99", "--disable-tqdm",
+            "--goodput", "ttft:60000", "tpot:60000", "e2el:60000"]
+
+
+def run_bench_cli(args: list[str], timeout: float = 120) -> None:
+    """`chunkserve bench` in a child process; asserts it never imported torch (unless HF)."""
+    code = ("import sys\nfrom chunkserve.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    rc = e.code\nassert rc == 0, rc\n"
+            "assert '--hf-baseline' in sys.argv or 'torch' not in sys.modules, 'the bench imported torch'\n")
+    out = subprocess.run([sys.executable, "-c", code, "bench", *args], capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def check_report(rep: dict, spec_lens: bool = True) -> None:
+    for key in REPORT_KEYS:
+        assert key in rep, key
+    for key in LIST_KEYS:
+        assert len(rep[key]) == 10, key
+    assert rep["completed"] == 10 and rep["failed"] == 0 and rep["good_requests"] == 10
+    assert sorted(rep["per_class"]) == ["long", "short"] and rep["classes"].count("long") == 3
+    for cls, group in rep["per_class"].items():
+        assert all(k in group for k in REPORT_KEYS)
+        assert group["completed"] == rep["classes"].count(cls)
+    assert sum(rep["output_lens"]) == rep["total_output_tokens"] and all(4 <= n <= 8 for n in rep["output_lens"])
+    assert all(len(itl) == n - 1 for itl, n in zip(rep["itls"], rep["output_lens"]))
+    assert all(0 < t < e for t, e in zip(rep["ttfts"], rep["e2els"]))
+    assert 0 < rep["median_ttft_ms"] <= rep["p99_ttft_ms"] and rep["prefix_cache_hit_rate"] == 0.0
+
+
+def test_bench_against_a_running_server(tiny_model_path, launch, tmp_path):
+    server = launch(["--model", str(tiny_model_path), "--max-num-batched-tokens", "256"],
+                    ["--max-num-batched-tokens", "256"])
+    stdout = run_bench_cli(["--address", server.address, "--admin-address", server.admin_address,
+                            "--tokenizer", str(tiny_model_path), "--request-rate", "40", *WORKLOAD,
+                            "--result-json", str(tmp_path / "r.json"), "--plot-dir", str(tmp_path / "plots")])
+    rep = json.loads((tmp_path / "r.json").read_text())
+    check_report(rep)
+    assert rep["bench"]["request_rate"] == 40.0 and rep["server_info"]["max_num_batched_tokens"] == 256
+    assert "TTFT P99 (ms)" in stdout and "short" in stdout
+    assert rep["step_trace"] and all(s["num_tokens"] <= 256 for s in rep["step_trace"])
+    assert sum(s["num_decode_tokens"] + s["num_prefill_tokens"] for s in rep["step_trace"]) >= \
+        sum(rep["input_lens"]) + sum(rep["output_lens"]) - 10  # + warm-up steps
+    assert {p.name for p in (tmp_path / "plots").iterdir()} == {
+        "ttft_cdf.png", "itl_over_time.png", "tokens_per_step.png"}
+
+    # The same workload again finds every prompt in the prefix cache, unless it is emptied first.
+    again = ["--address", server.address, "--tokenizer", str(tiny_model_path), *WORKLOAD, "--num-warmups", "0"]
+    run_bench_cli(again + ["--no-reset-prefix-cache", "--result-json", str(tmp_path / "cached.json")])
+    assert json.loads((tmp_path / "cached.json").read_text())["prefix_cache_hit_rate"] > 0.5
+    run_bench_cli(again + ["--admin-address", server.admin_address, "--result-json", str(tmp_path / "reset.json")])
+    assert json.loads((tmp_path / "reset.json").read_text())["prefix_cache_hit_rate"] == 0.0
+    server.assert_idle_and_no_leaks()
+
+
+def test_bench_compare_runs_the_same_workload_on_each_config(tiny_model_path, tmp_path):
+    run_bench_cli(["--server-args", f"--model {tiny_model_path} --max-num-batched-tokens 512",
+                   "--compare", "--enable-chunked-prefill", "--no-enable-chunked-prefill", "--rounds", "1",
+                   "--max-concurrency", "4", *WORKLOAD, "--result-json", str(tmp_path / "c.json"),
+                   "--log-dir", str(tmp_path / "logs"), "--plot-dir", str(tmp_path / "plots")])
+    doc = json.loads((tmp_path / "c.json").read_text())
+    a, b = doc["configs"]["A"], doc["configs"]["B"]
+    check_report(a), check_report(b)
+    assert a["server_info"]["enable_chunked_prefill"] and not b["server_info"]["enable_chunked_prefill"]
+    assert a["server_args"][-1] == "--enable-chunked-prefill"
+    assert a["input_lens"] == b["input_lens"] and a["arrivals"] == b["arrivals"], "the same workload"
+    ratio = doc["ratios"]["B/A"]
+    assert ratio["short.p99_ttft_ms"] == pytest.approx(b["per_class"]["short"]["p99_ttft_ms"] /
+                                                       a["per_class"]["short"]["p99_ttft_ms"])
+    assert ratio["output_throughput"] == pytest.approx(b["output_throughput"] / a["output_throughput"])
+    assert len(list((tmp_path / "logs").iterdir())) == 2  # A-round1, B-round1
+    assert (tmp_path / "plots" / "ttft_cdf.png").stat().st_size > 0
+
+
+def test_hf_baseline_reports_the_same_figures(tiny_model_path):
+    from chunkserve.bench.hf_baseline import run_hf_baseline
+    from chunkserve.bench.report import pooled_report, ratios
+
+    spec = WorkloadSpec("mixed", num_prompts=5, long_len=(40, 60), short_len=(5, 10), output_len=(3, 6))
+    reqs = build_workload(spec, corpus_ids(tiny_model_path), seed=0)
+    arrivals = [0.0, 0.0, 0.0, 5.0, 5.0]  # batch 2 waits for its last arrival; batch 3 starts when 2 ends
+    run = run_hf_baseline(tiny_model_path, "float32", reqs, arrivals, batch_size=2, progress=False)
+    recs = run.result.records
+    assert [r.output_tokens for r in recs] == [r.output_len for r in reqs]
+    assert recs[2].send == 0.0 and recs[2].first_token > 5.0 and recs[3].first_token > 5.0, "batch [2, 3]"
+    assert recs[4].first_token > max(recs[2].end, recs[3].end), "static batches run one after another"
+    assert recs[0].first_token == recs[1].first_token, "one prefill for the whole batch"
+    rep = pooled_report([run], [50, 99], {"ttft": 60000})
+    assert rep["completed"] == 5 and rep["good_requests"] == 5 and rep["duration"] == pytest.approx(recs[4].end)
+    assert ratios(rep, rep)["p99_itl_ms"] == 1.0
