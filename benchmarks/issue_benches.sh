@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The scheduler benchmarks recorded in benchmarks/RESULTS.md, scaled to a 2-core CPU.
+# Each run starts its own servers (default model, float32) and writes JSON and plots under
+# benchmarks/out/<name>/. Usage: benchmarks/issue_benches.sh [chunking|sweep|prefix|preemption]...
+set -euo pipefail
+cd "$(dirname "$0")/.."
+B=".venv/bin/chunkserve bench --disable-tqdm --seed 1"
+run() { mkdir -p "benchmarks/out/$1"; shift; "$@"; }
+[ $# -gt 0 ] || set -- chunking prefix preemption sweep
+for what in "$@"; do
+  case $what in
+  chunking)  # issue 4: chunked prefill on vs off on mixed traffic
+    run chunking $B --workload mixed --num-prompts 24 --long-len 1024:2048 --short-len 16:128 --output-len 32 \
+      --request-rate 0.25 --server-args "--dtype float32" --step-trace \
+      --compare "--max-num-batched-tokens 512" "--no-enable-chunked-prefill --max-num-batched-tokens 2080" \
+      --result-json benchmarks/out/chunking/report.json --plot-dir benchmarks/out/chunking ;;
+  sweep)  # issue 4: the chunk budget's trade-off
+    run sweep $B --workload mixed --num-prompts 24 --long-len 1024:2048 --short-len 16:128 --output-len 32 \
+      --request-rate 0.25 --server-args "--dtype float32" \
+      --compare "--max-num-batched-tokens 256" "--max-num-batched-tokens 512" "--max-num-batched-tokens 1024" \
+                "--max-num-batched-tokens 2048" \
+      --result-json benchmarks/out/sweep/report.json ;;
+  prefix)  # issue 6: a long shared system prompt, caching on vs off
+    run prefix $B --workload shared-prefix --num-prefixes 2 --users-per-prefix 8 --prefix-len 1024 \
+      --suffix-len 16:64 --output-len 16 --request-rate 0.5 --server-args "--dtype float32" \
+      --compare "--enable-prefix-caching" "--no-enable-prefix-caching" \
+      --result-json benchmarks/out/prefix/report.json ;;
+  preemption)  # issue 5: KV oversubscribed 4x, recompute vs swap
+    run preemption $B --workload fixed --num-prompts 16 --input-len 256 --output-len 128 --request-rate inf \
+      --server-args "--dtype float32 --num-gpu-blocks-override 96 --swap-space 0.5 --max-num-batched-tokens 512" \
+      --compare "--preemption-mode recompute" "--preemption-mode swap" \
+      --result-json benchmarks/out/preemption/report.json ;;
+  *) echo "unknown benchmark $what" >&2; exit 2 ;;
+  esac
+done
