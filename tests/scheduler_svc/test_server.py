@@ -1,0 +1,125 @@
+"""The public servicer in-process over real gRPC, with the fake executor: every bad input
+gets INVALID_ARGUMENT and queues nothing; cancellation in every request state frees all."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from chunkserve.client import build_request
+from chunkserve.v1 import chunkserve_pb2 as pb
+from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from scheduler_svc.engine import Engine
+from scheduler_svc.request import RequestStatus
+from scheduler_svc.server import GenerationServicer
+from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.validation import Limits
+
+BAD = {
+    "empty text": (pb.GenerateRequest(text=""), "prompt"),
+    "no prompt": (pb.GenerateRequest(), "prompt"),
+    "prompt too long": (build_request("x" * 200), "max_model_len"),
+    "prompt + max_tokens too long": (build_request("x" * 50, max_tokens=100), "max_tokens"),
+    "max_tokens 0": (build_request("hi", max_tokens=0), "max_tokens"),
+    "temperature < 0": (build_request("hi", temperature=-0.5), "temperature"),
+    "temperature nan": (build_request("hi", temperature=float("nan")), "temperature"),
+    "top_p 0": (build_request("hi", top_p=0.0), "top_p"),
+    "top_p > 1": (build_request("hi", top_p=1.5), "top_p"),
+    "top_k < -1": (build_request("hi", top_k=-2), "top_k"),
+    "min_p > 1": (build_request("hi", min_p=1.5), "min_p"),
+    "token id outside vocab": (build_request([1, 2, 400]), "token_ids"),
+    "stop id outside vocab": (build_request("hi", stop_token_ids=[999]), "stop_token_ids"),
+    "empty stop string": (build_request("hi", stop=[""]), "stop"),
+    "too many stop strings": (build_request("hi", stop=[f"s{i}" for i in range(17)]), "stop"),
+    "too many logprobs": (build_request("hi", logprobs=21), "logprobs"),
+    "min_tokens > max_tokens": (build_request("hi", max_tokens=2, min_tokens=3), "min_tokens"),
+    "empty chat": (pb.GenerateRequest(chat=pb.ChatMessages()), "chat"),
+}
+
+
+async def serve(engine: Engine, limits: Limits):
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    info = pb.GetInfoResponse(model_name="fake")
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(lambda: (engine, limits, info)), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+def make(fakes, tokenizer_dir, **cfg):
+    sched = fakes.make_scheduler(num_blocks=cfg.pop("num_blocks", 64), block_size=4, max_model_len=100, **cfg)
+    fake = fakes.FakeExecutor(sched.pool.num_blocks, 4, num_host_blocks=64)
+    engine = Engine(sched, fake, Tokenizer(tokenizer_dir), frozenset({fakes.EOS}), 100, 5.0)
+    return engine, Limits(max_model_len=100, vocab_size=257, max_prompt_tokens=100)
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_refused_before_anything_is_queued(fakes, byte_tokenizer_dir, case):
+    request, field = BAD[case]
+
+    async def main():
+        engine, limits = make(fakes, byte_tokenizer_dir)
+        server, port = await serve(engine, limits)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in pb_grpc.GenerationStub(channel).Generate(request):
+                        pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in err.value.details()
+            assert not engine.scheduler.requests and not engine.scheduler.waiting
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("state", ["waiting", "prefilling", "decoding", "swapped"])
+def test_cancel_in_every_state_frees_every_block(fakes, byte_tokenizer_dir, state):
+    async def main():
+        cfg = dict(max_num_batched_tokens=8)
+        if state == "swapped":
+            cfg.update(num_blocks=24, preemption_mode="swap", num_host_blocks=64)
+        engine, limits = make(fakes, byte_tokenizer_dir, **cfg)
+        server, port = await serve(engine, limits)
+        sched = engine.scheduler
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.GenerationStub(channel)
+                others = []
+                if state == "swapped":  # an older request that will grow and push ours out
+                    engine.start()
+                    others.append(stub.Generate(build_request(list(range(30)), max_tokens=60, ignore_eos=True)))
+                    await others[0].read()  # it is running before ours arrives
+                call = stub.Generate(build_request(list(range(40, 80)), max_tokens=50, ignore_eos=True))
+                if state not in ("waiting", "swapped"):
+                    engine.start()
+                for _ in range(5000):
+                    await asyncio.sleep(0.001)
+                    req = next((r for r in sched.requests.values() if r.num_prompt_tokens == 40), None)
+                    if req is None:
+                        continue
+                    if (state == "waiting" or
+                            (state == "prefilling" and 0 < req.num_computed_tokens < 40) or
+                            (state == "decoding" and req.num_output_tokens >= 2) or
+                            (state == "swapped" and req.status is RequestStatus.SWAPPED)):
+                        break
+                else:
+                    raise AssertionError(f"never reached {state}")
+                call.cancel()
+                for other in others:
+                    while (await other.read()) is not grpc.aio.EOF:
+                        pass
+                for _ in range(500):  # the servicer's finally aborts it within a step
+                    if not sched.requests:
+                        break
+                    await asyncio.sleep(0.01)
+            assert not sched.requests and sched.pool.num_free_blocks == sched.pool.num_blocks
+            if sched.host_pool is not None:
+                assert sched.host_pool.num_free_blocks == sched.host_pool.num_blocks
+        finally:
+            await engine.stop()
+            await server.stop(None)
+
+    asyncio.run(main())
