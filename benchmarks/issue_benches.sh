@@ -18,13 +18,18 @@ for what in "$@"; do
     run sweep $B --workload mixed --num-prompts 24 --long-len 1024:2048 --short-len 16:128 --output-len 32 \
       --request-rate 0.25 --server-args "--dtype float32" \
       --compare "--max-num-batched-tokens 256" "--max-num-batched-tokens 512" "--max-num-batched-tokens 1024" \
-                "--max-num-batched-tokens 2048" \
+                "--max-num-batched-tokens 2048" --rounds 1 \
       --result-json benchmarks/out/sweep/report.json ;;
   prefix)  # issue 6: a long shared system prompt, caching on vs off
     run prefix $B --workload shared-prefix --num-prefixes 2 --users-per-prefix 8 --prefix-len 1024 \
       --suffix-len 16:64 --output-len 16 --request-rate 0.5 --server-args "--dtype float32" \
       --compare "--enable-prefix-caching" "--no-enable-prefix-caching" \
       --result-json benchmarks/out/prefix/report.json ;;
+  prefix0)  # issue 6: what prefix caching costs when nothing hits (distinct prompts)
+    run prefix0 $B --workload fixed --num-prompts 48 --input-len 256 --output-len 64 --max-concurrency 16 \
+      --request-rate inf --server-args "--dtype float32" --rounds 2 \
+      --compare "--enable-prefix-caching" "--no-enable-prefix-caching" \
+      --result-json benchmarks/out/prefix0/report.json ;;
   preemption)  # issue 5: KV oversubscribed 4x, recompute vs swap
     run preemption $B --workload fixed --num-prompts 16 --input-len 256 --output-len 128 --request-rate inf \
       --server-args "--dtype float32 --num-gpu-blocks-override 96 --swap-space 0.5 --max-num-batched-tokens 512" \
