@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 
 import uvloop
 
@@ -22,7 +23,11 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvloop.run(_serve(config))
+    try:
+        uvloop.run(_serve(config))
+    except ValueError as exc:  # a setting that can never work: say what to change, no traceback
+        logging.getLogger("scheduler_svc").error("%s", exc)
+        sys.exit(2)
 
 
 async def _serve(config: SchedulerConfig) -> None:

@@ -111,7 +111,12 @@ class SchedulerApp:
         log.info("public API on %s:%d; waiting for the executor at %s",
                  self.config.host, self.port, self.config.executor_address)
         client = ExecutorClient(self.config.executor_address)
-        hs = await client.handshake(timeout=self.config.startup_timeout_s)
+        try:
+            hs = await client.handshake(timeout=self.config.startup_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise ValueError(f"no executor answered at {self.config.executor_address} within "
+                             f"{self.config.startup_timeout_s:g} s ({exc.code().name}): start it first "
+                             "(python -m executor_svc) or raise --startup-timeout-s") from None
         self.ready = self._build(client, hs, self.config, create_policy(self.config.scheduling_policy))
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="executor-supervisor")

@@ -71,7 +71,11 @@ class Metrics:
 
     def serve(self, host: str, port: int) -> None:
         """Serves /metrics over HTTP in a background thread."""
-        start_http_server(port, addr=host, registry=self.registry)
+        try:
+            start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise ValueError(f"cannot serve /metrics on {host}:{port}: {exc.strerror}; choose another "
+                             "--metrics-port, or 0 to turn it off") from None
 
     def on_step(self, plan: StepPlan, running: int, waiting: int, swapped: int, kv_usage: float, *,
                 recomputed_tokens: int, prefix_queries: int, prefix_hits: int) -> None:

@@ -224,12 +224,12 @@ def test_chunkserve_serve_and_generate_cli(default_model_path, tmp_path):
     import socket
 
     ports = []
-    for _ in range(2):
+    for _ in range(3):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
     env = dict(os.environ, CHUNKSERVE_PORT=str(ports[0]), CHUNKSERVE_EXECUTOR_PORT=str(ports[1]),
-               CHUNKSERVE_KV_CACHE_MEMORY_GIB="0.1")
+               CHUNKSERVE_METRICS_PORT=str(ports[2]), CHUNKSERVE_KV_CACHE_MEMORY_GIB="0.1")
     cli = [sys.executable, "-m", "chunkserve.cli"]
     log = open(tmp_path / "serve.log", "w")
     serve = subprocess.Popen(cli + ["serve", "--model", str(default_model_path), "--host", "127.0.0.1"],
