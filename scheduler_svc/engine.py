@@ -17,7 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from scheduler_svc.errors import InternalError, QueueFullError, ServingError, UnavailableError
+from scheduler_svc.errors import (InternalError, QueueFullError, ServingError, StepFailedError,
+                                  UnavailableError)
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.plan import StepPlan, StepResult
 from scheduler_svc.request import FinishReason, Request, SamplingParams
@@ -184,6 +185,10 @@ class Engine:
                 result = await self.executor.step(plan, self.step_timeout_s)
             except asyncio.CancelledError:
                 raise
+            except StepFailedError as exc:  # the executor is fine; this step's requests are not
+                log.error("%s; failing its %d requests", exc, len(plan.seqs))
+                self._fail_step(plan, exc)
+                continue
             except Exception as exc:  # the executor failed or vanished
                 log.exception("step %d failed", plan.step_id)
                 self._fail_all(f"executor unavailable: step failed: {type(exc).__name__}: {exc}")
@@ -204,6 +209,17 @@ class Engine:
             self._stats_seen = dataclasses.replace(now)
         if self.tracer.active:
             self.tracer.record(plan, result, planned_at, step_ns, running, waiting, usage)
+
+    def _fail_step(self, plan: StepPlan, error: ServingError) -> None:
+        now = time.monotonic()
+        for entry in plan.seqs:
+            live = self._live.pop(entry.request_id, None)
+            if live is None:
+                continue
+            self.scheduler.finish(live.request, FinishReason.ABORTED)  # frees blocks, drops executor state
+            if self.metrics is not None:
+                self.metrics.on_finish(live.request, FinishReason.ABORTED, now)
+            live.stream.put(StreamDelta(error=error))
 
     def fail(self, reason: str) -> None:
         """Declares the executor gone: every open stream ends with UNAVAILABLE, new requests

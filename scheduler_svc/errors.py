@@ -32,6 +32,15 @@ class UnavailableError(ServingError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class StepFailedError(ServingError):
+    """The executor refused or could not run one step (out of memory, a rejected plan) but
+    is alive: that step's requests fail with this code, the server carries on."""
+
+    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class InternalError(ServingError):
     """A bug or broken invariant; the server log has the traceback."""
 

@@ -5,6 +5,7 @@ import grpc
 
 from chunkserve.executor.v1 import executor_pb2 as epb
 from chunkserve.executor.v1 import executor_pb2_grpc as epb_grpc
+from scheduler_svc.errors import StepFailedError
 from scheduler_svc.plan import Sampled, StepPlan, StepResult
 from scheduler_svc.request import SamplingParams
 
@@ -76,7 +77,14 @@ class ExecutorClient:
         return await self._stub.Handshake(epb.HandshakeRequest(), timeout=timeout, wait_for_ready=True)
 
     async def step(self, plan: StepPlan, timeout: float) -> StepResult:
-        return result_from_proto(await self._stub.Step(plan_to_proto(plan), timeout=timeout))
+        """Runs one step. A step the executor refused while staying alive (out of memory, a
+        rejected plan) raises StepFailedError; anything else means the executor is gone."""
+        try:
+            return result_from_proto(await self._stub.Step(plan_to_proto(plan), timeout=timeout))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
+                raise StepFailedError(f"step {plan.step_id} failed: {exc.details()}", exc.code()) from None
+            raise
 
     async def reset(self, timeout: float = 10.0) -> None:
         await self._stub.Reset(epb.ResetRequest(), timeout=timeout)

@@ -121,3 +121,44 @@ def test_a_bug_in_the_step_loop_ends_streams_instead_of_hanging(fakes, byte_toke
 
     deltas = asyncio.run(main())
     assert isinstance(deltas[-1].error, InternalError)
+
+
+def test_a_failed_step_fails_only_its_requests(fakes, byte_tokenizer_dir):
+    """An out-of-memory step (executor alive) ends the requests in that step; the rest go on."""
+    import grpc
+
+    from scheduler_svc.errors import StepFailedError
+
+    class OomOnce(fakes.FakeExecutor):
+        def __init__(self):
+            super().__init__(256, 4)
+            self.failed = False
+            self.victim = None
+
+        async def step(self, plan, timeout):
+            if not self.failed and any(s.request_id == self.victim for s in plan.seqs):
+                self.failed = True
+                # The real executor drops nothing it refused; mimic by not executing the plan.
+                raise StepFailedError("step failed: out of memory", grpc.StatusCode.RESOURCE_EXHAUSTED)
+            return await super().step(plan, timeout)
+
+    async def main():
+        fake = OomOnce()
+        engine, _ = make_engine(fakes, byte_tokenizer_dir, fake=fake, max_num_batched_tokens=8)
+        first = engine.add_request(list(range(10, 14)), SamplingParams(max_tokens=30))
+        engine.start()
+        await first.queue.get()  # first is decoding
+        second = engine.add_request(list(range(40, 60)), SamplingParams(max_tokens=5))
+        fake.victim = second.request_id
+        results = await asyncio.wait_for(asyncio.gather(collect(first), collect(second)), 5)
+        third = await asyncio.wait_for(collect(engine.add_request([7, 8, 9], SamplingParams(max_tokens=4))), 5)
+        await engine.stop()
+        return engine, results, third
+
+    engine, (first, second), third = asyncio.run(main())
+    # Both requests of the failed step end with the executor's code; nothing hangs or leaks,
+    # and the server keeps serving.
+    for deltas in (first, second):
+        assert deltas[-1].error is not None and deltas[-1].error.code.name == "RESOURCE_EXHAUSTED"
+    assert third[-1].finished and third[-1].completion_tokens == 4
+    assert not engine.is_dead and engine.scheduler.pool.num_free_blocks == 256
