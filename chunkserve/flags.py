@@ -32,10 +32,17 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r} (use true/false)")
 
 
+_SCALARS = {"int": int, "float": float, "str": str, "bool": bool}
+
+
 def _base_type(annotation: Any) -> type:
-    """int | None -> int; str -> str. Annotations are strings under `from __future__`."""
+    """int | None -> int; str -> str. Annotations are strings under `from __future__`, and
+    config fields only use these scalars, optionally `| None`."""
     if isinstance(annotation, str):
-        annotation = eval(annotation, {"Optional": typing.Optional})  # noqa: S307 - our own source
+        names = [part.strip() for part in annotation.split("|") if part.strip() != "None"]
+        if len(names) != 1 or names[0] not in _SCALARS:
+            raise TypeError(f"config fields must be int, float, str or bool (optionally | None), got {annotation}")
+        return _SCALARS[names[0]]
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     return args[0] if args else annotation
 
