@@ -131,7 +131,7 @@ class SchedulerApp:
             raise ValueError("--preemption-mode swap needs host swap blocks: give the executor --swap-space > 0")
         max_model_len = decide_max_model_len(config, hs)
         tokenizer = Tokenizer(config.tokenizer or hs.model_path)
-        limits = Limits(max_model_len=max_model_len, vocab_size=hs.model.vocab_size, max_prompt_tokens=max_model_len)
+        limits = Limits(max_model_len=max_model_len, vocab_size=hs.model.vocab_size)
         host_pool = BlockPool(hs.num_host_blocks, hs.block_size) if hs.num_host_blocks else None
         pool = BlockPool(hs.num_device_blocks, hs.block_size, enable_caching=config.enable_prefix_caching)
         scheduler = Scheduler(config, pool, policy, max_model_len, host_pool)

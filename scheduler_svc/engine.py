@@ -99,7 +99,6 @@ class Engine:
         self._dead: str | None = None
         self.dead = asyncio.Event()  # set once the executor failed; this engine is then done
         self._task: asyncio.Task[None] | None = None
-        self.num_steps = 0
         self._stats_seen = SchedulerStats()
         self.metrics = metrics
         self.tracer = tracer or StepTracer()
@@ -193,7 +192,6 @@ class Engine:
                 log.exception("step %d failed", plan.step_id)
                 self._fail_all(f"executor unavailable: step failed: {type(exc).__name__}: {exc}")
                 return
-            self.num_steps += 1
             self._emit(self.scheduler.update(plan, result))
             self._observe(plan, result, planned_at, time.perf_counter_ns() - started)
 

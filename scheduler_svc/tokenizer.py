@@ -43,10 +43,6 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self._tok.token_to_id(self.eos_token) if self.eos_token else None
 
-    @property
-    def has_chat_template(self) -> bool:
-        return self._template is not None
-
     def encode(self, text: str) -> list[int]:
         """Token ids of a plain prompt, with the tokenizer's own special-token convention."""
         return self._tok.encode(text, add_special_tokens=True).ids

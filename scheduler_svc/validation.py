@@ -23,9 +23,8 @@ MAX_STOP_STRING_LEN = 256
 class Limits:
     """What the server can take: from the model, the KV pool and the config."""
 
-    max_model_len: int
+    max_model_len: int  # already capped by the KV pool and, with chunking off, the budget
     vocab_size: int
-    max_prompt_tokens: int  # budget when chunked prefill is off, else max_model_len
 
 
 def _fail(message: str) -> None:
@@ -56,9 +55,6 @@ def tokenize_prompt(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: L
             raise InvalidRequestError(f"prompt.chat: {exc}") from None
     if not ids:
         _fail("prompt is empty after tokenization")
-    if len(ids) > limits.max_prompt_tokens:
-        _fail(f"prompt has {len(ids)} tokens, more than the {limits.max_prompt_tokens} this server "
-              "accepts (max_model_len, or max_num_batched_tokens with chunked prefill off)")
     if len(ids) >= limits.max_model_len:
         _fail(f"prompt has {len(ids)} tokens; max_model_len {limits.max_model_len} leaves no room to generate")
     return ids

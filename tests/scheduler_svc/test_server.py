@@ -51,7 +51,7 @@ def make(fakes, tokenizer_dir, **cfg):
     sched = fakes.make_scheduler(num_blocks=cfg.pop("num_blocks", 64), block_size=4, max_model_len=100, **cfg)
     fake = fakes.FakeExecutor(sched.pool.num_blocks, 4, num_host_blocks=64)
     engine = Engine(sched, fake, Tokenizer(tokenizer_dir), frozenset({fakes.EOS}), 100, 5.0)
-    return engine, Limits(max_model_len=100, vocab_size=257, max_prompt_tokens=100)
+    return engine, Limits(max_model_len=100, vocab_size=257)
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
