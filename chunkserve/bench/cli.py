@@ -52,7 +52,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     t.add_argument("--compare", action="append", metavar="FLAGS",
                    help="two or more configurations (server flags added to --server-args), one quoted "
                         "string each, e.g. --compare '--enable-chunked-prefill' '--no-enable-chunked-prefill'")
-    t.add_argument("--rounds", type=int, default=2, help="--compare: rounds of A,B,... alternation")
+    t.add_argument("--rounds", type=int, default=2, help="--compare: rounds; the order alternates A,B then B,A so drift falls on all alike")
     t.add_argument("--tokenizer", type=Path, help="folder with tokenizer.json (default: the served model's)")
     t.add_argument("--log-dir", type=Path, help="server logs of started servers (default: a temp folder)")
     w = p.add_argument_group("workload")

@@ -1,9 +1,11 @@
 """--compare: the same workload against several server configurations, in alternating rounds.
 
 Each configuration is a string of server flags added to the common --server-args (later
-flags win, as on a command line). For every round the configurations run in order A, B,
-(C...) — A, B, A, B over two rounds — so slow drift of a shared machine (thermal state,
-other jobs) falls on all of them alike. Only one server runs at a time: each is started
+flags win, as on a command line). Rounds alternate the order — A, B in odd rounds, B, A in
+even ones (A B B A A B ...) — so a slow drift of a shared machine (thermal state, other
+jobs) and any cost of going first or second fall on every configuration alike; with a
+fixed A, B order the first configuration would always run first, and a 3% difference on
+this CPU can be that alone. Only one server runs at a time: each is started
 fresh for its turn (chunkserve.launch.start_server) and stopped before the next starts.
 Every run sends the identical workload: same seed, same prompts, same arrival times.
 """
@@ -47,12 +49,13 @@ def configs_from(common: str, variants: Sequence[str]) -> list[ServerConfig]:
 
 def run_compare(configs: Sequence[ServerConfig], rounds: int, requests: Sequence[BenchRequest],
                 arrivals: Sequence[float], opts: RunOptions, log_dir: Path, launch_fn: Callable = launch, run_fn: Callable = run_once) -> dict[str, list[Run]]:
-    """Runs every configuration `rounds` times, alternating; returns name -> its runs in order."""
+    """Runs every configuration `rounds` times, in forward then reversed order; returns
+    name -> its runs, round by round."""
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {rounds}")
     runs: dict[str, list[Run]] = {c.name: [] for c in configs}
     for k in range(rounds):
-        for cfg in configs:
+        for cfg in (configs if k % 2 == 0 else list(reversed(configs))):
             log.warning("round %d/%d, config %s: %s", k + 1, rounds, cfg.name, cfg.command_line or "(defaults)")
             server, admin_address = launch_fn(log_dir / f"{cfg.name}-round{k + 1}", list(cfg.args))
             try:

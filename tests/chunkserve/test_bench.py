@@ -270,6 +270,38 @@ def test_compare_takes_flag_strings_as_values():
     assert (args.rounds, args.server_args, args.seed) == (3, "--no-enable-chunked-prefill", 4)
 
 
+def test_compare_rounds_alternate_the_order_and_stop_every_server(tmp_path):
+    """A B B A A B: neither configuration always goes first, and each server is stopped
+    before the next one starts."""
+    from chunkserve.bench.compare import configs_from, run_compare
+    events = []
+
+    class FakeServer:
+        def __init__(self, name):
+            self.name, self.address = name, f"addr-{name}"
+
+        def stop(self):
+            events.append(("stop", self.name))
+
+    def launch_fn(log_dir, args):
+        name = log_dir.name.split("-")[0]
+        assert not events or events[-1][0] == "stop", "a server started while another ran"
+        events.append(("start", name))
+        return FakeServer(name), None
+
+    def run_fn(address, requests, arrivals, opts, admin_address, desc):
+        events.append(("run", address))
+        return address
+
+    configs = configs_from("--dtype float32", ["--enable-prefix-caching", "--no-enable-prefix-caching"])
+    runs = run_compare(configs, 3, [], [], None, tmp_path, launch_fn=launch_fn, run_fn=run_fn)
+    assert [n for e, n in events if e == "start"] == ["A", "B", "B", "A", "A", "B"]
+    assert events.count(("stop", "A")) == 3 and events.count(("stop", "B")) == 3
+    assert runs == {"A": ["addr-A"] * 3, "B": ["addr-B"] * 3}
+    with pytest.raises(ValueError):
+        run_compare(configs, 0, [], [], None, tmp_path, launch_fn=launch_fn, run_fn=run_fn)
+
+
 # ---------------------------------------------------------------- end to end
 
 REPORT_KEYS = (
