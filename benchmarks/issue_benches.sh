@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The scheduler benchmarks recorded in benchmarks/RESULTS.md, scaled to a 2-core CPU.
 # Each run starts its own servers (default model, float32) and writes JSON and plots under
-# benchmarks/out/<name>/. Usage: benchmarks/issue_benches.sh [chunking|sweep|prefix|preemption]...
+# benchmarks/out/<name>/. Usage: benchmarks/issue_benches.sh [chunking|capacity|sweep|prefix|prefix0|preemption]...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 B=".venv/bin/chunkserve bench --disable-tqdm --seed 1"
@@ -14,6 +14,16 @@ for what in "$@"; do
       --request-rate 0.25 --server-args "--dtype float32" --step-trace \
       --compare "--max-num-batched-tokens 512" "--no-enable-chunked-prefill --max-num-batched-tokens 2080" \
       --result-json benchmarks/out/chunking/report.json --plot-dir benchmarks/out/chunking ;;
+  capacity)  # issue 4: the highest Poisson rate meeting a P99 TBT SLO, chunked (512) vs off
+    # Each probe runs the whole mixed workload at one rate (24 requests: ~24/rate seconds).
+    run capacity $B --workload mixed --num-prompts 24 --long-len 1024:2048 --short-len 16:128 --output-len 32 \
+      --server-args "--dtype float32 --max-num-batched-tokens 512" --step-trace \
+      --capacity --slo-p99-tbt-ms 2500 --max-median-queue-ms 2000 --request-rate 0.25 --capacity-probes 5 \
+      --result-json benchmarks/out/capacity/chunked.json
+    $B --workload mixed --num-prompts 24 --long-len 1024:2048 --short-len 16:128 --output-len 32 \
+      --server-args "--dtype float32 --no-enable-chunked-prefill --max-num-batched-tokens 2080" --step-trace \
+      --capacity --slo-p99-tbt-ms 2500 --max-median-queue-ms 2000 --request-rate 0.125 --capacity-probes 4 \
+      --result-json benchmarks/out/capacity/unchunked.json ;;
   sweep)  # issue 4: the chunk budget's trade-off
     run sweep $B --workload mixed --num-prompts 24 --long-len 1024:2048 --short-len 16:128 --output-len 32 \
       --request-rate 0.25 --server-args "--dtype float32" \
@@ -27,7 +37,7 @@ for what in "$@"; do
       --result-json benchmarks/out/prefix/report.json ;;
   prefix0)  # issue 6: what prefix caching costs when nothing hits (distinct prompts)
     run prefix0 $B --workload fixed --num-prompts 48 --input-len 256 --output-len 64 --max-concurrency 16 \
-      --request-rate inf --server-args "--dtype float32" --rounds 2 \
+      --request-rate inf --server-args "--dtype float32" --rounds 4 \
       --compare "--enable-prefix-caching" "--no-enable-prefix-caching" \
       --result-json benchmarks/out/prefix0/report.json ;;
   preemption)  # issue 5: KV oversubscribed 4x, recompute vs swap
