@@ -88,7 +88,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     c = p.add_argument_group("capacity search (Sarathi-Serve)")
     c.add_argument("--capacity", action="store_true", help="find the highest rate within the SLOs")
     c.add_argument("--slo-p99-tbt-ms", type=float, help="P99 time-between-tokens SLO")
-    c.add_argument("--max-median-queue-ms", type=float, help="bound on the median scheduling delay")
+    c.add_argument("--max-median-queue-ms", type=float, help="bound on the median scheduling delay of each request class (the worst class counts)")
     c.add_argument("--capacity-probes", type=int, default=8, help="most runs of the search")
     h = p.add_argument_group("Hugging Face baseline")
     h.add_argument("--hf-baseline", action="store_true", help="also run HF generate (static batching) on the "

@@ -119,15 +119,15 @@ def capacity(plan: Plan, slo_p99_tbt_ms: float, max_median_queue_ms: float, star
         "prefill_calibration_s": list(zip(prefill.lengths, prefill.times)) if prefill else None,
         "probes": [{"request_rate": p.rate, "p99_tbt_ms": p.p99_tbt_ms, "median_queue_ms": p.median_queue_ms,
                     "feasible": p.feasible, "report": p.report} for p in probes]}}
-    lines = [" capacity search ".center(72, "="), f"{'rate (req/s)':>14}{'P99 TBT ms':>14}{'median queue ms':>18}"
+    lines = [" capacity search ".center(72, "="), f"{'rate (req/s)':>14}{'P99 TBT ms':>14}{'queue ms (*)':>18}"
              f"{'completed':>12}{'verdict':>14}"]
     for p in sorted(probes, key=lambda p: p.rate):
         lines.append(f"{p.rate:14.3f}{p.p99_tbt_ms:14.1f}{p.median_queue_ms:18.1f}{p.report['completed']:12d}"
                      f"{'ok' if p.feasible else 'over SLO':>14}")
     verdict = f"{best:.3f} req/s" if best is not None else "none (the lowest probed rate already fails)"
     verdict += f", over the SLOs at {above:.3f}" if above is not None else ", no probed rate failed"
-    lines += [f"capacity: {verdict}  (P99 TBT <= {slo_p99_tbt_ms} ms, median queue <= {max_median_queue_ms} ms)",
-              f"queue delay {how}", "=" * 72]
+    lines += [f"capacity: {verdict}  (P99 TBT <= {slo_p99_tbt_ms} ms, queue <= {max_median_queue_ms} ms)",
+              f"(*) median scheduling delay of the worst request class; {how}", "=" * 72]
     return Outcome(doc, ["\n".join(lines)])
 
 
