@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from chunkserve import __version__
 from chunkserve.executor.v1 import executor_pb2 as epb
@@ -27,6 +28,7 @@ from executor_svc.runner import ModelRunner, PlanError
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVICE_NAME = epb.DESCRIPTOR.services_by_name["Executor"].full_name
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -167,10 +169,17 @@ def serve(config: ExecutorConfig, stop: threading.Event | None = None) -> None:
         ("grpc.so_reuseport", 0),
     ])
     epb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(loaded, compute), server)
+    # The standard health service, for Kubernetes gRPC probes and grpc_health_probe: the
+    # server listens only once the model is loaded, so it is SERVING from its first answer.
+    checker = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+    for name in ("", SERVICE_NAME):
+        checker.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = f"{config.executor_host}:{config.executor_port}"
     if server.add_insecure_port(address) == 0:
         raise ValueError(f"cannot listen on {address} (port in use?)")
     server.start()
     log.info("executor listening on %s (pid %d)", address, os.getpid())
     (stop or threading.Event()).wait()
+    checker.enter_graceful_shutdown()  # NOT_SERVING while in-flight calls finish
     server.stop(grace=2).wait()

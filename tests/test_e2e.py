@@ -385,6 +385,11 @@ def test_executor_killed_under_load_then_restarted(tiny_model_path, tmp_path):
         check = lambda: health.Check(health_pb2.HealthCheckRequest(service="chunkserve.v1.Generation"),
                                      timeout=5).status
         assert check() == health_pb2.HealthCheckResponse.SERVING
+        eport = server.executor.args[server.executor.args.index("--executor-port") + 1]
+        executor_health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{eport}"))
+        for name in ("", "chunkserve.executor.v1.Executor"):  # the standard service, for probes
+            assert executor_health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING
         calls = [stub.Generate(build_request([5, 6, 7], temperature=0.0, max_tokens=3000, ignore_eos=True))
                  for _ in range(6)]
         for call in calls:
