@@ -52,6 +52,8 @@ def run_table(report: dict, percentiles: Sequence[float], title: str = "chunkser
     lines = [f" {title} ".center(width, "="), f"{'':32}" + "".join(f"{name:>{_W}}" for name, _ in groups)]
     for i, (label, _, digits) in enumerate(columns[0]):
         lines.append(f"{label:32}" + "".join(f"{_num(col[i][1], digits):>{_W}}" for col in columns))
+    if "num_preemptions" in report:  # server-wide, so a line of its own rather than a row per class
+        lines.append(f"step trace: {report['num_steps']} steps, {report['num_preemptions']} preemptions")
     codes = report.get("failed_by_code") or {}
     if codes:
         lines.append("failed by code: " + ", ".join(f"{k} {v}" for k, v in codes.items()))

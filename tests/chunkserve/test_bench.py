@@ -235,6 +235,19 @@ def test_capacity_search_brackets_then_bisects(start):
     assert best is not None and 3.3 / 1.06 <= best <= 3.3
 
 
+def test_capacity_queue_criterion_is_the_worst_class_median():
+    """Short requests starting promptly must not hide long ones queueing (overall median
+    fine, long median not): the criterion is the worst class's median."""
+    from chunkserve.bench.capacity import worst_class_median_ms
+
+    recs = [RequestRecord(i, "short" if i < 7 else "long", 10, 2, 0.0) for i in range(10)]
+    delays = [0.1] * 7 + [5.0, 6.0, None]
+    assert statistics.median(d for d in delays if d is not None) == 0.1
+    assert worst_class_median_ms(recs, delays) == pytest.approx(5500.0)
+    assert worst_class_median_ms(recs[:7], delays[:7]) == pytest.approx(100.0)
+    assert worst_class_median_ms(recs[7:], [None] * 3) == math.inf, "no known delay is not feasible"
+
+
 def test_capacity_search_is_bounded_and_reports_none_when_nothing_fits():
     calls: list[float] = []
     best, _ = search_capacity(fake_probe(0.0001, calls), 1.0, max_probes=4)
@@ -268,6 +281,21 @@ def test_compare_takes_flag_strings_as_values():
                               "--no-enable-chunked-prefill", "--seed", "4"])
     assert args.compare == ["--enable-chunked-prefill", "--no-enable-chunked-prefill", "--max-num-batched-tokens 64"]
     assert (args.rounds, args.server_args, args.seed) == (3, "--no-enable-chunked-prefill", 4)
+
+
+def test_pooled_report_counts_steps_and_preemptions_from_the_trace_only():
+    from chunkserve.bench.report import pooled_report
+    from chunkserve.bench.runner import RunResult
+    from chunkserve.bench.session import Run
+
+    rec = RequestRecord(0, "all", 10, 2, 0.0, send=0.0, end=1.0, chunk_times=[0.5, 1.0], chunk_tokens=[1, 1])
+    step = {"num_preempted": 0}
+    traced = [Run(RunResult([rec], 1.0, 0.0), {}, [step, {"num_preempted": 2}, step]),
+              Run(RunResult([rec], 1.0, 0.0), {}, [{"num_preempted": 1}])]
+    rep = pooled_report(traced, [50, 99], None)
+    assert (rep["num_steps"], rep["num_preemptions"]) == (4, 3)
+    untraced = pooled_report([Run(RunResult([rec], 1.0, 0.0), {})], [50, 99], None)
+    assert "num_preemptions" not in untraced, "no trace: unknown, not zero"
 
 
 def test_compare_rounds_alternate_the_order_and_stop_every_server(tmp_path):
@@ -352,6 +380,8 @@ def test_bench_against_a_running_server(tiny_model_path, launch, tmp_path):
     assert rep["bench"]["request_rate"] == 40.0 and rep["server_info"]["max_num_batched_tokens"] == 256
     assert "TTFT P99 (ms)" in stdout and "short" in stdout
     assert rep["step_trace"] and all(s["num_tokens"] <= 256 for s in rep["step_trace"])
+    assert rep["num_steps"] == len(rep["step_trace"]) and rep["num_preemptions"] == 0  # no memory pressure
+    assert f"step trace: {rep['num_steps']} steps, 0 preemptions" in stdout
     assert sum(s["num_decode_tokens"] + s["num_prefill_tokens"] for s in rep["step_trace"]) >= \
         sum(rep["input_lens"]) + sum(rep["output_lens"]) - 10  # + warm-up steps
     assert {p.name for p in (tmp_path / "plots").iterdir()} == {
