@@ -18,7 +18,7 @@ for what in "$@"; do
     # Each probe runs the whole mixed workload at one rate (24 requests: ~24/rate seconds).
     run capacity $B --workload mixed --num-prompts 24 --long-len 1024:2048 --short-len 16:128 --output-len 32 \
       --server-args "--dtype float32 --max-num-batched-tokens 512" --step-trace \
-      --capacity --slo-p99-tbt-ms 2500 --max-median-queue-ms 2000 --request-rate 0.25 --capacity-probes 5 \
+      --capacity --slo-p99-tbt-ms 2500 --max-median-queue-ms 2000 --request-rate 0.25 --capacity-probes 4 \
       --result-json benchmarks/out/capacity/chunked.json
     $B --workload mixed --num-prompts 24 --long-len 1024:2048 --short-len 16:128 --output-len 32 \
       --server-args "--dtype float32 --no-enable-chunked-prefill --max-num-batched-tokens 2080" --step-trace \
@@ -28,7 +28,7 @@ for what in "$@"; do
     run sweep $B --workload mixed --num-prompts 24 --long-len 1024:2048 --short-len 16:128 --output-len 32 \
       --request-rate 0.25 --server-args "--dtype float32" \
       --compare "--max-num-batched-tokens 256" "--max-num-batched-tokens 512" "--max-num-batched-tokens 1024" \
-                "--max-num-batched-tokens 2048" --rounds 1 \
+                "--max-num-batched-tokens 2048" "--max-num-batched-tokens 4096" --rounds 1 \
       --result-json benchmarks/out/sweep/report.json ;;
   prefix)  # issue 6: a long shared system prompt, caching on vs off
     run prefix $B --workload shared-prefix --num-prefixes 2 --users-per-prefix 8 --prefix-len 1024 \
@@ -40,10 +40,12 @@ for what in "$@"; do
       --request-rate inf --server-args "--dtype float32" --rounds 4 \
       --compare "--enable-prefix-caching" "--no-enable-prefix-caching" \
       --result-json benchmarks/out/prefix0/report.json ;;
-  preemption)  # issue 5: KV oversubscribed 4x, recompute vs swap
-    run preemption $B --workload fixed --num-prompts 16 --input-len 256 --output-len 128 --request-rate inf \
+  preemption)  # issue 5: KV oversubscribed 3x by decode growth, recompute vs swap
+    # Short prompts, long outputs: all 16 are admitted at once (3 blocks each) and then
+    # outgrow the pool while decoding, so the run preempts continually.
+    run preemption $B --workload fixed --num-prompts 16 --input-len 32 --output-len 256 --request-rate inf \
       --server-args "--dtype float32 --num-gpu-blocks-override 96 --swap-space 0.5 --max-num-batched-tokens 512" \
-      --compare "--preemption-mode recompute" "--preemption-mode swap" \
+      --step-trace --compare "--preemption-mode recompute" "--preemption-mode swap" \
       --result-json benchmarks/out/preemption/report.json ;;
   *) echo "unknown benchmark $what" >&2; exit 2 ;;
   esac
