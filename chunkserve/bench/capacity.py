@@ -11,6 +11,7 @@ prompts start beside (or ahead of) a long one that waits for the long-prefill sl
 overloaded server can keep the overall median low — 70% of the mix is short — while its
 long requests queue without bound. The worst class's median catches that; for a workload
 with one class it is Sarathi's figure.
+
 The search doubles (or halves) the start rate until it brackets the boundary, then
 bisects, and stops after `max_probes` runs or when the bracket is within `tolerance`.
 

@@ -52,7 +52,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     t.add_argument("--compare", action="append", metavar="FLAGS",
                    help="two or more configurations (server flags added to --server-args), one quoted "
                         "string each, e.g. --compare '--enable-chunked-prefill' '--no-enable-chunked-prefill'")
-    t.add_argument("--rounds", type=int, default=2, help="--compare: rounds; the order alternates A,B then B,A so drift falls on all alike")
+    t.add_argument("--rounds", type=int, default=2,
+                   help="--compare: rounds; the order alternates A,B then B,A so drift falls on all alike")
     t.add_argument("--tokenizer", type=Path, help="folder with tokenizer.json (default: the served model's)")
     t.add_argument("--log-dir", type=Path, help="server logs of started servers (default: a temp folder)")
     w = p.add_argument_group("workload")
@@ -88,7 +89,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     c = p.add_argument_group("capacity search (Sarathi-Serve)")
     c.add_argument("--capacity", action="store_true", help="find the highest rate within the SLOs")
     c.add_argument("--slo-p99-tbt-ms", type=float, help="P99 time-between-tokens SLO")
-    c.add_argument("--max-median-queue-ms", type=float, help="bound on the median scheduling delay of each request class (the worst class counts)")
+    c.add_argument("--max-median-queue-ms", type=float,
+                   help="bound on the median scheduling delay of each request class (the worst class counts)")
     c.add_argument("--capacity-probes", type=int, default=8, help="most runs of the search")
     h = p.add_argument_group("Hugging Face baseline")
     h.add_argument("--hf-baseline", action="store_true", help="also run HF generate (static batching) on the "

@@ -4,8 +4,8 @@ Each configuration is a string of server flags added to the common --server-args
 flags win, as on a command line). Rounds alternate the order — A, B in odd rounds, B, A in
 even ones (A B B A A B ...) — so a slow drift of a shared machine (thermal state, other
 jobs) and any cost of going first or second fall on every configuration alike; with a
-fixed A, B order the first configuration would always run first, and a 3% difference on
-this CPU can be that alone. Only one server runs at a time: each is started
+fixed A, B order the first configuration always runs first, and on this CPU that alone
+once made a 2% gain look like a 6% loss (benchmarks/RESULTS.md, prefix caching at 0% hits). Only one server runs at a time: each is started
 fresh for its turn (chunkserve.launch.start_server) and stopped before the next starts.
 Every run sends the identical workload: same seed, same prompts, same arrival times.
 """
