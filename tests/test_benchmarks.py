@@ -1,4 +1,4 @@
-"""The model-free benchmark scripts still run (the others start servers and are run by hand)."""
+"""The small benchmark scripts still run (the long ones are run by hand: benchmarks/RESULTS.md)."""
 from __future__ import annotations
 
 import subprocess
@@ -19,3 +19,14 @@ def test_scheduler_overhead_runs_both_settings_and_reports_the_difference():
     # A 200-token budget splits 100-token prompts, so block-aligned chunks change the plans.
     assert "the plans DIFFER" in out.stdout
     assert "extra as a share of" in out.stdout
+
+
+def test_watch_steps_overhead_runs_and_every_subscriber_gets_the_trace():
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "watch_steps_overhead.py")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if "subscribers:" in line]
+    assert [int(r[0]) for r in rows] == [0, 1, 4, 4, 1, 0]
+    for r in rows:
+        received = int(r[4])
+        assert (received == 0) if r[0] == "0" else received >= int(r[0]) * 200, r  # >= one trace per step each
