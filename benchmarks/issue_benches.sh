@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The scheduler benchmarks recorded in benchmarks/RESULTS.md, scaled to a 2-core CPU.
 # Each run starts its own servers (default model, float32) and writes JSON and plots under
-# benchmarks/out/<name>/. Usage: benchmarks/issue_benches.sh [chunking|capacity|sweep|prefix|prefix0|preemption]...
+# benchmarks/out/<name>/. Usage: benchmarks/issue_benches.sh [chunking|capacity|capacity-seed2|sweep|prefix|prefix0|preemption]...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 B=".venv/bin/chunkserve bench --disable-tqdm --seed 1"
@@ -24,6 +24,15 @@ for what in "$@"; do
       --server-args "--dtype float32 --no-enable-chunked-prefill --max-num-batched-tokens 2080" --step-trace \
       --capacity --slo-p99-tbt-ms 2500 --max-median-queue-ms 2000 --request-rate 0.125 --capacity-probes 4 \
       --result-json benchmarks/out/capacity/unchunked.json ;;
+  capacity-seed2)  # the same search on another sample of the traffic (later --seed wins)
+    run capacity-seed2 $B --seed 2 --workload mixed --num-prompts 24 --long-len 1024:2048 --short-len 16:128 \
+      --output-len 32 --server-args "--dtype float32 --max-num-batched-tokens 512" --step-trace \
+      --capacity --slo-p99-tbt-ms 2500 --max-median-queue-ms 2000 --request-rate 0.5 --capacity-probes 4 \
+      --result-json benchmarks/out/capacity-seed2/chunked.json
+    $B --seed 2 --workload mixed --num-prompts 24 --long-len 1024:2048 --short-len 16:128 --output-len 32 \
+      --server-args "--dtype float32 --no-enable-chunked-prefill --max-num-batched-tokens 2080" --step-trace \
+      --capacity --slo-p99-tbt-ms 2500 --max-median-queue-ms 2000 --request-rate 0.25 --capacity-probes 4 \
+      --result-json benchmarks/out/capacity-seed2/unchunked.json ;;
   sweep)  # issue 4: the chunk budget's trade-off
     run sweep $B --workload mixed --num-prompts 24 --long-len 1024:2048 --short-len 16:128 --output-len 32 \
       --request-rate 0.25 --server-args "--dtype float32" \
