@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 
 from chunkserve.client import build_request
-from chunkserve.launch import start_server
+from chunkserve.launch import start_server, write_tiny_model
 from chunkserve.v1 import chunkserve_pb2 as pb
 from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
 
@@ -32,26 +32,12 @@ STREAMS, TOKENS = 4, 200
 
 
 def tiny_model() -> str:
-    """The tests' tiny random Llama (tests/conftest.py) with the default model's tokenizer."""
-    import shutil
-
-    import torch
-    import transformers
-
+    """The tests' tiny random Llama with the default model's tokenizer, in a temp folder."""
     from executor_svc.config import default_cache_dir
     from executor_svc.model_loader import resolve_model
 
-    path = Path(tempfile.mkdtemp(prefix="tiny-model-"))
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
-                                      max_position_embeddings=4096, eos_token_id=2, bos_token_id=1)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
     default = resolve_model("default", default_cache_dir())
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (default / name).is_file():
-            shutil.copy(default / name, path / name)
-    return str(path)
+    return str(write_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")), default))
 
 
 def main() -> None:

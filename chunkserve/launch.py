@@ -105,3 +105,25 @@ def start_server(tmp_dir: Path, executor_args: list[str], scheduler_args: list[s
                 server.stop()
                 raise RuntimeError(f"server not ready after {timeout}s:\n{log.read_text()[-4000:]}")
             time.sleep(0.5)
+
+
+def write_tiny_model(path: Path, tokenizer_from: Path) -> Path:
+    """A 2-layer random-weight Llama (hidden size 64) with the tokenizer files of
+    `tokenizer_from`, saved to `path`: a real server on it starts in about a second and its
+    steps take milliseconds. Tokens are nonsense, but every code path is the real one. For
+    the tests and the overhead benchmarks; needs torch and transformers (imported here, so
+    importing this module still does not)."""
+    import shutil
+
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+                                      max_position_embeddings=4096, eos_token_id=2, bos_token_id=1)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_from / name).is_file():
+            shutil.copy(tokenizer_from / name, path / name)
+    return path

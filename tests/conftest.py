@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from chunkserve.launch import Server, start_server
+from chunkserve.launch import Server, start_server, write_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -36,18 +36,4 @@ def launch(tmp_path_factory):
 def tiny_model_path(default_model_path, tmp_path_factory) -> Path:
     """A 2-layer random-weight Llama with SmolLM2's tokenizer: a real server in ~1 s, tokens
     are nonsense but every code path (tokenizer, chat template, vocab checks) is the real one."""
-    import shutil
-
-    import torch
-    import transformers
-
-    path = tmp_path_factory.mktemp("tiny-model")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
-                                      max_position_embeddings=4096, eos_token_id=2, bos_token_id=1)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (default_model_path / name).is_file():
-            shutil.copy(default_model_path / name, path / name)
-    return path
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"), default_model_path)
