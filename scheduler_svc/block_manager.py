@@ -4,12 +4,20 @@ Blocks grow with the work: after being scheduled for `n` tokens a request holds 
 `ceil((num_computed_tokens + n) / block_size)` blocks, so a long prompt never reserves its
 whole length up front. Block ids are physical indices into the executor's KV tensors.
 
-Prefix caching: a block whose `block_size` tokens are all computed gets a chained hash of
-(parent block's hash, its token ids, the request's cache salt) and is registered, so a later
-request with the same prefix takes it instead of recomputing it (its reference count goes
-up). A freed block keeps its hash and joins the free queue; it is evicted — its hash
-dropped — only when a block is needed and it is at the front. Hits are verified against
-the block's token ids, so a hash collision costs a miss, never wrong output.
+Prefix caching: a block whose `block_size` tokens are all computed gets a chained SHA-256
+hash of (parent block's hash, the request's cache salt, its token ids) and is registered, so
+a later request with the same prefix takes it instead of recomputing it (its reference count
+goes up). A freed block keeps its hash and joins the free queue; it is evicted — its hash
+dropped — only when a block is needed and it is at the front.
+
+Why SHA-256 and not Python's `hash()`: blocks are shared across requests and, through the
+salt, across tenants, so a collision would hand one request another's KV. `hash()` is 64
+bits and built for dicts, not adversaries; SHA-256 makes a collision infeasible (vLLM moved
+to it for the same reason). On top of that a hit is verified against everything the hash
+covers (parent hash, salt and token ids), so even a broken hash function costs a miss,
+never wrong output. Cost: ~2.6 us per 16-token block (0.34 ms for a 2048-token prompt,
+against ~0.03 ms with `hash()`), measured by benchmarks/prefix_hash_cost.py; figures in
+benchmarks/RESULTS.md.
 
 Why an OrderedDict for the free queue and not a deque: a cache hit must take a block out
 of the *middle* of the queue in O(1). The order is the eviction order: blocks are appended
@@ -18,7 +26,10 @@ as they are freed, and a request frees its blocks tail first, so the end of a pr
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scheduler_svc.request import Request
@@ -29,12 +40,33 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def hash_block(parent: bytes | None, salt: str | None, token_ids: Sequence[int]) -> bytes:
+    """The prefix-cache key of a full block: SHA-256 over (parent hash, salt, token ids).
+
+    Every part is length-delimited (the parent is 32 bytes or a 0 flag, the salt a flag plus
+    its length, token ids 8 bytes each), so two different inputs never encode to the same
+    bytes.
+    """
+    h = hashlib.sha256(b"\x01" + parent if parent is not None else b"\x00")
+    if salt is None:
+        h.update(b"\x00")
+    else:
+        encoded = salt.encode()
+        h.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
 @dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None  # set while registered in the prefix cache
-    token_ids: tuple[int, ...] = ()  # the registered content, to verify hits
+    # Set while registered in the prefix cache, with everything the hash covers, so that a
+    # hit is verified against the content and not only the hash.
+    block_hash: bytes | None = None
+    parent_hash: bytes | None = None
+    salt: str | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 class BlockPool:
@@ -91,14 +123,17 @@ class BlockPool:
         if not self.enable_caching or request.block_ids:
             return 0
         tokens = request.token_ids(0, request.num_tokens)
-        parent: int | None = None
+        parent: bytes | None = None
         bs = self.block_size
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            block_hash = hash((parent, chunk, salt if i == 0 else None))
+            block_hash = hash_block(parent, salt, chunk)
             block_id = self._cached.get(block_hash)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+            if block_id is None:
                 break
+            block = self.blocks[block_id]
+            if block.token_ids != chunk or block.parent_hash != parent or block.salt != salt:
+                break  # a hash collision: a miss, never another prefix's KV
             self._ref(block_id)
             request.block_ids.append(block_id)
             request.block_hashes.append(block_hash)
@@ -114,18 +149,18 @@ class BlockPool:
         for i in range(len(request.block_hashes), full):
             parent = request.block_hashes[-1] if request.block_hashes else None
             chunk = tuple(request.token_ids(i * bs, (i + 1) * bs))
-            block_hash = hash((parent, chunk, salt if i == 0 else None))
+            block_hash = hash_block(parent, salt, chunk)
             request.block_hashes.append(block_hash)
             block = self.blocks[request.block_ids[i]]
             if block_hash not in self._cached and block.block_hash is None:
-                block.block_hash, block.token_ids = block_hash, chunk
+                block.block_hash, block.parent_hash, block.salt, block.token_ids = block_hash, parent, salt, chunk
                 self._cached[block_hash] = block.block_id
 
     def reset_cache(self) -> int:
         """Forgets every cached block (an operator's reset); returns how many were dropped."""
         dropped = len(self._cached)
         for block_id in self._cached.values():
-            self.blocks[block_id].block_hash, self.blocks[block_id].token_ids = None, ()
+            self._forget(self.blocks[block_id])
         self._cached.clear()
         return dropped
 
@@ -142,7 +177,7 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evict
                 del self._cached[block.block_hash]
-                block.block_hash, block.token_ids = None, ()
+                self._forget(block)
             block.ref_count = 1
             new.append(block_id)
         return new
@@ -157,6 +192,10 @@ class BlockPool:
             if block.ref_count == 0:
                 self._free[block_id] = None
 
+    @staticmethod
+    def _forget(block: Block) -> None:
+        block.block_hash, block.parent_hash, block.salt, block.token_ids = None, None, None, ()
+
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
@@ -164,7 +203,7 @@ class BlockPool:
         block.ref_count += 1
 
     def check_invariants(self) -> None:
-        """Raises on a broken invariant (for tests and the idle self-check)."""
+        """Raises on a broken invariant (the tests call it after every step)."""
         for block in self.blocks:
             if block.ref_count < 0:
                 raise RuntimeError(f"block {block.block_id} has ref count {block.ref_count}")

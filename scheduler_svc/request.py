@@ -65,7 +65,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     host_block_ids: list[int] = field(default_factory=list)  # while swapped out
     # Chained prefix-cache hashes of the leading full blocks (see block_manager.py).
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     # Mixed into the prefix-cache hashes: requests with different salts never share blocks.
     cache_salt: str | None = None
     # For the policies: lower priority value runs earlier; tenant label for fair sharing;

@@ -6,7 +6,8 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from scheduler_svc.block_manager import BlockPool
+from scheduler_svc import block_manager
+from scheduler_svc.block_manager import BlockPool, hash_block
 from scheduler_svc.request import Request, SamplingParams
 
 
@@ -66,6 +67,33 @@ def test_hash_hits_are_verified_against_token_ids():
     # Corrupt the registered content as a colliding hash would look: same hash, other tokens.
     pool.blocks[first].token_ids = (7, 7, 7, 7)
     assert pool.match_prefix(req("b", list(range(9))), None) == 0
+
+
+def test_block_hash_is_sha256_over_parent_salt_and_tokens():
+    digest = hash_block(None, None, [1, 2, 3, 4])
+    assert isinstance(digest, bytes) and len(digest) == 32
+    variants = {digest, hash_block(None, "", [1, 2, 3, 4]), hash_block(None, "t", [1, 2, 3, 4]),
+                hash_block(digest, None, [1, 2, 3, 4]), hash_block(None, None, [1, 2, 3, 5]),
+                hash_block(None, "\x00", [1, 2, 3, 4])}
+    assert len(variants) == 6  # each input part changes the key
+    assert hash_block(None, "t", (1, 2, 3, 4)) == hash_block(None, "t", [1, 2, 3, 4])  # deterministic
+
+
+def test_a_colliding_hash_never_shares_another_prefix_or_tenant(monkeypatch):
+    """Whatever the hash function, a hit needs the same parent chain and salt.
+
+    The hash is replaced by one that sees only a block's own tokens, so every block with
+    equal tokens collides: the parent and salt checks alone must turn those into misses.
+    (Python's `hash()` with a tokens-only check shared both cases below.)"""
+    monkeypatch.setattr(block_manager, "hash_block", lambda parent, salt, tokens: bytes(tuple(tokens)))
+    pool = BlockPool(16, 4, enable_caching=True)
+    fill(pool, req("a", [0, 1, 2, 3, 10, 11, 12, 13, 99]), salt="tenant-1")
+    # Same tokens as a's second block, but at the start of the sequence (no parent).
+    assert pool.match_prefix(req("b", [10, 11, 12, 13, 5]), "tenant-1") == 0
+    # Same tokens as a's first block, another tenant.
+    assert pool.match_prefix(req("c", [0, 1, 2, 3, 5]), "tenant-2") == 0
+    # The genuine prefix still hits.
+    assert pool.match_prefix(req("d", [0, 1, 2, 3, 10, 11, 12, 13, 7]), "tenant-1") == 8
 
 
 def test_eviction_is_lru_tail_first_and_only_when_needed():
