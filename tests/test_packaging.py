@@ -50,3 +50,29 @@ def test_scheduler_service_never_imports_torch(tmp_path):
         "asyncio.run(main())\n"
         "print('torch' in sys.modules, 'transformers' in sys.modules)\n")
     assert out.split() == ["False", "False"]
+
+
+def test_dependency_floors_match_what_the_generated_stubs_require():
+    """The stubs refuse to import below the grpcio and protobuf that generated them, so the
+    floors in pyproject.toml must be exactly those versions (a lower floor installs a server
+    that fails at import)."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    floors = {}
+    for spec in project["dependencies"] + project["optional-dependencies"]["dev"]:
+        m = re.match(r"([A-Za-z0-9_.-]+)\s*(?:>=|==)\s*([0-9.]+)", spec)
+        if m:
+            floors[m.group(1).lower()] = m.group(2)
+    stubs = sorted((ROOT / "chunkserve").rglob("*_pb2*.py"))
+    assert stubs
+    for path in stubs:
+        text = path.read_text()
+        if path.name.endswith("_pb2_grpc.py"):
+            needed = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", text).group(1)
+            for dist in ("grpcio", "grpcio-health-checking", "grpcio-reflection", "grpcio-tools"):
+                assert floors[dist] == needed, f"{dist} floor {floors[dist]} but {path.name} needs {needed}"
+        else:
+            needed = re.search(r"# Protobuf Python Version: ([0-9.]+)", text).group(1)
+            assert floors["protobuf"] == needed, f"protobuf floor {floors['protobuf']} but {path.name} needs {needed}"
