@@ -125,7 +125,8 @@ def main() -> None:
     def kill() -> None:
         os.kill(server.executor.pid, signal.SIGKILL)
         server.executor.wait()
-        server.executor = subprocess.Popen(argv, stdout=open(work / "executor2.log", "w"), stderr=subprocess.STDOUT)
+        server.executor = subprocess.Popen(argv, stdout=open(work / "executor2.log", "w"), stderr=subprocess.STDOUT,
+                                           env=server.executor_env)  # same token: the scheduler must accept it
 
     start = time.time()
     try:

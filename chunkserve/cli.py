@@ -13,6 +13,7 @@ import signal
 import sys
 
 from chunkserve.flags import add_config_flags, config_from_args, config_to_argv, env_name
+from chunkserve.ownership import EXIT_CONFIG_ERROR, ensure_port_free, executor_child_env, new_token
 
 log = logging.getLogger("chunkserve")
 MAX_RESTARTS = 5
@@ -26,8 +27,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the scheduler and an executor child process",
                        description="Serve a model: the public gRPC API plus an executor child process.")
     seen: set[str] = set()
-    add_config_flags(p, SchedulerConfig, skip=("executor_address",), seen=seen)
-    add_config_flags(p, ExecutorConfig, seen=seen)
+    # The executor's address and token are this command's own: a fresh token per launch.
+    add_config_flags(p, SchedulerConfig, skip=("executor_address", "executor_token"), seen=seen)
+    add_config_flags(p, ExecutorConfig, skip=("executor_token",), seen=seen)
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -83,10 +85,14 @@ def _serve(args: argparse.Namespace) -> None:
     from scheduler_svc.config import SchedulerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    token = new_token()  # this launch's executor answers this scheduler only
     try:
-        executor = config_from_args(ExecutorConfig, args)
+        executor = config_from_args(ExecutorConfig, args, executor_token=token)
         host = "127.0.0.1" if executor.executor_host in ("0.0.0.0", "::") else executor.executor_host
-        scheduler = config_from_args(SchedulerConfig, args, executor_address=f"{host}:{executor.executor_port}")
+        scheduler = config_from_args(SchedulerConfig, args, executor_address=f"{host}:{executor.executor_port}",
+                                     executor_token=token)
+        # Before anything starts: another server's executor on that port is said in one line.
+        ensure_port_free(executor.executor_host, executor.executor_port)
     except ValueError as exc:
         raise SystemExit(f"chunkserve serve: {exc}") from None
     sys.exit(uvloop.run(_serve_async(scheduler, executor)))
@@ -94,11 +100,17 @@ def _serve(args: argparse.Namespace) -> None:
 
 async def _serve_async(scheduler_config: object, executor_config: object) -> int:
     """Scheduler here, executor as a child; a child that dies is restarted (at most
-    MAX_RESTARTS times in RESTART_WINDOW_S) and the scheduler reconnects on its own."""
+    MAX_RESTARTS times in RESTART_WINDOW_S) and the scheduler reconnects on its own. A child
+    that exits with EXIT_CONFIG_ERROR (a setting that can never work, e.g. its port is taken)
+    is not restarted: this process reports it and exits with the same status.
+
+    The child gets the executor token and this pid through its environment (never its
+    command line): it answers only this scheduler and exits when this process dies."""
     from scheduler_svc.app import SchedulerApp
 
-    argv = [sys.executable, "-m", "executor_svc", *config_to_argv(executor_config)]
-    child = await asyncio.create_subprocess_exec(*argv)
+    argv = [sys.executable, "-m", "executor_svc", *config_to_argv(executor_config)]  # no secrets in argv
+    env = executor_child_env(executor_config.executor_token)  # type: ignore[attr-defined]
+    child = await asyncio.create_subprocess_exec(*argv, env=env)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -111,6 +123,9 @@ async def _serve_async(scheduler_config: object, executor_config: object) -> int
         done, _ = await asyncio.wait({starting, child_exit}, return_when=asyncio.FIRST_COMPLETED)
         if starting not in done:
             starting.cancel()
+            if child.returncode == EXIT_CONFIG_ERROR:
+                log.error("the executor refused its settings during start-up (its reason is above)")
+                return EXIT_CONFIG_ERROR
             log.error("the executor exited with code %s during start-up", child.returncode)
             return 1
         starting.result()
@@ -120,13 +135,17 @@ async def _serve_async(scheduler_config: object, executor_config: object) -> int
             done, _ = await asyncio.wait({stopping, child_exit}, return_when=asyncio.FIRST_COMPLETED)
             if stopping in done:
                 return 0
+            if child.returncode == EXIT_CONFIG_ERROR:  # restarting cannot help
+                log.error("the executor exited with code %d (its reason is above); not restarting it",
+                          EXIT_CONFIG_ERROR)
+                return EXIT_CONFIG_ERROR
             now = loop.time()
             restarts = [t for t in restarts if now - t < RESTART_WINDOW_S] + [now]
             if len(restarts) > MAX_RESTARTS:
                 log.error("the executor exited %d times in %ds; giving up", len(restarts), RESTART_WINDOW_S)
                 return 1
             log.error("the executor exited with code %s; restarting it", child.returncode)
-            child = await asyncio.create_subprocess_exec(*argv)
+            child = await asyncio.create_subprocess_exec(*argv, env=env)
             child_exit = asyncio.create_task(child.wait())
     except ValueError as exc:  # a setting that can never work, found at start-up
         log.error("%s", exc)

@@ -30,6 +30,7 @@ class Completion:
     """A whole streamed completion, and the messages it came in."""
 
     request_id: str = ""
+    client_request_id: str = ""  # the echo; the server sends it in the first message only
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     deltas: list[str] = field(default_factory=list)
@@ -41,6 +42,8 @@ class Completion:
 
     def add(self, msg: pb.GenerateResponse) -> None:
         self.request_id = msg.request_id
+        if self.num_messages == 0:
+            self.client_request_id = msg.client_request_id
         self.token_ids += msg.token_ids
         self.text += msg.text
         self.deltas.append(msg.text)

@@ -4,7 +4,8 @@ Every config field becomes `--field-name` (booleans get `--no-field-name` too) a
 set by `CHUNKSERVE_FIELD_NAME`; an explicit flag wins over the environment, which wins over
 the default. The environment is read when the parser is built, never at import time.
 The field's `metadata["help"]` is the flag's help text, so the dataclass stays the single
-place a setting is documented.
+place a setting is documented; `metadata["secret"]` keeps a value out of `--help` and out of
+config_to_argv.
 """
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def add_config_flags(
                 default = _parse_bool(env) if kind is bool else kind(env)
             except ValueError as exc:
                 raise SystemExit(f"{env_name(field.name)}={env!r}: {exc}") from None
-        help_text = f"{field.metadata['help']} [env {env_name(field.name)}; default {default!r}]"
+        shown = ("set" if default else "unset") if field.metadata.get("secret") else repr(default)
+        help_text = f"{field.metadata['help']} [env {env_name(field.name)}; default {shown}]"
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
@@ -81,10 +83,12 @@ def config_from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -
 
 
 def config_to_argv(config: Any, skip: Iterable[str] = ()) -> list[str]:
-    """The flags that reproduce `config` on another process's command line."""
+    """The flags that reproduce `config` on another process's command line. Secret fields
+    (metadata "secret") are left out: a command line is visible to everyone in `ps`, so
+    secrets travel in the environment."""
     argv: list[str] = []
     for field in dataclasses.fields(config):
-        if field.name in skip or not field.metadata.get("help"):
+        if field.name in skip or not field.metadata.get("help") or field.metadata.get("secret"):
             continue
         value = getattr(config, field.name)
         flag = "--" + field.name.replace("_", "-")

@@ -10,6 +10,8 @@ compose's `healthcheck.test` expect (2 is reserved there, so a usage error also 
   changes it; `""` is "process alive") must answer SERVING, i.e. the executor handshake is
   done and requests are accepted.
 - executor: its Handshake RPC must answer; a reply means the model is loaded and serving.
+  The probe sends the executor token from CHUNKSERVE_EXECUTOR_TOKEN when it is set (it is,
+  in the executor's container, when the deployment sets one).
 
 The default address is loopback on the port the service itself was configured with
 (CHUNKSERVE_PORT, CHUNKSERVE_EXECUTOR_PORT, else 50051 / 50061), so inside a container the
@@ -54,10 +56,11 @@ def check_scheduler(address: str, service: str, timeout: float) -> str:
     return f"service {service!r} is {status}"
 
 
-def check_executor(address: str, timeout: float) -> str:
+def check_executor(address: str, timeout: float, token: str | None = None) -> str:
     """Returns a description when the executor answers its Handshake; raises RuntimeError otherwise."""
     import grpc
 
+    from chunkserve.auth import bearer_metadata
     from chunkserve.executor.v1 import executor_pb2 as epb
     from chunkserve.executor.v1 import executor_pb2_grpc as epb_grpc
 
@@ -65,7 +68,8 @@ def check_executor(address: str, timeout: float) -> str:
         try:
             # scheduler_version names the caller in the executor's "handshake from" log line.
             hs = epb_grpc.ExecutorStub(channel).Handshake(
-                epb.HandshakeRequest(scheduler_version="healthcheck"), timeout=timeout)
+                epb.HandshakeRequest(scheduler_version="healthcheck"), timeout=timeout,
+                metadata=bearer_metadata(token))
         except grpc.RpcError as exc:
             raise RuntimeError(_rpc_error(exc)) from None
     return f"serving {hs.model_name} ({hs.dtype} on {hs.device}, {hs.num_device_blocks} KV blocks)"
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.target == "scheduler":
             what = check_scheduler(address, args.service, args.timeout)
         else:
-            what = check_executor(address, args.timeout)
+            what = check_executor(address, args.timeout, os.environ.get("CHUNKSERVE_EXECUTOR_TOKEN") or None)
     except Exception as exc:  # noqa: BLE001 - any failure is "unhealthy", said in one line
         print(f"unhealthy: {args.target} at {address}: {exc}", file=sys.stderr)
         return 1

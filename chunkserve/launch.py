@@ -10,11 +10,12 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from chunkserve.ownership import TOKEN_ENV, executor_child_env, new_token
 from chunkserve.v1 import chunkserve_pb2 as pb
 from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
 
@@ -35,6 +36,8 @@ class Server:
     scheduler: subprocess.Popen
     executor: subprocess.Popen
     log: Path
+    token: str = field(default="", repr=False)  # this pair's executor token (in both environments)
+    executor_env: dict[str, str] | None = field(default=None, repr=False)  # to start the executor again
 
     @property
     def address(self) -> str:
@@ -79,18 +82,23 @@ class Server:
 
 def start_server(tmp_dir: Path, executor_args: list[str], scheduler_args: list[str],
                  timeout: float = 600) -> Server:
-    """Starts `python -m executor_svc` and `python -m scheduler_svc` as separate processes."""
+    """Starts `python -m executor_svc` and `python -m scheduler_svc` as separate processes.
+
+    Like `chunkserve serve`: a fresh executor token shared by the two through their
+    environment (never on a command line), and an executor that exits when this process dies."""
     eport, port, mport, aport = free_port(), free_port(), free_port(), free_port()
     log = tmp_dir / f"server-{port}.log"
     out = open(log, "w")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    token = new_token()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{TOKEN_ENV: token})
+    executor_env = executor_child_env(token, env)
     executor = subprocess.Popen([sys.executable, "-m", "executor_svc", "--executor-port", str(eport), *executor_args],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
+                                stdout=out, stderr=subprocess.STDOUT, env=executor_env)
     scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_svc", "--host", "127.0.0.1", "--port", str(port),
                                   "--executor-address", f"127.0.0.1:{eport}", "--metrics-port", str(mport),
                                   "--admin-port", str(aport), *scheduler_args],
                                  stdout=out, stderr=subprocess.STDOUT, env=env)
-    server = Server(port, mport, aport, scheduler, executor, log)
+    server = Server(port, mport, aport, scheduler, executor, log, token, executor_env)
     deadline = time.time() + timeout
     while True:
         for proc in (scheduler, executor):

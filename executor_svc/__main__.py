@@ -8,6 +8,7 @@ import sys
 import threading
 
 from chunkserve.flags import add_config_flags, config_from_args
+from chunkserve.ownership import EXIT_CONFIG_ERROR, ensure_port_free, tie_to_parent
 from executor_svc.config import ExecutorConfig
 
 
@@ -23,13 +24,18 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    from executor_svc.server import serve  # imports torch: after the flags are parsed
-
+    # Started as a child (`chunkserve serve`, chunkserve.launch): die with the parent, even
+    # when it is SIGKILLed, so no orphan keeps the port and a KV cache nobody owns.
+    tie_to_parent(stop)
     try:
+        # Before torch is imported or anything loads: a taken port is said in one line, now.
+        ensure_port_free(config.executor_host, config.executor_port)
+        from executor_svc.server import serve  # imports torch: after the flags are parsed
+
         serve(config, stop)
     except ValueError as exc:  # a setting that cannot work: say what to change, no traceback
         logging.getLogger("executor").error("%s", exc)
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG_ERROR)
 
 
 if __name__ == "__main__":

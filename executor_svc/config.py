@@ -44,6 +44,10 @@ class ExecutorConfig:
     executor_host: str = field(default="127.0.0.1", metadata={
         "help": "address the executor listens on (keep it loopback or an internal network)"})
     executor_port: int = field(default=50061, metadata={"help": "port the executor listens on"})
+    executor_token: str | None = field(default=None, repr=False, metadata={"secret": True, "help": (
+        "shared secret: every executor call must carry `authorization: Bearer <token>` (health "
+        "stays open). Set CHUNKSERVE_EXECUTOR_TOKEN, not the flag; `chunkserve serve` makes a fresh "
+        "one per launch. Unset: any caller that reaches the port is obeyed")})
     cache_dir: str = field(default_factory=default_cache_dir, metadata={
         "help": "folder for the converted default model and other cached files"})
     num_threads: int = field(default=0, metadata={"help": "torch CPU threads, 0 = all cores"})

@@ -2,7 +2,9 @@
 
 A plain threaded gRPC server: steps arrive one at a time from the one scheduler, and a lock
 keeps it that way even if a second caller appears. Torch work blocks the handling thread,
-not the server, so health and handshake calls still answer during a long step.
+not the server, so health and handshake calls still answer during a long step. With an
+executor token (always, under `chunkserve serve`) only the scheduler that holds it gets past
+the interceptor: no second scheduler drives this KV cache.
 """
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from chunkserve import __version__
+from chunkserve.auth import SyncBearerTokenInterceptor
 from chunkserve.executor.v1 import executor_pb2 as epb
 from chunkserve.executor.v1 import executor_pb2_grpc as epb_grpc
+from chunkserve.ownership import port_in_use
 from chunkserve_kernels.backend import choose_backend, get_backend
 from executor_svc.config import ExecutorConfig
 from executor_svc.model_loader import load_model, resolve_model
@@ -30,6 +34,8 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 SERVICE_NAME = epb.DESCRIPTOR.services_by_name["Executor"].full_name
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TOKEN_DENIAL = ("missing or wrong executor token: this executor belongs to another scheduler (each "
+                "`chunkserve serve` has its own), or CHUNKSERVE_EXECUTOR_TOKEN differs between the services")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -160,10 +166,20 @@ class ExecutorServicer(epb_grpc.ExecutorServicer):
 
 
 def serve(config: ExecutorConfig, stop: threading.Event | None = None) -> None:
-    """Loads, listens, and serves until stop is set."""
+    """Loads, listens, and serves until stop is set. With config.executor_token every
+    executor call must carry it (UNAUTHENTICATED otherwise); health stays open."""
+    stop = stop or threading.Event()
     compute = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
     loaded = compute.submit(load, config).result()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
+    if stop.is_set():  # told to stop (or the parent died) while loading: never listen
+        compute.shutdown()
+        return
+    address = f"{config.executor_host}:{config.executor_port}"
+    interceptors = [SyncBearerTokenInterceptor(config.executor_token, TOKEN_DENIAL)] if config.executor_token else []
+    if not interceptors:
+        log.warning("no executor token (CHUNKSERVE_EXECUTOR_TOKEN): any process that reaches %s can drive "
+                    "this executor; keep it on loopback or an internal network", address)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=interceptors, options=[
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
@@ -175,11 +191,15 @@ def serve(config: ExecutorConfig, stop: threading.Event | None = None) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
     for name in ("", SERVICE_NAME):
         checker.set(name, health_pb2.HealthCheckResponse.SERVING)
-    address = f"{config.executor_host}:{config.executor_port}"
-    if server.add_insecure_port(address) == 0:
-        raise ValueError(f"cannot listen on {address} (port in use?)")
+    try:  # grpcio raises RuntimeError on a bind failure (older versions returned 0)
+        bound = server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise ValueError(port_in_use(config.executor_host, config.executor_port))
     server.start()
-    log.info("executor listening on %s (pid %d)", address, os.getpid())
-    (stop or threading.Event()).wait()
+    log.info("executor listening on %s (pid %d%s)", address, os.getpid(),
+             ", token required" if config.executor_token else "")
+    stop.wait()
     checker.enter_graceful_shutdown()  # NOT_SERVING while in-flight calls finish
     server.stop(grace=2).wait()

@@ -6,10 +6,12 @@ import asyncio
 import logging
 import signal
 import sys
+import threading
 
 import uvloop
 
 from chunkserve.flags import add_config_flags, config_from_args
+from chunkserve.ownership import tie_to_parent
 from scheduler_svc.app import run_forever
 from scheduler_svc.config import SchedulerConfig
 
@@ -35,6 +37,9 @@ async def _serve(config: SchedulerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    orphaned = threading.Event()
+    if tie_to_parent(orphaned) is not None:  # started by a launcher: stop when it dies
+        loop.run_in_executor(None, orphaned.wait).add_done_callback(lambda _: stop.set())
     await run_forever(config, stop)
 
 

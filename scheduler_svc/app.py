@@ -25,17 +25,23 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.admin import AdminServicer, Controls
 from scheduler_svc.auth import BearerTokenInterceptor
 from scheduler_svc.engine import Engine
-from scheduler_svc.executor_client import CHANNEL_OPTIONS, ExecutorClient
+from scheduler_svc.executor_client import MAX_MESSAGE_BYTES, ExecutorClient
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.policy import Policy, create_policy
 from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.server import GenerationServicer
+from scheduler_svc.server import GenerationServicer, add_generation_servicer
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.trace import StepTracer
 from scheduler_svc.validation import Limits
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+# The public server's transport limit on one incoming message. The server listens before the
+# handshake fixes max_model_len, so this is fixed: 16 MiB holds the ids of a 3-million-token
+# prompt, or a text prompt averaging 128 bytes per token at max_model_len 131072. Once
+# serving, a GenerateRequest over the largest valid one (Limits.max_request_bytes, usually far
+# smaller) is refused before it is parsed (server.add_generation_servicer).
+MAX_PUBLIC_REQUEST_BYTES = 16 * 1024 * 1024
 
 
 def decide_max_model_len(config: SchedulerConfig, hs: epb.HandshakeResponse) -> int:
@@ -52,6 +58,13 @@ def decide_max_model_len(config: SchedulerConfig, hs: epb.HandshakeResponse) -> 
             raise ValueError(f"--max-model-len {config.max_model_len} exceeds {what} = {cap}: lower "
                              "--max-model-len or give the executor more KV memory / a larger budget")
     return config.max_model_len
+
+
+def refused_message(address: str) -> str:
+    """One line for an executor that refused this scheduler's token (UNAUTHENTICATED)."""
+    return (f"the executor at {address} refused this scheduler (UNAUTHENTICATED): it belongs to another "
+            "server (another `chunkserve serve` on the same --executor-port?) or CHUNKSERVE_EXECUTOR_TOKEN "
+            "differs between the scheduler and the executor")
 
 
 @dataclass
@@ -71,14 +84,16 @@ class SchedulerApp:
         self.ready: Ready | None = None
         self.health = health.aio.HealthServicer()
         interceptors = [BearerTokenInterceptor(config.api_key)] if config.api_key else []
-        self.server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS + [
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_receive_message_length", MAX_PUBLIC_REQUEST_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ])
         servicer = GenerationServicer(lambda: None if self.ready is None else
                                       (self.ready.engine, self.ready.limits, self.ready.info))
-        pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
+        add_generation_servicer(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -110,10 +125,13 @@ class SchedulerApp:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         log.info("public API on %s:%d; waiting for the executor at %s",
                  self.config.host, self.port, self.config.executor_address)
-        client = ExecutorClient(self.config.executor_address)
+        client = ExecutorClient(self.config.executor_address, self.config.executor_token)
         try:
             hs = await client.handshake(timeout=self.config.startup_timeout_s)
         except grpc.aio.AioRpcError as exc:
+            await client.close()
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise ValueError(refused_message(self.config.executor_address)) from None
             raise ValueError(f"no executor answered at {self.config.executor_address} within "
                              f"{self.config.startup_timeout_s:g} s ({exc.code().name}): start it first "
                              "(python -m executor_svc) or raise --startup-timeout-s") from None
@@ -131,7 +149,15 @@ class SchedulerApp:
             raise ValueError("--preemption-mode swap needs host swap blocks: give the executor --swap-space > 0")
         max_model_len = decide_max_model_len(config, hs)
         tokenizer = Tokenizer(config.tokenizer or hs.model_path)
-        limits = Limits(max_model_len=max_model_len, vocab_size=hs.model.vocab_size)
+        limits = Limits.for_tokenizer(max_model_len, hs.model.vocab_size, tokenizer.max_bytes_per_token)
+        if limits.max_prompt_bytes is None:
+            log.warning("no byte bound on text prompts for this tokenizer (%s): text up to %d MiB is "
+                        "tokenized (off the event loop) before its length is checked",
+                        tokenizer.byte_bound_note, MAX_PUBLIC_REQUEST_BYTES >> 20)
+        elif limits.max_request_bytes > MAX_PUBLIC_REQUEST_BYTES:
+            log.warning("text prompts of %d to %d bytes could fit max_model_len %d but exceed the %d MiB "
+                        "message limit", MAX_PUBLIC_REQUEST_BYTES, limits.max_prompt_bytes, max_model_len,
+                        MAX_PUBLIC_REQUEST_BYTES >> 20)
         host_pool = BlockPool(hs.num_host_blocks, hs.block_size) if hs.num_host_blocks else None
         pool = BlockPool(hs.num_device_blocks, hs.block_size, enable_caching=config.enable_prefix_caching)
         scheduler = Scheduler(config, pool, policy, max_model_len, host_pool)
@@ -169,12 +195,18 @@ class SchedulerApp:
             await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
             log.error("executor lost; waiting for it to come back at %s", self.config.executor_address)
             await ready.engine.stop()
+            if self.metrics is not None:  # its requests all failed: nothing runs, waits or holds KV now
+                self.metrics.clear_load()
+            refused = False
             while True:
                 try:
                     hs = await ready.client.handshake(timeout=5.0)
                     await ready.client.reset()
                     break
-                except grpc.RpcError:
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.UNAUTHENTICATED and not refused:
+                        refused = True  # said once per outage; keep waiting for our own executor
+                        log.error("%s", refused_message(self.config.executor_address))
                     await asyncio.sleep(0.5)
             sched = ready.engine.scheduler
             self.ready = self._build(ready.client, hs, sched.config, sched.policy)

@@ -45,7 +45,7 @@ class SchedulerConfig:
         "help": "requests allowed to wait for admission; more get RESOURCE_EXHAUSTED"})
     host: str = field(default="0.0.0.0", metadata={"help": "address the public gRPC API listens on"})
     port: int = field(default=50051, metadata={"help": "port of the public gRPC API"})
-    api_key: str | None = field(default=None, metadata={
+    api_key: str | None = field(default=None, repr=False, metadata={"secret": True,
         "help": "require `authorization: Bearer <key>` metadata on the public API (health and "
                 "reflection stay open); set it through the environment, not the command line"})
     tls_cert_file: str | None = field(default=None, metadata={
@@ -60,6 +60,9 @@ class SchedulerConfig:
         "help": "append every step's plan summary to this file as JSON lines"})
     executor_address: str = field(default="127.0.0.1:50061", metadata={
         "help": "host:port of the executor service"})
+    executor_token: str | None = field(default=None, repr=False, metadata={"secret": True, "help": (
+        "the executor's shared secret, sent as `authorization: Bearer <token>` on every executor "
+        "call; must equal the executor's. Set CHUNKSERVE_EXECUTOR_TOKEN, not the flag")})
     tokenizer: str | None = field(default=None, metadata={
         "help": "folder with tokenizer.json (default: the model folder the executor reports)"})
     startup_timeout_s: float = field(default=600.0, metadata={

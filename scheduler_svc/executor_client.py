@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import grpc
 
+from chunkserve import __version__
+from chunkserve.auth import bearer_metadata
 from chunkserve.executor.v1 import executor_pb2 as epb
 from chunkserve.executor.v1 import executor_pb2_grpc as epb_grpc
 from scheduler_svc.errors import StepFailedError
@@ -65,29 +67,33 @@ def result_from_proto(msg: epb.StepResponse) -> StepResult:
 
 
 class ExecutorClient:
-    """An async client for the executor; create it inside the running event loop."""
+    """An async client for the executor; create it inside the running event loop. With a
+    token, every call carries `authorization: Bearer <token>` (the executor's check)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: str | None = None) -> None:
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = epb_grpc.ExecutorStub(self._channel)
+        self._metadata = bearer_metadata(token)
 
     async def handshake(self, timeout: float) -> epb.HandshakeResponse:
         """Waits (up to timeout) for the executor to come up, then asks its capabilities."""
-        return await self._stub.Handshake(epb.HandshakeRequest(), timeout=timeout, wait_for_ready=True)
+        return await self._stub.Handshake(epb.HandshakeRequest(scheduler_version=__version__), timeout=timeout,
+                                          wait_for_ready=True, metadata=self._metadata)
 
     async def step(self, plan: StepPlan, timeout: float) -> StepResult:
         """Runs one step. A step the executor refused while staying alive (out of memory, a
         rejected plan) raises StepFailedError; anything else means the executor is gone."""
         try:
-            return result_from_proto(await self._stub.Step(plan_to_proto(plan), timeout=timeout))
+            return result_from_proto(await self._stub.Step(plan_to_proto(plan), timeout=timeout,
+                                                           metadata=self._metadata))
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
                 raise StepFailedError(f"step {plan.step_id} failed: {exc.details()}", exc.code()) from None
             raise
 
     async def reset(self, timeout: float = 10.0) -> None:
-        await self._stub.Reset(epb.ResetRequest(), timeout=timeout)
+        await self._stub.Reset(epb.ResetRequest(), timeout=timeout, metadata=self._metadata)
 
     async def close(self) -> None:
         await self._channel.close()

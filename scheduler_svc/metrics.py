@@ -96,6 +96,13 @@ class Metrics:
         self.swapped.set(swapped)
         self.kv_usage.set(kv_usage)
 
+    def clear_load(self) -> None:
+        """Zeroes the load gauges when the engine is gone (executor lost, a new engine to come):
+        they are otherwise only set after a step, and would show the dead engine's load until
+        the next request."""
+        for gauge in (self.running, self.waiting, self.swapped, self.kv_usage):
+            gauge.set(0)
+
     def on_token(self, request: Request, now: float) -> None:
         """Called for every generated token, after the request's timestamps are updated."""
         self.generation_tokens.inc()

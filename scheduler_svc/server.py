@@ -3,19 +3,29 @@
 Thin on purpose: validation lives in validation.py, scheduling in the engine. Errors leave
 as status codes; a stream that ends for any reason — finished, cancelled, deadline,
 disconnect — aborts its request in `finally`, so nothing keeps running for nobody.
+
+Nothing here blocks the event loop on one request: text and chat prompts are tokenized in a
+worker thread (the tokenizer releases the GIL), so health checks and other streams keep
+being answered while a long prompt is encoded. Requests that cannot be valid are refused
+before work proportional to their size: see `add_generation_servicer` and validation.py.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from typing import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from chunkserve.v1 import chunkserve_pb2 as pb
 from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.engine import Engine, RequestStream, StreamDelta
 from scheduler_svc.errors import ServingError, UnavailableError
-from scheduler_svc.validation import Limits, sampling_params, tokenize_prompt
+from scheduler_svc.validation import (Limits, check_client_request_id, needs_tokenizer, sampling_params,
+                                      tokenize_prompt)
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +63,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def __init__(self, get_engine: Callable[[], tuple[Engine, Limits, pb.GetInfoResponse] | None]) -> None:
         self._get_engine = get_engine
+        # One worker: prompts are encoded one at a time, in arrival order, off the event loop.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunkserve-tokenize")
+
+    def max_request_bytes(self) -> int | None:
+        """Size of the largest valid GenerateRequest now (None while not serving)."""
+        state = self._get_engine()
+        return None if state is None else state[1].max_request_bytes
 
     def _ready(self) -> tuple[Engine, Limits, pb.GetInfoResponse]:
         state = self._get_engine()
@@ -66,7 +83,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                        ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             engine, limits, _ = self._ready()
-            prompt = tokenize_prompt(request, engine.tokenizer, limits)
+            check_client_request_id(request)
+            if needs_tokenizer(request):
+                prompt = await asyncio.get_running_loop().run_in_executor(
+                    self._tokenize_pool, tokenize_prompt, request, engine.tokenizer, limits)
+            else:  # token ids: bounded by max_model_len, cheap
+                prompt = tokenize_prompt(request, engine.tokenizer, limits)
             params = sampling_params(request, len(prompt), limits)
             stream = engine.add_request(prompt, params, request.cache_salt or None,
                                         request.priority, request.tenant)
@@ -74,10 +96,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(exc.code, str(exc))
             return
         try:
+            client_id = request.client_request_id  # echoed once, in the first message
             async for delta in _deltas(stream):
                 if delta.error is not None:
                     await context.abort(delta.error.code, str(delta.error))
-                yield delta_to_proto(stream.request_id, request.client_request_id, delta)
+                yield delta_to_proto(stream.request_id, client_id, delta)
+                client_id = ""
         finally:
             if not stream.finished:
                 engine.abort(stream.request_id)
@@ -113,3 +137,80 @@ async def _deltas(stream: RequestStream) -> AsyncIterator[StreamDelta]:
         yield delta
         if delta.finished or delta.error is not None:
             return
+
+
+class _Refused:
+    """What the guarded deserializer returns instead of raising: the reason."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _deserializer(message_type: type[Message], max_bytes: Callable[[], int | None]) -> Callable[[bytes], Any]:
+    name = message_type.DESCRIPTOR.full_name
+
+    def deserialize(data: bytes) -> Message | _Refused:
+        limit = max_bytes()
+        if limit is not None and len(data) > limit:
+            return _Refused(f"the request has {len(data)} bytes; the largest valid {name} has {limit} "
+                            "(the longest prompt max_model_len allows, plus 64 KiB for the other fields)")
+        try:
+            return message_type.FromString(data)
+        except DecodeError as exc:  # e.g. "String field had bad UTF-8"
+            return _Refused(f"the request is not a valid {name} ({exc}); string fields must be valid UTF-8")
+    return deserialize
+
+
+async def _refuse(method: str, refused: _Refused, context: grpc.aio.ServicerContext) -> None:
+    log.warning("refused %s from %s: %s", method, context.peer(), refused.reason)
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused.reason)
+
+
+def _guard_unary(method: str, behaviour: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]):
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Refused):
+            await _refuse(method, request, context)
+        return await behaviour(request, context)
+    return handler
+
+
+def _guard_stream(method: str, behaviour: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]):
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, _Refused):
+            await _refuse(method, request, context)
+        async with contextlib.aclosing(behaviour(request, context)) as stream:
+            async for message in stream:
+                yield message
+    return handler
+
+
+def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+    """Registers chunkserve.v1.Generation, like the generated add_GenerationServicer_to_server
+    but with request deserializers that never raise.
+
+    gRPC's own deserializer raises on bytes that are not a valid message (a string field
+    with invalid UTF-8 is the common case), and grpc.aio then answers UNKNOWN and logs an
+    ERROR traceback per request. Here such a request gets INVALID_ARGUMENT and one WARNING
+    line. A GenerateRequest larger than the largest valid one (Limits.max_request_bytes,
+    known once the executor's handshake fixed max_model_len) is refused the same way before
+    it is parsed; the server's transport limit (app.py) caps messages before that.
+    """
+    service = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            _guard_stream(f"/{service}/Generate", servicer.Generate),
+            request_deserializer=_deserializer(pb.GenerateRequest, servicer.max_request_bytes),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            _guard_unary(f"/{service}/Abort", servicer.Abort),
+            request_deserializer=_deserializer(pb.AbortRequest, lambda: None),
+            response_serializer=pb.AbortResponse.SerializeToString),
+        "GetInfo": grpc.unary_unary_rpc_method_handler(
+            _guard_unary(f"/{service}/GetInfo", servicer.GetInfo),
+            request_deserializer=_deserializer(pb.GetInfoRequest, lambda: None),
+            response_serializer=pb.GetInfoResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)

@@ -3,12 +3,17 @@
 transformers' AutoTokenizer imports torch, and the scheduler process must not; the
 `tokenizers` library reads the same tokenizer.json, and jinja2 renders the same chat
 template (with the options Hugging Face uses), so token ids match transformers exactly.
+
+Encoding goes through `encode_batch_fast`, which releases the GIL while the Rust code runs
+(`encode` holds it for the whole call: a 1.6 MB prompt froze every other thread for 2 s),
+so a prompt tokenized in a worker thread never stalls the event loop.
 """
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import jinja2
 import jinja2.sandbox
@@ -27,7 +32,11 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"no tokenizer.json in {folder} (pass --tokenizer with a folder that has one)")
-        self._tok = _HFTokenizer.from_file(str(path))
+        spec = path.read_text()
+        self._tok = _HFTokenizer.from_str(spec)
+        # Computed once: text longer than max_model_len tokens can be is refused unencoded.
+        self.max_bytes_per_token, self.byte_bound_note = max_bytes_per_token(
+            json.loads(spec), self._tok.get_vocab(with_added_tokens=True))
         cfg_path = folder / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.bos_token = _token_text(cfg.get("bos_token"))
@@ -44,8 +53,10 @@ class Tokenizer:
         return self._tok.token_to_id(self.eos_token) if self.eos_token else None
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of a plain prompt, with the tokenizer's own special-token convention."""
-        return self._tok.encode(text, add_special_tokens=True).ids
+        """Token ids of a plain prompt, with the tokenizer's own special-token convention.
+
+        Releases the GIL while encoding (see the module docstring)."""
+        return self._tok.encode_batch_fast([text], add_special_tokens=True)[0].ids
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Renders messages with the model's template (plus the assistant prompt) and encodes.
@@ -53,6 +64,10 @@ class Tokenizer:
         Raises ValueError when the model has no chat template or the template rejects the
         conversation (e.g. roles out of order).
         """
+        return self.encode_rendered_chat(self.render_chat(messages))
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+        """The text the chat template makes of the messages (see apply_chat_template)."""
         if self._template is None:
             raise ValueError("this model has no chat template; send the prompt as text")
         try:
@@ -61,8 +76,12 @@ class Tokenizer:
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
+        return text
+
+    def encode_rendered_chat(self, text: str) -> list[int]:
+        """Token ids of a rendered conversation (render_chat's output)."""
         # The template already wrote the special tokens it wants (transformers does the same).
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
@@ -86,6 +105,113 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = raise_exception
     env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
     return env.from_string(source)
+
+
+# A character is at most 4 UTF-8 bytes; a normalizer that maps each character to at least one
+# character (Unicode normal forms, lowercasing) shrinks text by at most this factor. The
+# worst cases: NFKC/NFKD map a 4-byte mathematical letter to one ASCII byte (U+1D400 -> "A");
+# NFC/NFD the 3-byte Kelvin sign to "K"; compositions shrink less (Hangul L+V+T 9 -> 3 bytes,
+# a base letter and up to three marks into one 2-3 byte character).
+_MAX_CHAR_SHRINK = 4.0
+_PER_CHAR_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase"}
+_PARTITIONING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+
+
+def max_bytes_per_token(spec: dict[str, Any], vocab: dict[str, int]) -> tuple[int | None, str]:
+    """The most UTF-8 bytes of input text one token can stand for, or None when no finite bound
+    holds for this tokenizer; plus a note saying which (for the start-up log).
+
+    Why the bound is sound. Encoding is: added tokens are cut out of the text as they are; the
+    rest is normalized, split by the pre-tokenizer, and the model covers each piece with
+    vocabulary tokens. A vocabulary token's string is never shorter in UTF-8 than the
+    normalized text it covers: plain BPE/Unigram pieces are that text itself, ByteLevel writes
+    each byte as a 1-2 byte character, Metaspace a 1-byte space as the 3-byte "▁", byte
+    fallback a byte as "<0xNN>", WordPiece adds "##". So normalized bytes <= sum over tokens of
+    the token string's bytes <= tokens * L, L = the longest string in the vocabulary (added
+    tokens included; with ByteLevel a model token's characters are counted, not their UTF-8
+    bytes, since each stands for exactly one byte). The normalizer shrinks text by at most a factor F (1 when there is none;
+    _MAX_CHAR_SHRINK for per-character ones; |pattern| / |content| for a string Replace), so
+    input bytes <= F * tokens * L: a text of more than F * L * (max_model_len - 1) bytes has at
+    least max_model_len tokens and can never be a valid prompt. Special tokens the
+    post-processor adds only make more tokens.
+
+    It fails, and None is returned, where one token can cover unboundedly much text: a
+    normalizer or pre-tokenizer that deletes characters (Strip, StripAccents, BertNormalizer,
+    Precompiled, a Regex Replace, Whitespace splitting, Split/Punctuation with "Removed"), an
+    unknown-token that swallows a whole word or run (WordPiece, WordLevel, BPE with fuse_unk
+    or Unigram without complete byte fallback), added tokens that absorb surrounding
+    whitespace (lstrip/rstrip), or a truncation setting (the text is cut, never too long).
+    Unknown component types count as unsafe.
+    """
+    if spec.get("truncation"):
+        return None, "tokenizer.json truncates input"
+    stripping = [t["content"] for t in spec.get("added_tokens") or () if t.get("lstrip") or t.get("rstrip")]
+    if stripping:
+        return None, f"added token {stripping[0]!r} absorbs whitespace (lstrip/rstrip)"
+    factor = _shrink_factor(spec.get("normalizer"))
+    if factor is None:
+        return None, "the normalizer can delete characters"
+    if not _keeps_every_character(spec.get("pre_tokenizer")):
+        return None, "the pre-tokenizer drops characters"
+    model = spec.get("model") or {}
+    kind = model.get("type")
+    has_bytes = all(f"<0x{b:02X}>" in vocab for b in range(256))
+    fallback = bool(model.get("byte_fallback")) and has_bytes
+    if kind == "BPE":
+        if model.get("unk_token") and model.get("fuse_unk") and not fallback:
+            return None, "BPE fuses unknown characters into one token"
+    elif kind == "Unigram":
+        if model.get("unk_id") is not None and not fallback:
+            return None, "Unigram fuses unknown characters into one token"
+    else:
+        return None, f"{kind} maps a whole unknown word to one token"
+    added = {t["content"] for t in spec.get("added_tokens") or ()}
+    byte_level = _uses_byte_level(spec.get("pre_tokenizer"))
+    # An unknown character that becomes one unknown token covers at most 4 bytes.
+    longest = max([4, *(len(token) if byte_level and token not in added else len(token.encode())
+                        for token in vocab)])
+    bound = math.ceil(longest * factor)
+    return bound, f"a token covers at most {bound} bytes of text"
+
+
+def _shrink_factor(normalizer: dict[str, Any] | None) -> float | None:
+    """Most input bytes per normalized byte, None when unbounded or unknown."""
+    if normalizer is None:
+        return 1.0
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1.0
+        for child in normalizer.get("normalizers", ()):
+            f = _shrink_factor(child)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind in _PER_CHAR_NORMALIZERS:
+        return _MAX_CHAR_SHRINK
+    if kind in ("Prepend", "ByteLevel"):  # only add characters / map a byte to 1-2 bytes
+        return 1.0
+    if kind == "Replace" and "String" in (normalizer.get("pattern") or {}):
+        pattern, content = len(normalizer["pattern"]["String"].encode()), len(normalizer["content"].encode())
+        return None if content == 0 else max(1.0, pattern / content)
+    return None
+
+
+def _uses_byte_level(pre: dict[str, Any] | None) -> bool:
+    if pre is None:
+        return False
+    if pre.get("type") == "Sequence":
+        return any(_uses_byte_level(p) for p in pre.get("pretokenizers", ()))
+    return pre.get("type") == "ByteLevel"
+
+
+def _keeps_every_character(pre: dict[str, Any] | None) -> bool:
+    if pre is None:
+        return True
+    kind = pre.get("type")
+    if kind == "Sequence":
+        return all(_keeps_every_character(p) for p in pre.get("pretokenizers", ()))
+    return kind in _PARTITIONING_PRE_TOKENIZERS and pre.get("behavior") != "Removed"
 
 
 class IncrementalDetokenizer:

@@ -3,6 +3,12 @@
 Every rejection is an InvalidRequestError (INVALID_ARGUMENT) whose message names the field,
 raised before anything is queued. Unset optional fields get the defaults documented in
 chunkserve.proto.
+
+Every input is bounded before any work proportional to its size: a text prompt longer in
+bytes than any prompt of max_model_len tokens can be is refused before it is encoded (see
+tokenizer.max_bytes_per_token for why no valid prompt is refused), token ids are counted
+before they are read, and a whole message larger than the largest valid request
+(`Limits.max_request_bytes`) is refused by server.py before it is parsed.
 """
 from __future__ import annotations
 
@@ -17,6 +23,13 @@ from scheduler_svc.tokenizer import Tokenizer
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+MAX_CLIENT_REQUEST_ID_BYTES = 256
+# Room in a request for everything but the prompt: sampling parameters (16 stop strings of
+# 256 characters take at most 16.5 KiB), client_request_id, cache_salt, tenant,
+# stop_token_ids, and the protobuf framing of chat messages.
+MAX_NON_PROMPT_BYTES = 64 * 1024
+# A token id is a uint32: at most 5 bytes as a varint in a packed repeated field.
+_MAX_VARINT_BYTES = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,34 +38,93 @@ class Limits:
 
     max_model_len: int  # already capped by the KV pool and, with chunking off, the budget
     vocab_size: int
+    # Most UTF-8 bytes of a text prompt (or a rendered chat) that can still be under
+    # max_model_len tokens; None when the tokenizer allows no such bound (text is then only
+    # bounded by the transport's message size limit).
+    max_prompt_bytes: int | None = None
+
+    @staticmethod
+    def for_tokenizer(max_model_len: int, vocab_size: int, max_bytes_per_token: int | None) -> Limits:
+        """Limits with the prompt byte bound of a tokenizer (Tokenizer.max_bytes_per_token):
+        a valid prompt has at most max_model_len - 1 tokens, each covering at most
+        max_bytes_per_token bytes of text, so a longer text cannot be valid."""
+        bound = None if max_bytes_per_token is None else (max_model_len - 1) * max_bytes_per_token
+        return Limits(max_model_len, vocab_size, bound)
+
+    @property
+    def max_request_bytes(self) -> int | None:
+        """Serialized size of the largest valid GenerateRequest (None: no bound known): the
+        largest prompt (text, rendered chat, or max_model_len - 1 ids as varints) plus
+        MAX_NON_PROMPT_BYTES for every other field. Chat contents count as if the template
+        copied them whole (whitespace a template trims away still counts here)."""
+        if self.max_prompt_bytes is None:
+            return None
+        ids = (self.max_model_len - 1) * _MAX_VARINT_BYTES
+        return max(self.max_prompt_bytes, ids) + MAX_NON_PROMPT_BYTES
 
 
 def _fail(message: str) -> None:
     raise InvalidRequestError(message)
 
 
+def check_client_request_id(request: pb.GenerateRequest) -> None:
+    """client_request_id is echoed to the client: at most MAX_CLIENT_REQUEST_ID_BYTES."""
+    label = request.client_request_id
+    if len(label) > MAX_CLIENT_REQUEST_ID_BYTES or len(label.encode()) > MAX_CLIENT_REQUEST_ID_BYTES:
+        _fail(f"client_request_id has {len(label.encode())} UTF-8 bytes; at most {MAX_CLIENT_REQUEST_ID_BYTES}")
+
+
+def needs_tokenizer(request: pb.GenerateRequest) -> bool:
+    """Whether tokenize_prompt runs the tokenizer (text or chat), which may take a while."""
+    return request.WhichOneof("prompt") in ("text", "chat")
+
+
+def _check_prompt_bytes(field: str, text: str, limits: Limits) -> None:
+    bound = limits.max_prompt_bytes
+    if bound is None or len(text) * 4 <= bound:  # a character is at most 4 UTF-8 bytes
+        return
+    # More characters than the bound decides it without encoding a copy.
+    size = len(text) if len(text) > bound else len(text.encode())
+    if size > bound:
+        _fail(f"{field} has {'at least ' if size == len(text) else ''}{size} UTF-8 bytes; no text over "
+              f"{bound} bytes fits in max_model_len {limits.max_model_len} tokens")
+
+
 def tokenize_prompt(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
-    """The prompt's token ids, from text, ids or chat messages."""
+    """The prompt's token ids, from text, ids or chat messages.
+
+    Text that certainly has too many tokens is refused before it is encoded. A chat is
+    rendered first and the same bound applies to the rendered text, which is exactly what
+    gets encoded (templates may trim or drop content, so the raw contents would prove
+    nothing; rendering costs little next to encoding, and the message size bounds it).
+    Text and chat prompts can take a while to encode: an event loop runs this in a thread.
+    """
     kind = request.WhichOneof("prompt")
     if kind is None:
         _fail("prompt: set one of text, token_ids or chat")
     if kind == "text":
         if not request.text:
             _fail("prompt.text is empty")
+        _check_prompt_bytes("prompt.text", request.text, limits)
         ids = tokenizer.encode(request.text)
     elif kind == "token_ids":
+        count = len(request.token_ids.ids)
+        if count >= limits.max_model_len:
+            _fail(f"prompt has {count} tokens; max_model_len {limits.max_model_len} leaves no room to generate")
         ids = list(request.token_ids.ids)
-        bad = next((t for t in ids if t >= limits.vocab_size), None)
-        if bad is not None:
+        if ids and max(ids) >= limits.vocab_size:
+            bad = next(t for t in ids if t >= limits.vocab_size)
             _fail(f"prompt.token_ids: id {bad} is outside the vocabulary (size {limits.vocab_size})")
     else:
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         if not messages:
             _fail("prompt.chat.messages is empty")
         try:
-            ids = tokenizer.apply_chat_template(messages)
+            text = tokenizer.render_chat(messages)
         except ValueError as exc:
             raise InvalidRequestError(f"prompt.chat: {exc}") from None
+        _check_prompt_bytes("prompt.chat (as rendered by the chat template)", text, limits)
+        ids = tokenizer.encode_rendered_chat(text)
     if not ids:
         _fail("prompt is empty after tokenization")
     if len(ids) >= limits.max_model_len:

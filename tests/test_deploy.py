@@ -217,6 +217,10 @@ def test_environment_names_real_flags_with_their_defaults():
                 assert parsed == default, f"{name}: {key} defaults to {m[2]!r}, the flag to {default!r}"
     executor, scheduler = (resolved["services"][s]["environment"] for s in ("executor", "scheduler"))
     assert executor["CHUNKSERVE_MAX_NUM_BATCHED_TOKENS"] == scheduler["CHUNKSERVE_MAX_NUM_BATCHED_TOKENS"]
+    # The executor token: one variable read by both services (empty by default: no token).
+    assert executor["CHUNKSERVE_EXECUTOR_TOKEN"] == scheduler["CHUNKSERVE_EXECUTOR_TOKEN"] == ""
+    keyed = load(COMPOSE, {"CHUNKSERVE_EXECUTOR_TOKEN": "s3cret"})["services"]
+    assert {keyed[s]["environment"]["CHUNKSERVE_EXECUTOR_TOKEN"] for s in ("executor", "scheduler")} == {"s3cret"}
     changed = load(COMPOSE, {"CHUNKSERVE_MAX_NUM_BATCHED_TOKENS": "512", "CHUNKSERVE_MODEL": "/models/x"})
     assert changed["services"]["scheduler"]["environment"]["CHUNKSERVE_MAX_NUM_BATCHED_TOKENS"] == "512"
     assert changed["services"]["executor"]["environment"]["CHUNKSERVE_MAX_NUM_BATCHED_TOKENS"] == "512"
@@ -343,6 +347,30 @@ def test_probe_executor_handshake_and_default_address_from_env(fake_services):
     assert "fake" in done.stdout
 
 
+def test_probe_executor_sends_the_token_from_the_environment():
+    """An executor with a token refuses a probe without it; CHUNKSERVE_EXECUTOR_TOKEN (set in
+    the executor's container) makes the probe pass."""
+    from chunkserve.auth import SyncBearerTokenInterceptor
+
+    class Executor(epb_grpc.ExecutorServicer):
+        def Handshake(self, request, context):
+            return epb.HandshakeResponse(model_name="fake", dtype="float32", device="cpu", num_device_blocks=7)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), interceptors=[SyncBearerTokenInterceptor("t0k")])
+    epb_grpc.add_ExecutorServicer_to_server(Executor(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKSERVE_")}
+        for token, code in ((None, 1), ("wrong", 1), ("t0k", 0)):
+            env = dict(base, **({"CHUNKSERVE_EXECUTOR_TOKEN": token} if token else {}))
+            done = _probe("--target", "executor", "--address", f"127.0.0.1:{port}", env=env)
+            assert done.returncode == code, (token, done.stderr)
+            assert (code == 1) == ("UNAUTHENTICATED" in done.stderr)
+    finally:
+        server.stop(None)
+
+
 def test_probe_unreachable_or_misused_exits_1_with_one_line():
     dead = f"127.0.0.1:{free_port()}"
     for target in ("scheduler", "executor"):
@@ -429,14 +457,16 @@ def test_compose_services_start_serve_and_stop_without_docker(tiny_model_path, t
     eport, port, mport = free_port(), free_port(), free_port()
     cache = tmp_path / "cache"
     cache.mkdir()
+    token = "compose-executor-token"  # as a `.env` would set it, for both services
     executor = _Service("executor", doc["services"]["executor"], {
         "CHUNKSERVE_EXECUTOR_HOST": "127.0.0.1", "CHUNKSERVE_EXECUTOR_PORT": str(eport),
         "CHUNKSERVE_CACHE_DIR": str(cache), "CHUNKSERVE_MODEL": str(tiny_model_path),
+        "CHUNKSERVE_EXECUTOR_TOKEN": token,
     }, tmp_path / "executor.log")
     scheduler = _Service("scheduler", doc["services"]["scheduler"], {
         "CHUNKSERVE_HOST": "127.0.0.1", "CHUNKSERVE_PORT": str(port),
         "CHUNKSERVE_METRICS_HOST": "127.0.0.1", "CHUNKSERVE_METRICS_PORT": str(mport),
-        "CHUNKSERVE_EXECUTOR_ADDRESS": f"127.0.0.1:{eport}",
+        "CHUNKSERVE_EXECUTOR_ADDRESS": f"127.0.0.1:{eport}", "CHUNKSERVE_EXECUTOR_TOKEN": token,
     }, tmp_path / "scheduler.log")
     try:
         executor.start()
@@ -453,6 +483,11 @@ def test_compose_services_start_serve_and_stop_without_docker(tiny_model_path, t
         assert out.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
         with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10) as reply:
             assert reply.status == 200
+        # Anything else on the internal network is refused by the executor.
+        with pytest.raises(grpc.RpcError) as err:
+            epb_grpc.ExecutorStub(grpc.insecure_channel(f"127.0.0.1:{eport}")).Handshake(
+                epb.HandshakeRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
         # `docker compose stop`: dependents first, SIGTERM, exit within the grace period.
         assert scheduler.stop() == 0, scheduler.log.read_text()[-4000:]

@@ -412,7 +412,7 @@ def test_executor_killed_under_load_then_restarted(tiny_model_path, tmp_path):
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         # What `chunkserve serve` or compose does: start the executor again, same flags.
         server.executor = subprocess.Popen(executor_argv, stdout=open(tmp_path / "executor2.log", "w"),
-                                           stderr=subprocess.STDOUT)
+                                           stderr=subprocess.STDOUT, env=server.executor_env)
         deadline = time.time() + 120
         while check() != health_pb2.HealthCheckResponse.SERVING:
             assert time.time() < deadline, (tmp_path / "executor2.log").read_text()[-2000:]

@@ -21,7 +21,9 @@ from pathlib import Path
 
 from chunkserve.launch import Server, start_server
 
-_OWNED_BY_LAUNCH = {"host", "port", "executor_host", "executor_port", "executor_address"}
+# Chosen by the bench: free loopback ports, and a fresh executor token passed through the
+# environment (a token on a command line would show in `ps`).
+_OWNED_BY_LAUNCH = {"host", "port", "executor_host", "executor_port", "executor_address", "executor_token"}
 
 
 def _fields(cls: type) -> dict[str, bool]:
@@ -46,7 +48,7 @@ def split_server_args(args: str | list[str]) -> tuple[list[str], list[str]]:
         name, has_inline, _ = flag[2:].partition("=")
         name = name.replace("-", "_")
         if name in _OWNED_BY_LAUNCH:
-            raise ValueError(f"server args: {flag} is chosen by the bench (free loopback ports)")
+            raise ValueError(f"server args: {flag} is chosen by the bench (free loopback ports, its own token)")
         negated = name not in executor_fields and name not in scheduler_fields and name.startswith("no_")
         name = name.removeprefix("no_") if negated else name
         if name not in executor_fields and name not in scheduler_fields:

@@ -12,7 +12,7 @@ from chunkserve.v1 import chunkserve_pb2 as pb
 from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.engine import Engine
 from scheduler_svc.request import RequestStatus
-from scheduler_svc.server import GenerationServicer
+from scheduler_svc.server import GenerationServicer, add_generation_servicer
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.validation import Limits
 
@@ -35,13 +35,15 @@ BAD = {
     "too many logprobs": (build_request("hi", logprobs=21), "logprobs"),
     "min_tokens > max_tokens": (build_request("hi", max_tokens=2, min_tokens=3), "min_tokens"),
     "empty chat": (pb.GenerateRequest(chat=pb.ChatMessages()), "chat"),
+    "text over the byte bound": (build_request("x" * 496), "prompt.text"),
+    "client_request_id too long": (pb.GenerateRequest(text="hi", client_request_id="x" * 257), "client_request_id"),
 }
 
 
 async def serve(engine: Engine, limits: Limits):
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     info = pb.GetInfoResponse(model_name="fake")
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(lambda: (engine, limits, info)), server)
+    add_generation_servicer(GenerationServicer(lambda: (engine, limits, info)), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, port
@@ -50,8 +52,9 @@ async def serve(engine: Engine, limits: Limits):
 def make(fakes, tokenizer_dir, **cfg):
     sched = fakes.make_scheduler(num_blocks=cfg.pop("num_blocks", 64), block_size=4, max_model_len=100, **cfg)
     fake = fakes.FakeExecutor(sched.pool.num_blocks, 4, num_host_blocks=64)
-    engine = Engine(sched, fake, Tokenizer(tokenizer_dir), frozenset({fakes.EOS}), 100, 5.0)
-    return engine, Limits(max_model_len=100, vocab_size=257)
+    tokenizer = Tokenizer(tokenizer_dir)
+    engine = Engine(sched, fake, tokenizer, frozenset({fakes.EOS}), 100, 5.0)
+    return engine, Limits.for_tokenizer(100, 257, tokenizer.max_bytes_per_token)
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
