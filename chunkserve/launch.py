@@ -85,7 +85,7 @@ def start_server(tmp_dir: Path, executor_args: list[str], scheduler_args: list[s
     """Starts `python -m executor_svc` and `python -m scheduler_svc` as separate processes.
 
     Like `chunkserve serve`: a fresh executor token shared by the two through their
-    environment (never on a command line), and an executor that exits when this process dies."""
+    environment (never on a command line), and two children that exit when this process dies."""
     eport, port, mport, aport = free_port(), free_port(), free_port(), free_port()
     log = tmp_dir / f"server-{port}.log"
     out = open(log, "w")
@@ -97,7 +97,7 @@ def start_server(tmp_dir: Path, executor_args: list[str], scheduler_args: list[s
     scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_svc", "--host", "127.0.0.1", "--port", str(port),
                                   "--executor-address", f"127.0.0.1:{eport}", "--metrics-port", str(mport),
                                   "--admin-port", str(aport), *scheduler_args],
-                                 stdout=out, stderr=subprocess.STDOUT, env=env)
+                                 stdout=out, stderr=subprocess.STDOUT, env=executor_child_env(token, env))
     server = Server(port, mport, aport, scheduler, executor, log, token, executor_env)
     deadline = time.time() + timeout
     while True:
