@@ -113,7 +113,7 @@ def load(config: ExecutorConfig) -> Loaded:
     if host_blocks:
         host_cache = torch.empty(shape_per_block[:2] + (host_blocks,) + shape_per_block[3:], dtype=dtype,
                                  pin_memory=device.type == "cuda")
-    runner = ModelRunner(model, kv_cache, host_cache, hf.vocab_size, config.max_num_batched_tokens)
+    runner = ModelRunner(model, kv_cache, host_cache, hf.vocab_size, config.max_num_batched_tokens, model.max_model_len)
     name = "SmolLM2-135M-Instruct" if config.model in ("default", "") else config.model
     handshake = epb.HandshakeResponse(
         model=epb.ModelConfig(

@@ -21,7 +21,7 @@ from scheduler_svc.errors import (InternalError, QueueFullError, ServingError, S
                                   UnavailableError)
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.plan import StepPlan, StepResult
-from scheduler_svc.request import FinishReason, Request, SamplingParams
+from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerStats, TokenOutput
 from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler_svc.trace import StepTracer
@@ -209,9 +209,16 @@ class Engine:
             self.tracer.record(plan, result, planned_at, step_ns, running, waiting, usage)
 
     def _fail_step(self, plan: StepPlan, error: ServingError) -> None:
+        """Fails the requests of a step the executor refused (or ran out of memory in) and
+        survived. A refused plan changed nothing there, so what the plan dropped is dropped
+        again with the next one (dropping twice is harmless), and the requests it swapped out
+        fail with it: their KV may never have been copied to host memory."""
         now = time.monotonic()
-        for entry in plan.seqs:
-            live = self._live.pop(entry.request_id, None)
+        self.scheduler.drop_on_executor(plan.finished_seq_ids)
+        swapped_out = [r for r in plan.preempted if (live := self._live.get(r)) is not None
+                       and live.request.status is RequestStatus.SWAPPED]
+        for request_id in [entry.request_id for entry in plan.seqs] + swapped_out:
+            live = self._live.pop(request_id, None)
             if live is None:
                 continue
             self.scheduler.finish(live.request, FinishReason.ABORTED)  # frees blocks, drops executor state

@@ -11,6 +11,12 @@ Each gets `min(remaining known tokens, remaining budget)` tokens and exactly the
 those tokens need. Running out of blocks preempts (recompute: the victim's blocks are freed
 and its prompt plus generated tokens are prefilled again later) instead of failing.
 With `enable_chunked_prefill=False` a step is either whole-prompt prefills or decodes.
+
+Forward progress: a request preempted `max_preemptions` times is *pinned*. Pinned running
+requests are placed before everyone else, oldest first, and may preempt any request not yet
+placed in the step, never themselves while another candidate exists; so the oldest pinned
+request gains at least a block's worth of tokens every step until it finishes. (Placed
+last, as a long partial prefill is, it could only ever preempt itself, and starved.)
 """
 from __future__ import annotations
 
@@ -59,6 +65,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
         self._dropped_seq_ids: list[int] = []  # executor state to drop in the next plan
+        # Host blocks read by this plan's swap-ins. They return to the host pool only when the
+        # plan is complete: the executor runs a plan's swap-outs before its swap-ins, so a
+        # host block reused by a swap-out in the same plan would be overwritten before the
+        # swap-in reads it.
+        self._host_blocks_read: list[int] = []
         self.num_steps = 0  # plans built so far
         self.stats = SchedulerStats()
         # Admission keeps this many blocks free while others run, so that the decodes of
@@ -119,6 +130,11 @@ class Scheduler:
             self.finish(request, FinishReason.ABORTED)
         return request
 
+    def drop_on_executor(self, seq_ids: list[int]) -> None:
+        """Has the next plan drop these sequences' executor state (again, after a plan that
+        dropped them was refused)."""
+        self._dropped_seq_ids.extend(seq_ids)
+
     def preempt(self, request: Request, plan: StepPlan) -> None:
         """Takes request's device blocks away; swaps its KV out when the mode and space allow.
 
@@ -163,10 +179,14 @@ class Scheduler:
                         policy=self.policy_name)
         self.num_steps += 1
         budget = self.config.max_num_batched_tokens
+        pinned = sorted((r for r in self.running if self._is_pinned(r)), key=lambda r: (r.arrival_time, r.seq_id))
         if self.config.enable_chunked_prefill:
             decodes, short, long = [], [], []
             for r in self.running:
-                (decodes if r.num_remaining_tokens == 1 else long if self._is_long(r) else short).append(r)
+                if not self._is_pinned(r):
+                    (decodes if r.num_remaining_tokens == 1 else long if self._is_long(r) else short).append(r)
+            # A pinned prefill leaves one token per decode in the budget: decodes still run.
+            budget = self._schedule_running(plan, pinned, budget, reserve=len(decodes))
             budget = self._schedule_running(plan, decodes, budget)
             budget = self._schedule_running(plan, short, budget)
             if not plan.preempted:
@@ -177,11 +197,15 @@ class Scheduler:
         else:
             budget = self._schedule_waiting(plan, budget, whole=True) if not self.swapped else budget
             if not plan.seqs:
-                budget = self._schedule_running(plan, list(self.running), budget)
+                rest = [r for r in self.running if not self._is_pinned(r)]
+                budget = self._schedule_running(plan, pinned + rest, budget)
                 if not plan.preempted:
                     self._schedule_swapped(plan, budget)
         plan.finished_seq_ids = self._dropped_seq_ids
         self._dropped_seq_ids = []
+        if self._host_blocks_read:
+            self.host_pool.release(self._host_blocks_read)
+            self._host_blocks_read = []
         on_scheduled = getattr(self.policy, "on_scheduled", None)
         if on_scheduled is not None:
             for entry in plan.seqs:
@@ -191,13 +215,18 @@ class Scheduler:
     def _is_long(self, request: Request) -> bool:
         return request.num_remaining_tokens > self.long_prefill_token_threshold
 
-    def _schedule_running(self, plan: StepPlan, requests: list[Request], budget: int) -> int:
+    def _is_pinned(self, request: Request) -> bool:
+        return request.num_preemptions >= self.config.max_preemptions
+
+    def _schedule_running(self, plan: StepPlan, requests: list[Request], budget: int, reserve: int = 0) -> int:
+        """Schedules running requests in the given order; each chunk leaves `reserve` tokens
+        of the budget for those still to come (at least one token is always given)."""
         for request in requests:
             if budget == 0 or len(plan.seqs) >= self.config.max_num_seqs:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            n = self._chunk(request, budget)
+            n = self._chunk(request, max(1, budget - reserve))
             if n > 1:
                 # Shrink a chunk to the free blocks rather than preempt for it; with nothing
                 # free, preempt for one block's worth.
@@ -224,7 +253,8 @@ class Scheduler:
             entry.replace_block_table = True
             entry.new_block_ids = list(request.block_ids)
             plan.swap_in.extend(zip(request.host_block_ids, request.block_ids))
-            self._free_host(request)
+            self._host_blocks_read.extend(request.host_block_ids)  # released when the plan is built
+            request.host_block_ids = []
             budget -= n
         return budget
 
@@ -297,6 +327,8 @@ class Scheduler:
         scheduled = {s.seq_id for s in plan.seqs}
         while not self.pool.can_allocate(request, n):
             candidates = [r for r in self.running if r.seq_id not in scheduled]
+            if self._is_pinned(request):  # a pinned request never preempts itself while it can
+                candidates = [r for r in candidates if r is not request] or candidates
             # Forward progress: a request preempted max_preemptions times is pinned, never
             # a victim again while anyone else can be.
             unpinned = [r for r in candidates if r.num_preemptions < self.config.max_preemptions]

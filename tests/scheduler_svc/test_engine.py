@@ -162,3 +162,60 @@ def test_a_failed_step_fails_only_its_requests(fakes, byte_tokenizer_dir):
         assert deltas[-1].error is not None and deltas[-1].error.code.name == "RESOURCE_EXHAUSTED"
     assert third[-1].finished and third[-1].completion_tokens == 4
     assert not engine.is_dead and engine.scheduler.pool.num_free_blocks == 256
+
+
+def test_a_refused_plan_is_resent_its_drops_and_fails_its_swap_victims(fakes, byte_tokenizer_dir):
+    """The executor applies a plan whole or not at all: one it refuses neither dropped the
+    sequences in its finished list nor copied its swap-outs. The engine drops them again in
+    the next plan and fails the swapped-out requests with the step's own, so the executor
+    never keeps a sequence the scheduler forgot, and no request resumes from KV that was
+    never copied. Everything else finishes with exactly the tokens of an undisturbed run."""
+    import grpc
+
+    from scheduler_svc.errors import StepFailedError
+
+    class RefusesTwice(fakes.FakeExecutor):
+        """Refuses, without applying anything, the first plan that swaps out and the first
+        one that drops sequences."""
+
+        def __init__(self):
+            super().__init__(24, 4, num_host_blocks=64)
+            self.refused = {"swap_out": None, "finished_seq_ids": None}
+
+        async def step(self, plan, timeout):
+            for field, step in self.refused.items():
+                if step is None and getattr(plan, field):
+                    self.refused[field] = plan.step_id
+                    raise StepFailedError(f"step {plan.step_id} refused", grpc.StatusCode.INVALID_ARGUMENT)
+            return await super().step(plan, timeout)
+
+    prompts = [[(7 * i + j) % 200 for j in range(6 + 3 * i)] for i in range(10)]
+
+    async def run(fake, **cfg):
+        sched = fakes.make_scheduler(num_blocks=fake.num_blocks, block_size=4, num_host_blocks=fake.num_host_blocks,
+                                     **cfg)
+        engine = Engine(sched, fake, Tokenizer(byte_tokenizer_dir), frozenset({fakes.EOS}), 100, 5.0)
+        engine.start()
+        streams = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+                   for p in prompts]
+        results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+        for _ in range(10_000):  # the last drops travel in one more plan: let it run
+            if not sched.has_work() and not fake.seqs:
+                break
+            await asyncio.sleep(0.001)
+        await engine.stop()
+        return engine, results
+
+    _, reference = asyncio.run(run(fakes.FakeExecutor(400, 4, num_host_blocks=1)))
+    fake = RefusesTwice()
+    engine, results = asyncio.run(run(fake, preemption_mode="swap", max_num_batched_tokens=16))
+    assert None not in fake.refused.values(), "the workload no longer swaps and drops: tighten it"
+    failed = [i for i, r in enumerate(results) if r[-1].error is not None]
+    assert failed and all(results[i][-1].error.code.name == "INVALID_ARGUMENT" for i in failed)
+    for i, (got, want) in enumerate(zip(results, reference)):
+        if i not in failed:
+            assert [t for d in got for t in d.token_ids] == [t for d in want for t in d.token_ids]
+    assert not engine.is_dead
+    assert fake.seqs == {}, "the executor still holds sequences the scheduler forgot"
+    assert engine.scheduler.pool.num_free_blocks == 24
+    assert engine.scheduler.host_pool.num_free_blocks == 64
