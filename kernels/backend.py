@@ -3,19 +3,20 @@
 A backend is a stateless strategy object: it writes this step's K/V into the paged cache
 and computes causal attention for a flat varlen batch. Backends declare what they support
 (dtypes, head sizes, block sizes) so that start-up fails with a clear message instead of a
-kernel error deep inside the first forward. The registry maps names to "module:Class"
-strings and imports lazily, so a CPU machine never imports flash-attn or Triton.
+kernel error deep inside the first forward. The registry (chunkserve.registry) maps names
+to "module:Class" strings and imports lazily, so a CPU machine never imports flash-attn or
+Triton.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
 
+from chunkserve.registry import Registry
 from chunkserve_kernels.metadata import AttentionMetadata
 
 
@@ -66,33 +67,27 @@ class AttentionBackend(ABC):
         """
 
 
-_REGISTRY: dict[str, str] = {
+BACKENDS: Registry[type[AttentionBackend]] = Registry("attention backend", {
     "torch": "chunkserve_kernels.torch_backend:TorchBackend",
     "torch_ref": "chunkserve_kernels.torch_ref:TorchRefBackend",
     "triton": "chunkserve_kernels.triton_attn:TritonBackend",
     "flash_attn": "chunkserve_kernels.flash_attn_backend:FlashAttnBackend",
-}
+})
 DEFAULT_BACKEND = "torch"
 
 
 def register_backend(name: str, target: str) -> None:
     """Register `"module:Class"` under `name` (imported only when first requested)."""
-    _REGISTRY[name] = target
+    BACKENDS.register(name, target)
 
 
 def available_backends() -> list[str]:
-    return sorted(_REGISTRY)
+    return BACKENDS.names()
 
 
 def get_backend(name: str = DEFAULT_BACKEND) -> AttentionBackend:
     """Instantiate the backend registered as `name`."""
-    if name not in _REGISTRY:
-        raise ValueError(
-            f"unknown attention backend {name!r}; available: {', '.join(available_backends())}"
-        )
-    module_name, _, class_name = _REGISTRY[name].partition(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls()
+    return BACKENDS.get(name)()
 
 
 def _importable(module: str) -> bool:

@@ -1,41 +1,46 @@
 """Scheduling policies: they order the waiting queue and pick preemption victims, nothing else.
 
 Budget arithmetic, chunking and block allocation stay in the scheduler, so a policy is a
-few lines and cannot break a step invariant. The contract (docs/policies.md):
-
-- `order_waiting(waiting, step)` returns the same requests in admission order. `step` is the
-  scheduler's step counter, for aging (`request.arrival_step` is when it arrived).
-- `pick_victim(candidates)` returns one of the (never empty) running candidates.
-- `on_scheduled(request, num_tokens)`, optional, is told what each step gave each request.
-  It is the one hook beyond ordering, because fairness needs to know who was served.
-
-Policies are registered by name; a dotted path (`package.module.Class` or
-`package.module:Class`) loads a user's own class, instantiated without arguments.
+few lines and cannot break a step invariant. The contract is the `Policy` base class below
+(docs/policies.md shows a complete one). Policies are registered by name; a dotted path
+(`package.module.Class` or `package.module:Class`) loads a user's own subclass,
+instantiated without arguments.
 """
 from __future__ import annotations
 
-import importlib
+from abc import ABC, abstractmethod
 from collections import defaultdict
-from typing import Callable, Protocol, Sequence
+from typing import ClassVar, Sequence
 
+from chunkserve.registry import Registry
 from scheduler_svc.request import Request
 
 
-class Policy(Protocol):
-    """What the scheduler asks of a policy."""
+class Policy(ABC):
+    """What the scheduler asks of a policy: two decisions and one optional notification."""
 
-    name: str
+    #: Shown in the step trace, metrics and `chunkserve admin config`.
+    name: ClassVar[str] = ""
 
-    def order_waiting(self, waiting: Sequence[Request], step: int) -> list[Request]: ...
+    @abstractmethod
+    def order_waiting(self, waiting: Sequence[Request], step: int) -> list[Request]:
+        """The same requests in admission order. `step` is the scheduler's step counter, for
+        aging (`request.arrival_step` is when a request arrived)."""
 
-    def pick_victim(self, candidates: Sequence[Request]) -> Request: ...
+    @abstractmethod
+    def pick_victim(self, candidates: Sequence[Request]) -> Request:
+        """One of the (never empty) running candidates, to be preempted."""
+
+    def on_scheduled(self, request: Request, num_tokens: int) -> None:
+        """Told what each step gave each request; the one hook beyond ordering, because
+        fairness needs to know who was served. Default: nothing."""
 
 
 def _arrival(r: Request) -> tuple[float, int]:
     return (r.arrival_time, r.seq_id)
 
 
-class FCFS:
+class FCFS(Policy):
     """First come, first served; the most recently arrived request is preempted first."""
 
     name = "fcfs"
@@ -47,7 +52,7 @@ class FCFS:
         return max(candidates, key=_arrival)
 
 
-class PriorityPolicy:
+class PriorityPolicy(Policy):
     """Lower `priority` first, then arrival; the victim is the lowest priority, latest arrival."""
 
     name = "priority"
@@ -59,7 +64,7 @@ class PriorityPolicy:
         return max(candidates, key=lambda r: (r.priority, *_arrival(r)))
 
 
-class ShortestJobFirst:
+class ShortestJobFirst(Policy):
     """Fewest tokens left to prefill first, with aging so that long prompts are not starved.
 
     A request's key shrinks by `aging_tokens_per_step` for every step it has waited, so a
@@ -82,7 +87,7 @@ class ShortestJobFirst:
         return max(candidates, key=lambda r: (r.num_tokens - r.num_computed_tokens, *_arrival(r)))
 
 
-class FairShare:
+class FairShare(Policy):
     """Round-robin across `tenant` labels, weighted by the tokens each tenant was served.
 
     Waiting requests are interleaved: every tenant's first request (least-served tenant
@@ -110,28 +115,23 @@ class FairShare:
         return max(candidates, key=lambda r: (self.served[r.tenant], *_arrival(r)))
 
 
-_REGISTRY: dict[str, Callable[[], Policy]] = {
-    "fcfs": FCFS, "priority": PriorityPolicy, "sjf": ShortestJobFirst, "fair": FairShare}
+POLICIES: Registry[type[Policy]] = Registry("scheduling policy", {
+    "fcfs": FCFS, "priority": PriorityPolicy, "sjf": ShortestJobFirst, "fair": FairShare},
+    allow_dotted_path=True)
 
 
-def register_policy(name: str, factory: Callable[[], Policy]) -> None:
+def register_policy(name: str, cls: type[Policy]) -> None:
     """Makes a policy selectable by name."""
-    _REGISTRY[name] = factory
+    POLICIES.register(name, cls)
 
 
 def create_policy(name: str) -> Policy:
-    """A registered policy by name, or a class by dotted path; ValueError saying what exists."""
-    if name in _REGISTRY:
-        return _REGISTRY[name]()
-    module_name, sep, attr = name.replace(":", ".").rpartition(".")
-    if not sep:
-        raise ValueError(f"unknown scheduling policy {name!r}; known: {', '.join(sorted(_REGISTRY))} "
-                         "or a dotted path to a class")
+    """A registered policy by name, or a Policy subclass by dotted path; ValueError saying what
+    exists or what is wrong."""
+    cls = POLICIES.get(name)
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise ValueError(f"scheduling policy {name!r} is not a subclass of scheduler_svc.policy.Policy")
     try:
-        policy = getattr(importlib.import_module(module_name), attr)()
-    except (ImportError, AttributeError, TypeError) as exc:
+        return cls()
+    except TypeError as exc:  # abstract methods missing, or an __init__ that wants arguments
         raise ValueError(f"cannot load scheduling policy {name!r}: {exc}") from exc
-    for method in ("order_waiting", "pick_victim"):
-        if not callable(getattr(policy, method, None)):
-            raise ValueError(f"scheduling policy {name!r} has no {method}() method")
-    return policy

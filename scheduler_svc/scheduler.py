@@ -89,7 +89,7 @@ class Scheduler:
 
     @property
     def policy_name(self) -> str:
-        return getattr(self.policy, "name", type(self.policy).__name__)
+        return self.policy.name or type(self.policy).__name__
 
     # ---- queue bookkeeping -------------------------------------------------------------
 
@@ -206,10 +206,8 @@ class Scheduler:
         if self._host_blocks_read:
             self.host_pool.release(self._host_blocks_read)
             self._host_blocks_read = []
-        on_scheduled = getattr(self.policy, "on_scheduled", None)
-        if on_scheduled is not None:
-            for entry in plan.seqs:
-                on_scheduled(self._by_seq[entry.seq_id], entry.num_new_tokens)
+        for entry in plan.seqs:
+            self.policy.on_scheduled(self._by_seq[entry.seq_id], entry.num_new_tokens)
         return plan
 
     def _is_long(self, request: Request) -> bool:

@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-_REGISTRY: dict[str, str] = {
+from chunkserve.registry import Registry
+
+MODELS: Registry[type] = Registry("model architecture", {
     "LlamaForCausalLM": "executor_svc.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "executor_svc.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "executor_svc.models.llama:Qwen2ForCausalLM",
-}
+})
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_REGISTRY)
+    return MODELS.names()
 
 
 def check_architectures(architectures: list[str] | None) -> str:
     """The first supported name in a config's `architectures`; ValueError if there is none."""
     for arch in architectures or []:
-        if arch in _REGISTRY:
+        if arch in MODELS:
             return arch
     raise ValueError(
         f"unsupported model architecture {architectures}; supported: {', '.join(supported_architectures())}"
@@ -28,6 +29,4 @@ def check_architectures(architectures: list[str] | None) -> str:
 
 def get_model_class(config: Any) -> type:
     """The model class for an HF config (reads `config.architectures`)."""
-    arch = check_architectures(getattr(config, "architectures", None))
-    module_name, _, class_name = _REGISTRY[arch].partition(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    return MODELS.get(check_architectures(getattr(config, "architectures", None)))

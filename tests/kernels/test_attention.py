@@ -121,7 +121,7 @@ def test_backends_refuse_unsupported_dtype_and_block_size():
     with pytest.raises(ValueError, match="block_size must be positive"):
         backend.check_block_size(0)
     backend.check_block_size(3)
-    with pytest.raises(ValueError, match="available: flash_attn, torch, torch_ref, triton"):
+    with pytest.raises(ValueError, match="known: flash_attn, torch, torch_ref, triton"):
         get_backend("flash_attn_v9")
 
 

@@ -81,7 +81,17 @@ def test_fair_share_across_three_tenants(fakes):
 
 def test_user_policy_loaded_by_dotted_path_from_outside_the_package(tmp_path, fakes, monkeypatch):
     (tmp_path / "my_policies.py").write_text(textwrap.dedent('''
-        class LongestFirst:
+        from scheduler_svc.policy import Policy
+
+        class NotAPolicy:
+            def order_waiting(self, waiting, step):
+                return list(waiting)
+
+        class Incomplete(Policy):
+            def order_waiting(self, waiting, step):
+                return list(waiting)
+
+        class LongestFirst(Policy):
             name = "longest-first"
             def order_waiting(self, waiting, step):
                 return sorted(waiting, key=lambda r: -r.num_prompt_tokens)
@@ -97,6 +107,11 @@ def test_user_policy_loaded_by_dotted_path_from_outside_the_package(tmp_path, fa
         create_policy("nope")
     with pytest.raises(ValueError, match="cannot load"):
         create_policy("my_policies.Missing")
+    with pytest.raises(ValueError, match="not a subclass"):
+        create_policy("my_policies:NotAPolicy")
+    with pytest.raises(ValueError, match="abstract method"):  # no pick_victim
+        create_policy("my_policies:Incomplete")
+    assert policy.on_scheduled(a, 3) is None  # the base class's default hook
 
 
 def test_live_update_is_validated_whole_and_atomic(fakes):
