@@ -55,15 +55,6 @@ class Completion:
             self.usage = msg.usage
 
 
-async def generate_async(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest,
-                         timeout: float | None = None) -> Completion:
-    """Runs one request on a grpc.aio stub and collects the stream."""
-    out = Completion()
-    async for msg in stub.Generate(request, timeout=timeout):
-        out.add(msg)
-    return out
-
-
 def generate_cli(args: argparse.Namespace) -> int:
     """`chunkserve generate`: prints the text as it streams; returns an exit code."""
     prompt: str | list[dict[str, str]] = args.prompt

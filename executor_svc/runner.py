@@ -315,7 +315,7 @@ class ModelRunner:
             holders[b] += d
 
     def _swap(self, plan: epb.StepRequest) -> None:
-        """Block copies between device and host, swap-outs first (DESIGN.md); validated already."""
+        """Block copies between device and host, swap-outs first (docs/architecture.md); validated already."""
         if not plan.swap_out and not plan.swap_in:
             return
         for copy in plan.swap_out:

@@ -1,8 +1,9 @@
 """The executor process: load the model, size the KV cache, serve chunkserve.executor.v1.
 
-A plain threaded gRPC server: steps arrive one at a time from the one scheduler, and a lock
-keeps it that way even if a second caller appears. Torch work blocks the handling thread,
-not the server, so health and handshake calls still answer during a long step. With an
+A plain threaded gRPC server: steps arrive one at a time from the one scheduler, and every
+torch call runs on one compute thread (see ExecutorServicer), which serialises them even if
+a second caller appears. Torch work blocks the handling thread, not the server, so health
+and handshake calls still answer during a long step. With an
 executor token (always, under `chunkserve serve`) only the scheduler that holds it gets past
 the interceptor: no second scheduler drives this KV cache.
 """

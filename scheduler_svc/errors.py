@@ -1,7 +1,7 @@
 """Errors that map to gRPC status codes (the servicer turns them into aborts).
 
 Keeping the mapping in one place means every path reports the same code for the same
-situation (REFERENCE.md's table).
+situation (the table in docs/architecture.md, "Errors").
 """
 from __future__ import annotations
 
