@@ -12,10 +12,13 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
+from chunkserve.executor.v1 import executor_pb2 as epb
 from chunkserve.v1 import chunkserve_pb2 as pb
 from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from scheduler_svc.config import validate_against_executor
 from scheduler_svc.policy import create_policy
 from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.snapshot import SchedulerSnapshot
 from scheduler_svc.trace import StepTracer
 
 _FIELDS = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "max_num_partial_prefills",
@@ -27,34 +30,24 @@ class Controls:
     """What the admin service may touch, once the server is ready."""
 
     scheduler: Scheduler
-    executor_max_batched_tokens: int
+    executor: epb.HandshakeResponse  # what a change is checked against (config.validate_against_executor)
 
 
-def describe(sched: Scheduler) -> pb.SchedulingConfig:
-    c = sched.config
+def describe(s: SchedulerSnapshot) -> pb.SchedulingConfig:
     return pb.SchedulingConfig(
-        policy=sched.policy_name, max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
-        enable_chunked_prefill=c.enable_chunked_prefill, max_num_partial_prefills=c.max_num_partial_prefills,
-        max_long_partial_prefills=c.max_long_partial_prefills,
-        long_prefill_token_threshold=c.long_prefill_token_threshold,
-        num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.swapped),
-        kv_cache_usage=sched.pool.usage, effective_step=sched.num_steps)
+        policy=s.policy, **{f: getattr(s.config, f) for f in _FIELDS}, num_running=s.num_running,
+        num_waiting=s.num_waiting + s.num_swapped, kv_cache_usage=s.kv_cache_usage, effective_step=s.next_step)
 
 
 def apply_update(controls: Controls, update: pb.SchedulingConfig) -> pb.SchedulingConfig:
     """Validates and applies a change; ValueError (nothing changed) when it cannot work."""
-    sched = controls.scheduler
+    sched, now = controls.scheduler, controls.scheduler.snapshot()
     changes = {f: getattr(update, f) for f in _FIELDS if update.HasField(f)}
-    config = dataclasses.replace(sched.config, **changes)  # __post_init__ validates
-    if config.max_num_batched_tokens > controls.executor_max_batched_tokens:
-        raise ValueError(f"max_num_batched_tokens {config.max_num_batched_tokens} exceeds the executor's "
-                         f"{controls.executor_max_batched_tokens}")
-    if not config.enable_chunked_prefill and sched.max_model_len > config.max_num_batched_tokens:
-        raise ValueError(f"chunked prefill off needs max_num_batched_tokens >= max_model_len "
-                         f"({sched.max_model_len}): a longer prompt could never be scheduled")
+    config = dataclasses.replace(now.config, **changes)  # __post_init__ validates
+    validate_against_executor(config, controls.executor, now.max_model_len)  # the start-up rules
     policy = create_policy(update.policy) if update.HasField("policy") else sched.policy
     sched.reconfigure(config, policy)
-    return describe(sched)
+    return describe(sched.snapshot())
 
 
 class AdminServicer(pb_grpc.AdminServicer):
@@ -86,7 +79,7 @@ class AdminServicer(pb_grpc.AdminServicer):
 
     async def GetConfig(self, request: pb.GetConfigRequest, context: grpc.aio.ServicerContext
                         ) -> pb.SchedulingConfig:
-        return describe((await self._controls(context)).scheduler)
+        return describe((await self._controls(context)).scheduler.snapshot())
 
     async def UpdateConfig(self, request: pb.SchedulingConfig, context: grpc.aio.ServicerContext
                            ) -> pb.SchedulingConfig:

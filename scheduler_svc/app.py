@@ -2,9 +2,9 @@
 
 The public server starts first, so health checks answer while the executor loads: the
 process is SERVING at "" (alive) and the Generation service is NOT_SERVING until the
-executor's handshake has sized the block pool. Limits are decided once, here, from the
-handshake and the config, and a setting that can never work stops start-up with a message
-that says what to change.
+executor's handshake has sized the block pool. Limits are decided here from the handshake
+and the config by config.validate_against_executor, the rules every live change passes too:
+a setting that can never work stops start-up with a message that says what to change.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from chunkserve.executor.v1 import executor_pb2 as epb
 from chunkserve.v1 import chunkserve_pb2 as pb
 from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.block_manager import BlockPool
-from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.config import SchedulerConfig, validate_against_executor
 from scheduler_svc.admin import AdminServicer, Controls
 from scheduler_svc.auth import BearerTokenInterceptor
 from scheduler_svc.engine import Engine
@@ -42,22 +42,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # serving, a GenerateRequest over the largest valid one (Limits.max_request_bytes, usually far
 # smaller) is refused before it is parsed (server.add_generation_servicer).
 MAX_PUBLIC_REQUEST_BYTES = 16 * 1024 * 1024
-
-
-def decide_max_model_len(config: SchedulerConfig, hs: epb.HandshakeResponse) -> int:
-    """max_model_len from the config, the model and the KV pool; raises ValueError if impossible."""
-    pool_tokens = hs.num_device_blocks * hs.block_size
-    limits = {"the model's context (max_position_embeddings)": hs.model.max_position_embeddings,
-              f"the KV pool ({hs.num_device_blocks} blocks x {hs.block_size} tokens)": pool_tokens}
-    if not config.enable_chunked_prefill:
-        limits["max_num_batched_tokens with chunked prefill off"] = config.max_num_batched_tokens
-    if config.max_model_len is None:
-        return min(limits.values())
-    for what, cap in limits.items():
-        if config.max_model_len > cap:
-            raise ValueError(f"--max-model-len {config.max_model_len} exceeds {what} = {cap}: lower "
-                             "--max-model-len or give the executor more KV memory / a larger budget")
-    return config.max_model_len
 
 
 def refused_message(address: str) -> str:
@@ -142,12 +126,7 @@ class SchedulerApp:
     def _build(self, client: ExecutorClient, hs: epb.HandshakeResponse, config: SchedulerConfig,
                policy: Policy) -> Ready:
         """A fresh block pool, scheduler and engine sized from a handshake."""
-        if config.max_num_batched_tokens > hs.max_num_batched_tokens:
-            raise ValueError(f"--max-num-batched-tokens {config.max_num_batched_tokens} is larger than the "
-                             f"executor's {hs.max_num_batched_tokens}: give both the same value")
-        if config.preemption_mode == "swap" and not hs.num_host_blocks:
-            raise ValueError("--preemption-mode swap needs host swap blocks: give the executor --swap-space > 0")
-        max_model_len = decide_max_model_len(config, hs)
+        max_model_len = validate_against_executor(config, hs)  # the same rules as every live change
         tokenizer = Tokenizer(config.tokenizer or hs.model_path)
         limits = Limits.for_tokenizer(max_model_len, hs.model.vocab_size, tokenizer.max_bytes_per_token)
         if limits.max_prompt_bytes is None:
@@ -167,7 +146,7 @@ class SchedulerApp:
             if config.metrics_port:
                 self.metrics.serve(config.metrics_host, config.metrics_port)
         engine = Engine(scheduler, client, tokenizer, frozenset(eos), config.max_waiting_requests,
-                        config.step_timeout_s, self.metrics, self.tracer)
+                        config.step_timeout_s, (self.metrics, self.tracer))
         engine.start()
         info = pb.GetInfoResponse(
             model_name=hs.model_name, max_model_len=max_model_len, vocab_size=hs.model.vocab_size,
@@ -176,7 +155,7 @@ class SchedulerApp:
             eos_token_ids=sorted(eos))
         log.info("serving %s (max_model_len %d, %d KV blocks of %d tokens, %s, %s)", hs.model_name,
                  max_model_len, hs.num_device_blocks, hs.block_size, hs.dtype, hs.attention_backend)
-        return Ready(engine, limits, info, client, Controls(scheduler, hs.max_num_batched_tokens))
+        return Ready(engine, limits, info, client, Controls(scheduler, hs))
 
     async def _supervise(self) -> None:
         """When the executor fails, go NOT_SERVING, wait for it to come back (a supervisor or

@@ -1,4 +1,5 @@
-"""Scheduler configuration: one frozen dataclass, validated once, documented per field.
+"""Scheduler configuration: one frozen dataclass, validated once, documented per field, and
+the rules that pair it with what the executor reported (`validate_against_executor`).
 
 Every field with a `help` is also a flag (`--max-num-seqs`) and an environment variable
 (`CHUNKSERVE_MAX_NUM_SEQS`), see chunkserve/flags.py. The names follow vLLM's where the
@@ -7,6 +8,10 @@ meaning matches.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from chunkserve.executor.v1.executor_pb2 import HandshakeResponse
 
 
 @dataclass(frozen=True)
@@ -71,24 +76,40 @@ class SchedulerConfig:
         "help": "a step the executor has not answered after this long fails its requests"})
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
-        if self.max_num_partial_prefills < 1:
-            raise ValueError(f"--max-num-partial-prefills must be >= 1, got {self.max_num_partial_prefills}")
+        least = dict(max_num_batched_tokens=1, max_num_seqs=1, max_model_len=2, max_num_partial_prefills=1,
+                     long_prefill_token_threshold=0, max_preemptions=1, max_waiting_requests=1)
+        for name, low in least.items():
+            if (value := getattr(self, name)) is not None and value < low:  # max_model_len None = decided
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
         if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
             raise ValueError(f"--max-long-partial-prefills must be in [1, --max-num-partial-prefills], "
                              f"got {self.max_long_partial_prefills}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("--tls-cert-file and --tls-key-file go together")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
-        if self.max_preemptions < 1:
-            raise ValueError(f"--max-preemptions must be >= 1, got {self.max_preemptions}")
-        if self.max_waiting_requests < 1:
-            raise ValueError(f"--max-waiting-requests must be >= 1, got {self.max_waiting_requests}")
+
+
+def validate_against_executor(config: SchedulerConfig, hs: HandshakeResponse, max_model_len: int | None = None) -> int:
+    """The rules pairing these settings with the executor's handshake, for start-up (app.py) and
+    every live change (admin.py) alike. Returns max_model_len: the one given (live: fixed at
+    start-up), else the configured one, else the largest that works. ValueError says what to change."""
+    if config.max_num_batched_tokens > hs.max_num_batched_tokens:
+        raise ValueError(f"--max-num-batched-tokens {config.max_num_batched_tokens} is larger than the executor's "
+                         f"{hs.max_num_batched_tokens}, the most tokens it accepts in one step: lower it, or "
+                         "give the executor the same --max-num-batched-tokens")
+    if config.preemption_mode == "swap" and not hs.num_host_blocks:
+        raise ValueError("--preemption-mode swap needs host swap blocks: give the executor --swap-space > 0")
+    caps = [  # (what bounds max_model_len, its value, what to change)
+        ("the model's context (max_position_embeddings)", hs.model.max_position_embeddings, "lower --max-model-len"),
+        (f"the KV pool ({hs.num_device_blocks} blocks x {hs.block_size} tokens)",
+         hs.num_device_blocks * hs.block_size, "lower --max-model-len or give the executor more KV memory")]
+    if not config.enable_chunked_prefill:
+        caps.append(("--max-num-batched-tokens with chunked prefill off (a prompt must fit one step)",
+                     config.max_num_batched_tokens,
+                     "raise --max-num-batched-tokens, keep chunked prefill on, or lower --max-model-len"))
+    wanted = max_model_len or config.max_model_len
+    for what, cap, change in caps:
+        if wanted is not None and wanted > cap:
+            raise ValueError(f"max_model_len {wanted} exceeds {what} = {cap}: {change}")
+    return wanted or min(cap for _, cap, _ in caps)

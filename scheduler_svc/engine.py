@@ -9,7 +9,6 @@ only touched between awaits and needs no locks.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import time
@@ -19,12 +18,10 @@ from typing import Protocol
 
 from scheduler_svc.errors import (InternalError, QueueFullError, ServingError, StepFailedError,
                                   UnavailableError)
-from scheduler_svc.metrics import Metrics
-from scheduler_svc.plan import StepPlan, StepResult
+from scheduler_svc.plan import StepPlan, StepResult, StepStats
 from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerStats, TokenOutput
+from scheduler_svc.scheduler import Scheduler, TokenOutput
 from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer
-from scheduler_svc.trace import StepTracer
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +30,30 @@ class StepRunner(Protocol):
     """What the loop needs from the executor (the gRPC client, or a fake in tests)."""
 
     async def step(self, plan: StepPlan, timeout: float) -> StepResult: ...
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One completed step, for observers; queue sizes and KV usage are those after it."""
+
+    plan: StepPlan
+    stats: StepStats
+    result: StepResult
+    planned_at: float  # wall clock, seconds since the epoch
+    step_ns: int  # from planning to the result applied
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_usage: float
+
+
+class Observer:
+    """What the loop tells metrics and the step trace, on the event loop (keep it cheap); a hook
+    does nothing unless overridden. on_token sees the previous token's last_token_time."""
+
+    def on_step(self, record: StepRecord) -> None: ...
+    def on_token(self, request: Request, now: float) -> None: ...
+    def on_finish(self, request: Request, reason: FinishReason, now: float) -> None: ...
 
 
 @dataclass(slots=True)
@@ -82,11 +103,11 @@ class _Live:
 
 
 class Engine:
-    """Owns the scheduler and drives the executor one step at a time."""
+    """Owns the scheduler and drives the executor one step at a time, telling its observers."""
 
     def __init__(self, scheduler: Scheduler, executor: StepRunner, tokenizer: Tokenizer,
                  eos_token_ids: frozenset[int], max_waiting: int, step_timeout_s: float,
-                 metrics: Metrics | None = None, tracer: StepTracer | None = None) -> None:
+                 observers: tuple[Observer, ...] = ()) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
@@ -99,9 +120,7 @@ class Engine:
         self._dead: str | None = None
         self.dead = asyncio.Event()  # set once the executor failed; this engine is then done
         self._task: asyncio.Task[None] | None = None
-        self._stats_seen = SchedulerStats()
-        self.metrics = metrics
-        self.tracer = tracer or StepTracer()
+        self.observers = observers
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -135,8 +154,7 @@ class Engine:
         if live is None:
             return False
         self.scheduler.abort(request_id)
-        if self.metrics is not None:
-            self.metrics.on_finish(live.request, FinishReason.ABORTED, time.monotonic())
+        self._finished(live.request, FinishReason.ABORTED, time.monotonic())
         live.stream.put(self._final(live, FinishReason.ABORTED, ""))
         self._wake.set()
         return True
@@ -173,7 +191,7 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            plan = self.scheduler.schedule()
+            plan, stats = self.scheduler.schedule(), self.scheduler.step_stats
             if plan.is_empty:
                 # Nothing fits right now; admission guarantees it will once something ends.
                 self._wake.clear()
@@ -193,20 +211,11 @@ class Engine:
                 self._fail_all(f"executor unavailable: step failed: {type(exc).__name__}: {exc}")
                 return
             self._emit(self.scheduler.update(plan, result))
-            self._observe(plan, result, planned_at, time.perf_counter_ns() - started)
-
-    def _observe(self, plan: StepPlan, result: StepResult, planned_at: float, step_ns: int) -> None:
-        sched = self.scheduler
-        running, waiting, usage = len(sched.running), len(sched.waiting), sched.pool.usage
-        if self.metrics is not None:
-            now, seen = sched.stats, self._stats_seen
-            self.metrics.on_step(plan, running, waiting, len(sched.swapped), usage,
-                                 recomputed_tokens=now.recomputed_tokens - seen.recomputed_tokens,
-                                 prefix_queries=now.prefix_queries - seen.prefix_queries,
-                                 prefix_hits=now.prefix_hits - seen.prefix_hits)
-            self._stats_seen = dataclasses.replace(now)
-        if self.tracer.active:
-            self.tracer.record(plan, result, planned_at, step_ns, running, waiting, usage)
+            sched = self.scheduler
+            record = StepRecord(plan, stats, result, planned_at, time.perf_counter_ns() - started,
+                                len(sched.running), len(sched.waiting), len(sched.swapped), sched.pool.usage)
+            for observer in self.observers:
+                observer.on_step(record)
 
     def _fail_step(self, plan: StepPlan, error: ServingError) -> None:
         """Fails the requests of a step the executor refused (or ran out of memory in) and
@@ -222,8 +231,7 @@ class Engine:
             if live is None:
                 continue
             self.scheduler.finish(live.request, FinishReason.ABORTED)  # frees blocks, drops executor state
-            if self.metrics is not None:
-                self.metrics.on_finish(live.request, FinishReason.ABORTED, now)
+            self._finished(live.request, FinishReason.ABORTED, now)
             live.stream.put(StreamDelta(error=error))
 
     def fail(self, reason: str) -> None:
@@ -238,8 +246,7 @@ class Engine:
         self.dead.set()
         for request_id, live in list(self._live.items()):
             self.scheduler.abort(request_id)
-            if self.metrics is not None:
-                self.metrics.on_finish(live.request, FinishReason.ABORTED, time.monotonic())
+            self._finished(live.request, FinishReason.ABORTED, time.monotonic())
             live.stream.put(StreamDelta(error=error(reason)))
         self._live.clear()
 
@@ -254,8 +261,8 @@ class Engine:
             request = out.request
             if request.first_token_time is None:
                 request.first_token_time = now
-            if self.metrics is not None:
-                self.metrics.on_token(request, now)
+            for observer in self.observers:
+                observer.on_token(request, now)
             request.last_token_time = now
             token = out.sampled.token_id
             reason = out.finish_reason
@@ -276,9 +283,12 @@ class Engine:
             if reason is FinishReason.STOP and token in out.request.sampling.stop_token_ids:
                 final.matched_stop_token_id = token
             del self._live[out.request.request_id]
-            if self.metrics is not None:
-                self.metrics.on_finish(request, reason, now)
+            self._finished(request, reason, now)
             live.stream.put(final)
+
+    def _finished(self, request: Request, reason: FinishReason, now: float) -> None:
+        for observer in self.observers:
+            observer.on_finish(request, reason, now)
 
     @staticmethod
     def _final(live: _Live, reason: FinishReason, text: str) -> StreamDelta:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from scheduler_svc.plan import StepPlan
+from scheduler_svc.engine import Observer, StepRecord
 from scheduler_svc.request import FinishReason, Request
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -27,7 +27,7 @@ FINISH_LABELS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
                  FinishReason.STOP_SEQUENCE: "stop_sequence", FinishReason.ABORTED: "abort"}
 
 
-class Metrics:
+class Metrics(Observer):
     """Every metric the scheduler exports; `registry` is private to this instance."""
 
     def __init__(self, model_name: str) -> None:
@@ -77,24 +77,19 @@ class Metrics:
             raise ValueError(f"cannot serve /metrics on {host}:{port}: {exc.strerror}; choose another "
                              "--metrics-port, or 0 to turn it off") from None
 
-    def on_step(self, plan: StepPlan, running: int, waiting: int, swapped: int, kv_usage: float, *,
-                recomputed_tokens: int, prefix_queries: int, prefix_hits: int) -> None:
-        """Per step; the counts are what happened since the previous call."""
+    def on_step(self, record: StepRecord) -> None:
+        plan, stats = record.plan, record.stats
         self.step_tokens.observe(plan.num_tokens)
-        if plan.preempted:
-            self.preemptions.inc(len(plan.preempted))
-            self.swapped_out.inc(len(plan.swap_out))
-        if plan.swap_in:
-            self.swapped_in.inc(len(plan.swap_in))
-        if recomputed_tokens:
-            self.recomputed.inc(recomputed_tokens)
-        if prefix_queries:
-            self.prefix_queries.inc(prefix_queries)
-            self.prefix_hits.inc(prefix_hits)
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.swapped.set(swapped)
-        self.kv_usage.set(kv_usage)
+        self.preemptions.inc(len(plan.preempted))
+        self.swapped_out.inc(len(plan.swap_out))
+        self.swapped_in.inc(len(plan.swap_in))
+        self.recomputed.inc(stats.recomputed_tokens)
+        self.prefix_queries.inc(stats.prefix_queries)
+        self.prefix_hits.inc(stats.prefix_hits)
+        self.running.set(record.num_running)
+        self.waiting.set(record.num_waiting)
+        self.swapped.set(record.num_swapped)
+        self.kv_usage.set(record.kv_usage)
 
     def clear_load(self) -> None:
         """Zeroes the load gauges when the engine is gone (executor lost, a new engine to come):
@@ -104,7 +99,6 @@ class Metrics:
             gauge.set(0)
 
     def on_token(self, request: Request, now: float) -> None:
-        """Called for every generated token, after the request's timestamps are updated."""
         self.generation_tokens.inc()
         if request.num_output_tokens == 1:
             self.prompt_tokens.inc(request.num_prompt_tokens)

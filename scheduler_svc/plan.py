@@ -1,15 +1,15 @@
 """The per-step plan the scheduler hands the executor, and what comes back.
 
-Delta-encoded (DESIGN.md): a sequence's sampling parameters travel once, in `new_seqs`;
+Delta-encoded (docs/architecture.md): a sequence's sampling parameters travel once, in `new_seqs`;
 after that an entry carries only counts, the token ids the executor does not know, and the
 block ids appended since the last step. These are plain objects; executor_client.py turns
-them into chunkserve.executor.v1 messages.
+them into chunkserve.executor.v1 messages; request ids and `StepStats` stay on this side.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_svc.request import SamplingParams
+from scheduler_svc.request import Request, SamplingParams
 
 
 @dataclass(slots=True)
@@ -28,10 +28,6 @@ class ScheduledSeq:
     new_block_ids: list[int]
     # Whether this chunk reaches the last known token, so the executor samples.
     sample: bool
-    # Whether the sequence is still in its prompt (for metrics and the step trace).
-    is_prefill: bool
-    # The request's prompt length (for the step trace).
-    num_prompt_tokens: int = 0
     # new_block_ids is the whole table (after a swap-in), not an append.
     replace_block_table: bool = False
 
@@ -49,14 +45,11 @@ class StepPlan:
     """Everything the executor does in one step."""
 
     step_id: int
-    # The token budget and policy this plan was built under (for the step trace).
-    token_budget: int = 0
-    policy: str = ""
     seqs: list[ScheduledSeq] = field(default_factory=list)
     new_seqs: list[NewSeq] = field(default_factory=list)
     # Sequences that ended or were preempted by recompute: the executor drops their state.
     finished_seq_ids: list[int] = field(default_factory=list)
-    # Request ids preempted while building this plan (for metrics and the step trace).
+    # Request ids preempted while building this plan (not sent: swap-outs carry the blocks).
     preempted: list[str] = field(default_factory=list)
     # (device block, host block) copies before the forward pass, swap-outs first.
     swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -70,6 +63,18 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not self.seqs and not self.finished_seq_ids and not self.swap_out
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What else the scheduler did in a step, for observers only; counts are this step's."""
+
+    token_budget: int
+    policy: str
+    requests: list[Request] = field(default_factory=list)  # of the plan's seqs, in order
+    recomputed_tokens: int = 0  # computed tokens discarded by recompute preemption
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (at first admission)
+    prefix_hits: int = 0  # of which found
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """The step scheduler: builds each step's plan under the token budget. Never touches a tensor.
 
-There is no prefill or decode phase (DESIGN.md): every request has `num_computed_tokens`
+There is no prefill or decode phase (docs/architecture.md): every request has `num_computed_tokens`
 catching up with `num_tokens`, and a step hands out the budget in this order:
 
   1. running requests that decode (one token each) — never stalled by a prefill;
@@ -25,19 +25,10 @@ from dataclasses import dataclass
 
 from scheduler_svc.block_manager import BlockPool
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.plan import NewSeq, Sampled, ScheduledSeq, StepPlan, StepResult
+from scheduler_svc.plan import NewSeq, Sampled, ScheduledSeq, StepPlan, StepResult, StepStats
 from scheduler_svc.policy import Policy
 from scheduler_svc.request import FinishReason, Request, RequestStatus
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """Monotonic counters the engine turns into metrics."""
-
-    preemptions: int = 0
-    recomputed_tokens: int = 0  # computed tokens discarded by recompute preemption
-    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (once per request)
-    prefix_hits: int = 0  # of which found
+from scheduler_svc.snapshot import SchedulerSnapshot
 
 
 @dataclass(slots=True)
@@ -71,7 +62,7 @@ class Scheduler:
         # swap-in reads it.
         self._host_blocks_read: list[int] = []
         self.num_steps = 0  # plans built so far
-        self.stats = SchedulerStats()
+        self.step_stats = StepStats(0, "")  # of the last plan built, for observers
         # Admission keeps this many blocks free while others run, so that the decodes of
         # running requests do not immediately preempt what was just admitted.
         self.watermark_blocks = max(1, pool.num_blocks // 100)
@@ -90,6 +81,11 @@ class Scheduler:
     @property
     def policy_name(self) -> str:
         return self.policy.name or type(self.policy).__name__
+
+    def snapshot(self) -> SchedulerSnapshot:
+        """Live queues, pool and settings: the one way other code reads them."""
+        return SchedulerSnapshot(self.config, self.policy_name, self.max_model_len, self.num_steps, len(self.running),
+                                 len(self.waiting), len(self.swapped), self.pool.num_free_blocks, self.pool.usage)
 
     # ---- queue bookkeeping -------------------------------------------------------------
 
@@ -145,7 +141,6 @@ class Scheduler:
         """
         self.running.remove(request)
         request.num_preemptions += 1
-        self.stats.preemptions += 1
         plan.preempted.append(request.request_id)
         host = self.host_pool
         if (self.config.preemption_mode == "swap" and host is not None
@@ -161,7 +156,7 @@ class Scheduler:
             self._dropped_seq_ids.append(request.seq_id)
         request.known_to_executor = False
         request.executor_has_last_token = False
-        self.stats.recomputed_tokens += request.num_computed_tokens
+        self.step_stats.recomputed_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.insert(0, request)
@@ -174,9 +169,9 @@ class Scheduler:
     # ---- building a step ---------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        """Builds the next step's plan and allocates its blocks."""
-        plan = StepPlan(step_id=self.num_steps, token_budget=self.config.max_num_batched_tokens,
-                        policy=self.policy_name)
+        """Builds the next step's plan and allocates its blocks; `step_stats` says what else it did."""
+        plan = StepPlan(step_id=self.num_steps)
+        self.step_stats = StepStats(self.config.max_num_batched_tokens, self.policy_name)
         self.num_steps += 1
         budget = self.config.max_num_batched_tokens
         pinned = sorted((r for r in self.running if self._is_pinned(r)), key=lambda r: (r.arrival_time, r.seq_id))
@@ -284,15 +279,14 @@ class Scheduler:
             if stop or spare < 0 or (self.running and spare < self.watermark_blocks):
                 self._unmatch(request)
                 break
-            if request.first_scheduled_time is None:  # hit accounting once per request
+            if request.first_scheduled_time is None:  # once per request: queue time, cache hits
+                request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = request.num_computed_tokens
-                self.stats.prefix_queries += request.num_prompt_tokens if self.pool.enable_caching else 0
-                self.stats.prefix_hits += request.num_computed_tokens
+                self.step_stats.prefix_queries += request.num_prompt_tokens if self.pool.enable_caching else 0
+                self.step_stats.prefix_hits += request.num_computed_tokens
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
             self._add(plan, request, n)
             budget -= n
             prefilling += request.num_remaining_tokens > n
@@ -352,9 +346,8 @@ class Scheduler:
             token_ids=[] if is_decode else request.token_ids(start, start + n),
             new_block_ids=new_blocks,
             sample=start + n == request.num_tokens,
-            is_prefill=start < request.num_prompt_tokens,
-            num_prompt_tokens=request.num_prompt_tokens,
         ))
+        self.step_stats.requests.append(request)
         return plan.seqs[-1]
 
     # ---- applying a step's result ------------------------------------------------------

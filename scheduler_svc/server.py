@@ -116,15 +116,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except ServingError as exc:
             await context.abort(exc.code, str(exc))
             raise  # unreachable: abort raises
-        info = pb.GetInfoResponse()
-        info.CopyFrom(static)
-        sched = engine.scheduler
-        info.max_num_batched_tokens = sched.config.max_num_batched_tokens
-        info.max_num_seqs = sched.config.max_num_seqs
-        info.enable_chunked_prefill = sched.config.enable_chunked_prefill
-        info.num_free_device_blocks = sched.pool.num_free_blocks
-        info.num_requests_running = len(sched.running)
-        info.num_requests_waiting = len(sched.waiting) + len(sched.swapped)
+        s = engine.scheduler.snapshot()
+        info = pb.GetInfoResponse(
+            max_num_batched_tokens=s.config.max_num_batched_tokens, max_num_seqs=s.config.max_num_seqs,
+            enable_chunked_prefill=s.config.enable_chunked_prefill, num_free_device_blocks=s.num_free_device_blocks,
+            num_requests_running=s.num_running, num_requests_waiting=s.num_waiting + s.num_swapped)
+        info.MergeFrom(static)  # the model and pool, fixed at start-up
         return info
 
 

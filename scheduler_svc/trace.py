@@ -13,21 +13,17 @@ from typing import IO
 from google.protobuf import json_format
 
 from chunkserve.v1 import chunkserve_pb2 as pb
-from scheduler_svc.plan import StepPlan, StepResult
+from scheduler_svc.engine import Observer, StepRecord
 
 QUEUE_STEPS = 4096
 
 
-class StepTracer:
+class StepTracer(Observer):
     """Fans step traces out to a file and to subscribers."""
 
     def __init__(self, path: str | None = None) -> None:
         self._file: IO[str] | None = open(path, "a", buffering=1) if path else None
         self._subscribers: set[asyncio.Queue[pb.StepTrace]] = set()
-
-    @property
-    def active(self) -> bool:
-        return self._file is not None or bool(self._subscribers)
 
     def subscribe(self) -> asyncio.Queue[pb.StepTrace]:
         queue: asyncio.Queue[pb.StepTrace] = asyncio.Queue(QUEUE_STEPS)
@@ -37,19 +33,23 @@ class StepTracer:
     def unsubscribe(self, queue: asyncio.Queue[pb.StepTrace]) -> None:
         self._subscribers.discard(queue)
 
-    def record(self, plan: StepPlan, result: StepResult, planned_at: float, step_ns: int,
-               running: int, waiting: int, kv_usage: float) -> None:
-        prefill = sum(s.num_new_tokens for s in plan.seqs if s.is_prefill)
+    def on_step(self, record: StepRecord) -> None:
+        if self._file is None and not self._subscribers:
+            return  # nobody listens: build nothing
+        plan, stats = record.plan, record.stats
+        seqs = [pb.StepTraceEntry(request_id=s.request_id, num_tokens=s.num_new_tokens,
+                                  is_prefill=s.num_computed_tokens < r.num_prompt_tokens,
+                                  num_computed_tokens=s.num_computed_tokens, num_prompt_tokens=r.num_prompt_tokens)
+                for s, r in zip(plan.seqs, stats.requests)]
+        prefill = sum(e.num_tokens for e in seqs if e.is_prefill)
         trace = pb.StepTrace(
-            step_id=plan.step_id, timestamp=planned_at, num_tokens=plan.num_tokens,
-            token_budget=plan.token_budget, num_prefill_tokens=prefill,
+            step_id=plan.step_id, timestamp=record.planned_at, num_tokens=plan.num_tokens,
+            token_budget=stats.token_budget, num_prefill_tokens=prefill,
             num_decode_tokens=plan.num_tokens - prefill, num_preempted=len(plan.preempted),
             num_swapped_out=len(plan.swap_out), num_swapped_in=len(plan.swap_in),
-            executor_ns=result.execute_ns, step_ns=step_ns, num_running=running, num_waiting=waiting,
-            kv_cache_usage=kv_usage, policy=plan.policy,
-            seqs=[pb.StepTraceEntry(request_id=s.request_id, num_tokens=s.num_new_tokens, is_prefill=s.is_prefill,
-                                    num_computed_tokens=s.num_computed_tokens,
-                                    num_prompt_tokens=s.num_prompt_tokens) for s in plan.seqs])
+            num_cached_tokens=stats.prefix_hits, executor_ns=record.result.execute_ns, step_ns=record.step_ns,
+            num_running=record.num_running, num_waiting=record.num_waiting, kv_cache_usage=record.kv_usage,
+            policy=stats.policy, seqs=seqs)
         if self._file is not None:
             self._file.write(json_format.MessageToJson(trace, indent=None) + "\n")
         for queue in self._subscribers:

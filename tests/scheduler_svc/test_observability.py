@@ -1,6 +1,8 @@
-"""Metrics and step trace of a real server (tiny random model) on a scripted workload."""
+"""Metrics and step trace: the engine's observers against a fake executor, then a real
+server (tiny random model) on a scripted workload."""
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import threading
@@ -14,6 +16,85 @@ from prometheus_client.parser import text_string_to_metric_families
 from chunkserve.client import build_request
 from chunkserve.v1 import chunkserve_pb2 as pb
 from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from scheduler_svc.engine import Engine, Observer
+from scheduler_svc.metrics import Metrics
+from scheduler_svc.request import SamplingParams
+from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.trace import StepTracer
+
+
+class Recorder(Observer):
+    def __init__(self) -> None:
+        self.steps, self.finished = [], []
+
+    def on_step(self, record) -> None:
+        self.steps.append(record)
+
+    def on_finish(self, request, reason, now) -> None:
+        self.finished.append(request)
+
+
+def run_engine(fakes, tokenizer_dir, batches, observers, num_blocks=256, max_tokens=8, **cfg):
+    """Runs each batch of prompts to the end before the next; returns [(request id, final delta)]."""
+    sched = fakes.make_scheduler(num_blocks=num_blocks, block_size=4, **cfg)
+    fake = fakes.FakeExecutor(num_blocks, 4)
+    engine = Engine(sched, fake, Tokenizer(tokenizer_dir), frozenset({fakes.EOS}), 100, 5.0, observers)
+
+    async def last(stream):
+        while not (d := await stream.queue.get()).finished:
+            assert d.error is None
+        return stream.request_id, d
+
+    async def main():
+        engine.start()
+        finals = []
+        for prompts in batches:
+            streams = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+            finals += await asyncio.gather(*(last(s) for s in streams))
+        await engine.stop()
+        return finals
+
+    return asyncio.run(main()), fake
+
+
+def test_observers_get_one_record_per_step_with_that_steps_counts(fakes, byte_tokenizer_dir):
+    rec, metrics = Recorder(), Metrics("m")
+    prompts = [list(range(10 + i, 35 + i)) for i in range(6)]
+    _, fake = run_engine(fakes, byte_tokenizer_dir, [prompts], (rec, metrics), num_blocks=20, max_tokens=30,
+                         max_num_batched_tokens=32)
+    assert len(rec.steps) == len(fake.plans) and all(r.plan is p for r, p in zip(rec.steps, fake.plans))
+    assert len(rec.finished) == 6
+    preempting = [i for i, r in enumerate(rec.steps) if r.plan.preempted]
+    assert preempting and preempting[-1] + 1 < len(rec.steps)
+    for r in rec.steps:  # counts belong to their step: none without a preemption, none left over after
+        assert r.stats.recomputed_tokens == 0 or r.plan.preempted
+        assert len(r.stats.requests) == len(r.plan.seqs)
+    assert all(r.stats.recomputed_tokens == 0 for r in rec.steps[preempting[-1] + 1:])
+    preemptions = sum(len(r.plan.preempted) for r in rec.steps)
+    assert preemptions == sum(req.num_preemptions for req in rec.finished)
+    sample = lambda name: metrics.registry.get_sample_value(f"chunkserve_{name}", {"model_name": "m"})
+    assert sample("num_preemptions_total") == preemptions
+    assert sample("num_recomputed_tokens_total") == sum(r.stats.recomputed_tokens for r in rec.steps) > 0
+    assert sample("prefix_cache_queries_total") == sum(r.stats.prefix_queries for r in rec.steps) == 6 * 25
+    assert sample("iteration_tokens_count") == len(rec.steps)
+    metrics.clear_load()
+    assert sample("num_requests_running") == 0 == sample("kv_cache_usage_perc")
+
+
+def test_trace_reports_prefix_cache_hits_of_the_admitting_step(fakes, byte_tokenizer_dir):
+    tracer, rec = StepTracer(), Recorder()
+    queue = tracer.subscribe()
+    prompt = list(range(40, 80))  # 10 blocks of 4
+    finals, fake = run_engine(fakes, byte_tokenizer_dir, [[prompt], [prompt + [90, 91]]], (tracer, rec))
+    traces = [queue.get_nowait() for _ in range(queue.qsize())]
+    assert len(traces) == len(rec.steps) == len(fake.plans)
+    (a, _), (b, final) = finals
+    assert final.cached_tokens == 40
+    admitted = [t for t in traces if t.num_cached_tokens]
+    assert len(admitted) == 1 and admitted[0].num_cached_tokens == 40
+    assert admitted[0].seqs[0].request_id == b and admitted[0].seqs[0].num_computed_tokens == 40
+    first = [s for t in traces for s in t.seqs if s.request_id == a]
+    assert [s.is_prefill for s in first] == [True] + [False] * 7 and first[0].num_prompt_tokens == 40
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import pytest
 
 import grpc
 
+from chunkserve.executor.v1 import executor_pb2 as epb
 from chunkserve.v1 import chunkserve_pb2 as pb
 from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.admin import Controls, apply_update
@@ -116,7 +117,8 @@ def test_user_policy_loaded_by_dotted_path_from_outside_the_package(tmp_path, fa
 
 def test_live_update_is_validated_whole_and_atomic(fakes):
     sched = fakes.make_scheduler(num_blocks=256, block_size=16, max_num_batched_tokens=512, max_model_len=1024)
-    controls = Controls(sched, executor_max_batched_tokens=2048)
+    controls = Controls(sched, epb.HandshakeResponse(max_num_batched_tokens=2048, block_size=16, num_device_blocks=256,
+                                                     model=epb.ModelConfig(max_position_embeddings=1024)))
     before = (sched.config, sched.policy)
     for bad in (pb.SchedulingConfig(policy="sjf", max_num_batched_tokens=4096),  # over the executor's
                 pb.SchedulingConfig(policy="sjf", max_num_seqs=0),
@@ -128,7 +130,8 @@ def test_live_update_is_validated_whole_and_atomic(fakes):
     out = apply_update(controls, pb.SchedulingConfig(policy="priority", max_num_batched_tokens=1024))
     assert out.policy == "priority" and sched.config.max_num_batched_tokens == 1024
     assert isinstance(sched.policy, PriorityPolicy) and sched.config.max_num_seqs == before[0].max_num_seqs
-    assert sched.schedule().token_budget == 1024
+    sched.schedule()
+    assert sched.step_stats.token_budget == 1024
 
 
 def test_documented_user_policy_serves_requests_end_to_end(tiny_model_path, tmp_path, monkeypatch):

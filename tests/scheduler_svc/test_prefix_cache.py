@@ -146,7 +146,7 @@ def test_recompute_preemption_recovers_cached_blocks(fakes):
                 recovered.append(e.num_computed_tokens)
 
     fakes.run_to_completion(sched, fake, check=check)
-    assert sched.stats.preemptions > 0 and any(c > 0 for c in recovered)
+    assert any(p.preempted for p in fake.plans) and any(c > 0 for c in recovered)
 
 
 @settings(max_examples=40, deadline=None,

@@ -10,6 +10,7 @@ import pytest
 from chunkserve.client import build_request
 from chunkserve.v1 import chunkserve_pb2 as pb
 from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from scheduler_svc.admin import describe
 from scheduler_svc.engine import Engine
 from scheduler_svc.request import RequestStatus
 from scheduler_svc.server import GenerationServicer, add_generation_servicer
@@ -123,6 +124,49 @@ def test_cancel_in_every_state_frees_every_block(fakes, byte_tokenizer_dir, stat
                 assert sched.host_pool.num_free_blocks == sched.host_pool.num_blocks
         finally:
             await engine.stop()
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_snapshot_counts_what_requests_hold_and_get_info_reports_it(fakes, byte_tokenizer_dir):
+    """Step by step through swap preemption, Scheduler.snapshot() agrees with what the requests
+    themselves hold; GetInfo over gRPC and the Admin service's answer report those numbers."""
+    async def main():
+        engine, limits = make(fakes, byte_tokenizer_dir, num_blocks=24, max_num_batched_tokens=8,
+                              preemption_mode="swap", num_host_blocks=64)  # the engine never steps on its own
+        sched, fake = engine.scheduler, engine.executor
+        for i in range(6):
+            sched.add_request(fakes.make_request(i, prompt_len=12, max_tokens=40))
+        server, port = await serve(engine, limits)
+        asked = 0
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                for step in range(1000):
+                    s = sched.snapshot()
+                    live = list(sched.requests.values())
+                    statuses = [sum(r.status is st for r in live) for st in
+                                (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED)]
+                    assert [s.num_running, s.num_waiting, s.num_swapped] == statuses, f"step {step}"
+                    held = len({b for r in live for b in r.block_ids})
+                    assert (s.num_free_device_blocks, s.kv_cache_usage) == (24 - held, pytest.approx(held / 24))
+                    assert (s.next_step, s.policy, s.max_model_len, s.config) == (step, "fcfs", 100, sched.config)
+                    if all(statuses) and asked < 3:  # running, waiting and swapped requests at once
+                        asked += 1
+                        info = await pb_grpc.GenerationStub(channel).GetInfo(pb.GetInfoRequest())
+                        assert (info.num_requests_running, info.num_requests_waiting, info.num_free_device_blocks,
+                                info.max_num_batched_tokens, info.model_name) == (
+                            s.num_running, s.num_waiting + s.num_swapped, s.num_free_device_blocks, 8, "fake")
+                        config = describe(s)
+                        assert (config.num_running, config.num_waiting, config.effective_step, config.policy,
+                                config.max_num_batched_tokens) == (s.num_running, info.num_requests_waiting,
+                                                                   step, "fcfs", 8)
+                    if not sched.has_work():
+                        break
+                    plan = sched.schedule()
+                    sched.update(plan, fake.execute(plan))
+            assert asked == 3 and not sched.requests and sched.snapshot().num_free_device_blocks == 24
+        finally:
             await server.stop(None)
 
     asyncio.run(main())

@@ -1,0 +1,117 @@
+"""The rules pairing scheduler settings with the executor's handshake have one home
+(config.validate_against_executor): a setting is refused alike when the server starts with it
+and when an operator sets it live, with the same message, and a refused live change moves
+nothing. The start-up side runs SchedulerApp.start() against a fake executor client, the live
+side the Admin service over real gRPC."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+
+from chunkserve.executor.v1 import executor_pb2 as epb
+from chunkserve.launch import free_port
+from chunkserve.v1 import chunkserve_pb2 as pb
+from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from scheduler_svc import app as app_module
+from scheduler_svc.config import SchedulerConfig, validate_against_executor
+
+
+def handshake(model_path="", max_position_embeddings=2048, **kw) -> epb.HandshakeResponse:
+    """An executor accepting 2048 tokens a step, with 64 blocks x 16 tokens (1024) and no swap space."""
+    values = dict(max_num_batched_tokens=2048, block_size=16, num_device_blocks=64, num_host_blocks=0) | kw
+    return epb.HandshakeResponse(
+        model=epb.ModelConfig(vocab_size=300, max_position_embeddings=max_position_embeddings, eos_token_ids=[256]),
+        model_name="fake", model_path=str(model_path), dtype="float32", device="cpu", attention_backend="fake",
+        **values)
+
+
+class HandshakeOnlyClient:
+    """Stands in for ExecutorClient: answers the handshake (no request is sent, so no step)."""
+
+    def __init__(self, hs: epb.HandshakeResponse) -> None:
+        self.hs = hs
+
+    async def handshake(self, timeout: float) -> epb.HandshakeResponse:
+        return self.hs
+
+    async def close(self) -> None:
+        pass
+
+
+async def start(config: SchedulerConfig, hs: epb.HandshakeResponse, monkeypatch) -> app_module.SchedulerApp:
+    monkeypatch.setattr(app_module, "ExecutorClient", lambda *args, **kwargs: HandshakeOnlyClient(hs))
+    app = app_module.SchedulerApp(dataclasses.replace(config, host="127.0.0.1", port=0, metrics_port=0,
+                                                      admin_port=free_port(), startup_timeout_s=10))
+    try:
+        await app.start()
+    except BaseException:
+        await app.stop(grace=0)
+        raise
+    return app
+
+
+# Each rule a live change can break: (settings the server starts with, the change, words of the refusal).
+LIVE_RULES = {
+    "budget over the executor's": (dict(max_num_batched_tokens=512, max_model_len=1024),
+                                   dict(max_num_batched_tokens=4096), "larger than the executor's 2048"),
+    "chunking off, budget under max_model_len": (dict(max_num_batched_tokens=512, max_model_len=1024),
+                                                 dict(enable_chunked_prefill=False), "with chunked prefill off"),
+    "budget under max_model_len, chunking off": (dict(max_num_batched_tokens=512, max_model_len=512,
+                                                      enable_chunked_prefill=False),
+                                                 dict(max_num_batched_tokens=256), "with chunked prefill off"),
+}
+
+
+@pytest.mark.parametrize("case", LIVE_RULES)
+def test_a_rule_refuses_alike_at_start_up_and_live(byte_tokenizer_dir, monkeypatch, case):
+    settings, change, words = LIVE_RULES[case]
+    good = SchedulerConfig(**settings)
+    hs = handshake(byte_tokenizer_dir)
+
+    async def main():
+        with pytest.raises(ValueError) as at_start:
+            await start(dataclasses.replace(good, **change), hs, monkeypatch)
+        app = await start(good, hs, monkeypatch)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{app.config.admin_port}") as channel:
+                admin = pb_grpc.AdminStub(channel)
+                before = await admin.GetConfig(pb.GetConfigRequest())
+                with pytest.raises(grpc.aio.AioRpcError) as live:
+                    await admin.UpdateConfig(pb.SchedulingConfig(**change))
+                assert await admin.GetConfig(pb.GetConfigRequest()) == before  # nothing moved
+                assert app.ready.engine.scheduler.snapshot().config == app.config
+        finally:
+            await app.stop(grace=0)
+        assert words in str(at_start.value)
+        assert live.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert live.value.details() == str(at_start.value)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("settings, hs, words", [
+    (dict(preemption_mode="swap"), {}, "--swap-space > 0"),
+    (dict(max_model_len=2000), {}, "the KV pool (64 blocks x 16 tokens) = 1024"),
+    (dict(max_model_len=1024), dict(max_position_embeddings=512), "max_position_embeddings) = 512"),
+    (dict(max_model_len=1024, max_num_batched_tokens=512, enable_chunked_prefill=False), {},
+     "with chunked prefill off (a prompt must fit one step) = 512"),
+], ids=["swap without host blocks", "over the pool", "over the context", "over the budget, chunking off"])
+def test_start_up_only_rules(settings, hs, words):
+    """Rules on settings no live change touches (preemption mode, max_model_len)."""
+    with pytest.raises(ValueError) as err:
+        validate_against_executor(SchedulerConfig(**settings), handshake(**hs))
+    assert words in str(err.value)
+    assert validate_against_executor(SchedulerConfig(**settings), handshake(num_host_blocks=8, num_device_blocks=256,
+                                                                            max_position_embeddings=4096),
+                                     max_model_len=512) == 512  # fits once the executor has room
+
+
+def test_max_model_len_is_the_largest_that_works():
+    assert validate_against_executor(SchedulerConfig(), handshake()) == 1024  # the pool
+    assert validate_against_executor(SchedulerConfig(), handshake(max_position_embeddings=512)) == 512
+    assert validate_against_executor(SchedulerConfig(max_num_batched_tokens=256, enable_chunked_prefill=False),
+                                     handshake()) == 256
+    assert validate_against_executor(SchedulerConfig(max_model_len=300), handshake()) == 300
