@@ -23,7 +23,7 @@ from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.block_manager import BlockPool
 from scheduler_svc.config import SchedulerConfig, validate_against_executor
 from scheduler_svc.admin import AdminServicer, Controls
-from scheduler_svc.auth import BearerTokenInterceptor
+from chunkserve.auth import BearerTokenInterceptor
 from scheduler_svc.engine import Engine
 from scheduler_svc.executor_client import MAX_MESSAGE_BYTES, ExecutorClient
 from scheduler_svc.metrics import Metrics

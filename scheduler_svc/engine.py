@@ -21,6 +21,7 @@ from scheduler_svc.errors import (InternalError, QueueFullError, ServingError, S
 from scheduler_svc.plan import StepPlan, StepResult, StepStats
 from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingParams
 from scheduler_svc.scheduler import Scheduler, TokenOutput
+from scheduler_svc.snapshot import SchedulerSnapshot
 from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -34,17 +35,14 @@ class StepRunner(Protocol):
 
 @dataclass(slots=True)
 class StepRecord:
-    """One completed step, for observers; queue sizes and KV usage are those after it."""
+    """One completed step, for observers."""
 
     plan: StepPlan
     stats: StepStats
     result: StepResult
     planned_at: float  # wall clock, seconds since the epoch
     step_ns: int  # from planning to the result applied
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    kv_usage: float
+    state: SchedulerSnapshot  # queues and KV usage after the step
 
 
 class Observer:
@@ -211,9 +209,8 @@ class Engine:
                 self._fail_all(f"executor unavailable: step failed: {type(exc).__name__}: {exc}")
                 return
             self._emit(self.scheduler.update(plan, result))
-            sched = self.scheduler
             record = StepRecord(plan, stats, result, planned_at, time.perf_counter_ns() - started,
-                                len(sched.running), len(sched.waiting), len(sched.swapped), sched.pool.usage)
+                                self.scheduler.snapshot())
             for observer in self.observers:
                 observer.on_step(record)
 

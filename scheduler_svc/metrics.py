@@ -86,10 +86,11 @@ class Metrics(Observer):
         self.recomputed.inc(stats.recomputed_tokens)
         self.prefix_queries.inc(stats.prefix_queries)
         self.prefix_hits.inc(stats.prefix_hits)
-        self.running.set(record.num_running)
-        self.waiting.set(record.num_waiting)
-        self.swapped.set(record.num_swapped)
-        self.kv_usage.set(record.kv_usage)
+        state = record.state
+        self.running.set(state.num_running)
+        self.waiting.set(state.num_waiting)
+        self.swapped.set(state.num_swapped)
+        self.kv_usage.set(state.kv_cache_usage)
 
     def clear_load(self) -> None:
         """Zeroes the load gauges when the engine is gone (executor lost, a new engine to come):

@@ -48,7 +48,8 @@ class StepTracer(Observer):
             num_decode_tokens=plan.num_tokens - prefill, num_preempted=len(plan.preempted),
             num_swapped_out=len(plan.swap_out), num_swapped_in=len(plan.swap_in),
             num_cached_tokens=stats.prefix_hits, executor_ns=record.result.execute_ns, step_ns=record.step_ns,
-            num_running=record.num_running, num_waiting=record.num_waiting, kv_cache_usage=record.kv_usage,
+            num_running=record.state.num_running, num_waiting=record.state.num_waiting,
+            kv_cache_usage=record.state.kv_cache_usage,
             policy=stats.policy, seqs=seqs)
         if self._file is not None:
             self._file.write(json_format.MessageToJson(trace, indent=None) + "\n")
