@@ -15,7 +15,7 @@ import random
 import statistics
 import time
 
-from scheduler_svc.block_manager import hash_block
+from scheduler_svc.block_pool import hash_block
 
 
 def chain_sha256(blocks: list[tuple[int, ...]], salt: str | None) -> None:

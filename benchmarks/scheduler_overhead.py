@@ -25,7 +25,7 @@ import random
 import statistics
 import time
 
-from scheduler_svc.block_manager import BlockPool
+from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.plan import Sampled, StepPlan, StepResult
 from scheduler_svc.policy import create_policy

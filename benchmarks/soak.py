@@ -29,8 +29,8 @@ import grpc
 
 from chunkserve.client import build_request
 from chunkserve.launch import start_server
-from chunkserve.v1 import chunkserve_pb2 as pb
-from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 
 BAD = [lambda: pb.GenerateRequest(text=""), lambda: build_request([1, 2, 10**7]),
        lambda: build_request("hi", temperature=-1.0), lambda: build_request("hi", top_p=2.0),

@@ -33,7 +33,7 @@ async def serve_round(address: str, batch: list[list[int]], new_tokens: int) -> 
     import grpc
 
     from chunkserve.client import build_request
-    from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+    from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.GenerationStub(channel)

@@ -1,6 +1,6 @@
 """What Admin.WatchSteps subscribers cost the step loop.
 
-Starts a server on the given model, then generates 4 x 200 tokens (greedy, ignore_eos)
+Starts a server on the given model, then generates 4 x 200 tokens (--tokens; greedy, ignore_eos)
 with 0, 1 and 4 subscribers streaming the step trace, in the order 0 1 4 4 1 0 so drift
 falls on all alike, and prints milliseconds per step (every step carries the 4 decodes)
 and how many traces the subscribers received. The subscribers run in this process, on the
@@ -25,10 +25,10 @@ import grpc
 
 from chunkserve.client import build_request
 from chunkserve.launch import start_server, write_tiny_model
-from chunkserve.v1 import chunkserve_pb2 as pb
-from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 
-STREAMS, TOKENS = 4, 200
+STREAMS = 4
 
 
 def tiny_model() -> str:
@@ -43,6 +43,7 @@ def tiny_model() -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny", help="tiny (default), default, or a model folder")
+    p.add_argument("--tokens", type=int, default=200, help="tokens per stream in each run")
     args = p.parse_args()
     model = tiny_model() if args.model == "tiny" else args.model
     server = start_server(Path(tempfile.mkdtemp()), ["--model", model, "--dtype", "float32"], [])
@@ -52,7 +53,7 @@ def main() -> None:
         def generate() -> float:
             """ms per step of STREAMS concurrent greedy streams."""
             t = time.perf_counter()
-            calls = [stub.Generate(build_request([5 + i, 6, 7], temperature=0.0, max_tokens=TOKENS, ignore_eos=True))
+            calls = [stub.Generate(build_request([5 + i, 6, 7], temperature=0.0, max_tokens=args.tokens, ignore_eos=True))
                      for i in range(STREAMS)]
             n = sum(len(r.token_ids) for c in calls for r in c)
             return (time.perf_counter() - t) * 1000 / (n / STREAMS)

@@ -1,6 +1,9 @@
 """chunkserve: an LLM inference server built around chunked prefill.
 
-This package holds the generated gRPC stubs (chunkserve.v1, chunkserve.executor.v1), the
-flag helpers and the `chunkserve` command line. It imports no torch.
+This package is the top layer: the `chunkserve` command line, the client helpers, the
+launcher and the bench. What the processes share (generated stubs, flags, tokens) is in
+chunkserve_contracts, beneath scheduler_svc and executor_svc. It imports no torch.
 """
-__version__ = "0.1.0"
+from chunkserve_contracts import __version__
+
+__all__ = ["__version__"]

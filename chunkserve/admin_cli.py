@@ -8,9 +8,9 @@ import sys
 import grpc
 from google.protobuf import json_format
 
-from chunkserve.flags import env_name
-from chunkserve.v1 import chunkserve_pb2 as pb
-from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from chunkserve_contracts.flags import env_name
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 
 _SETTINGS = {  # flag -> (SchedulingConfig field, type)
     "--policy": ("policy", str),

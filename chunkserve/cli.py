@@ -12,8 +12,8 @@ import os
 import signal
 import sys
 
-from chunkserve.flags import add_config_flags, config_from_args, config_to_argv, env_name
-from chunkserve.ownership import EXIT_CONFIG_ERROR, ensure_port_free, executor_child_env, new_token
+from chunkserve_contracts.flags import add_config_flags, config_from_args, config_to_argv, env_name
+from chunkserve_contracts.ownership import EXIT_CONFIG_ERROR, ensure_port_free, executor_child_env, new_token
 
 log = logging.getLogger("chunkserve")
 MAX_RESTARTS = 5

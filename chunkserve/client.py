@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from chunkserve.v1 import chunkserve_pb2 as pb
-from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 
 
 def build_request(prompt: str | list[int] | list[dict[str, str]], cache_salt: str = "",

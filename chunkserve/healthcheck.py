@@ -60,9 +60,9 @@ def check_executor(address: str, timeout: float, token: str | None = None) -> st
     """Returns a description when the executor answers its Handshake; raises RuntimeError otherwise."""
     import grpc
 
-    from chunkserve.auth import bearer_metadata
-    from chunkserve.executor.v1 import executor_pb2 as epb
-    from chunkserve.executor.v1 import executor_pb2_grpc as epb_grpc
+    from chunkserve_contracts.auth import bearer_metadata
+    from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+    from chunkserve_contracts.executor.v1 import executor_pb2_grpc as epb_grpc
 
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         try:

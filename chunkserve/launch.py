@@ -15,9 +15,9 @@ from pathlib import Path
 
 import grpc
 
-from chunkserve.ownership import TOKEN_ENV, executor_child_env, new_token
-from chunkserve.v1 import chunkserve_pb2 as pb
-from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from chunkserve_contracts.ownership import TOKEN_ENV, executor_child_env, new_token
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 
 def free_port() -> int:
     """A loopback port that was free a moment ago."""

@@ -7,8 +7,8 @@ import signal
 import sys
 import threading
 
-from chunkserve.flags import add_config_flags, config_from_args
-from chunkserve.ownership import EXIT_CONFIG_ERROR, ensure_port_free, tie_to_parent
+from chunkserve_contracts.flags import add_config_flags, config_from_args
+from chunkserve_contracts.ownership import EXIT_CONFIG_ERROR, ensure_port_free, tie_to_parent
 from executor_svc.config import ExecutorConfig
 
 

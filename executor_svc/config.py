@@ -1,7 +1,7 @@
 """Executor configuration: one frozen dataclass, validated once, documented per field.
 
 Every field with a `help` is also a flag (`--kv-cache-memory-gib`) and an environment
-variable (`CHUNKSERVE_KV_CACHE_MEMORY_GIB`), see chunkserve/flags.py.
+variable (`CHUNKSERVE_KV_CACHE_MEMORY_GIB`), see chunkserve_contracts/flags.py.
 """
 from __future__ import annotations
 

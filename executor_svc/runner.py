@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from chunkserve.executor.v1 import executor_pb2 as epb
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_kernels.forward_context import set_forward_context
 from chunkserve_kernels.metadata import build_metadata
 from executor_svc.sampler import SamplingSpec, sample

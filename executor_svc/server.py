@@ -21,11 +21,11 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from chunkserve import __version__
-from chunkserve.auth import SyncBearerTokenInterceptor
-from chunkserve.executor.v1 import executor_pb2 as epb
-from chunkserve.executor.v1 import executor_pb2_grpc as epb_grpc
-from chunkserve.ownership import port_in_use
+from chunkserve_contracts import __version__
+from chunkserve_contracts.auth import SyncBearerTokenInterceptor
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from chunkserve_contracts.executor.v1 import executor_pb2_grpc as epb_grpc
+from chunkserve_contracts.ownership import port_in_use
 from chunkserve_kernels.backend import choose_backend, get_backend
 from executor_svc.config import ExecutorConfig
 from executor_svc.model_loader import load_model, resolve_model

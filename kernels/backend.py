@@ -3,7 +3,7 @@
 A backend is a stateless strategy object: it writes this step's K/V into the paged cache
 and computes causal attention for a flat varlen batch. Backends declare what they support
 (dtypes, head sizes, block sizes) so that start-up fails with a clear message instead of a
-kernel error deep inside the first forward. The registry (chunkserve.registry) maps names
+kernel error deep inside the first forward. The registry (chunkserve_contracts.registry) maps names
 to "module:Class" strings and imports lazily, so a CPU machine never imports flash-attn or
 Triton.
 """
@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from chunkserve.registry import Registry
+from chunkserve_contracts.registry import Registry
 from chunkserve_kernels.metadata import AttentionMetadata
 
 

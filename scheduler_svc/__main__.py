@@ -10,8 +10,8 @@ import threading
 
 import uvloop
 
-from chunkserve.flags import add_config_flags, config_from_args
-from chunkserve.ownership import tie_to_parent
+from chunkserve_contracts.flags import add_config_flags, config_from_args
+from chunkserve_contracts.ownership import tie_to_parent
 from scheduler_svc.app import run_forever
 from scheduler_svc.config import SchedulerConfig
 

@@ -12,9 +12,9 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from chunkserve.executor.v1 import executor_pb2 as epb
-from chunkserve.v1 import chunkserve_pb2 as pb
-from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.config import validate_against_executor
 from scheduler_svc.policy import create_policy
 from scheduler_svc.scheduler import Scheduler

@@ -16,20 +16,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from chunkserve import __version__
-from chunkserve.executor.v1 import executor_pb2 as epb
-from chunkserve.v1 import chunkserve_pb2 as pb
-from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
-from scheduler_svc.block_manager import BlockPool
+from chunkserve_contracts import __version__
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
+from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.config import SchedulerConfig, validate_against_executor
 from scheduler_svc.admin import AdminServicer, Controls
-from chunkserve.auth import BearerTokenInterceptor
+from chunkserve_contracts.auth import BearerTokenInterceptor
 from scheduler_svc.engine import Engine
 from scheduler_svc.executor_client import MAX_MESSAGE_BYTES, ExecutorClient
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.policy import Policy, create_policy
 from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.server import GenerationServicer, add_generation_servicer
+from scheduler_svc.servicer import GenerationServicer, add_generation_servicer
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.trace import StepTracer
 from scheduler_svc.validation import Limits
@@ -40,7 +40,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # handshake fixes max_model_len, so this is fixed: 16 MiB holds the ids of a 3-million-token
 # prompt, or a text prompt averaging 128 bytes per token at max_model_len 131072. Once
 # serving, a GenerateRequest over the largest valid one (Limits.max_request_bytes, usually far
-# smaller) is refused before it is parsed (server.add_generation_servicer).
+# smaller) is refused before it is parsed (servicer.add_generation_servicer).
 MAX_PUBLIC_REQUEST_BYTES = 16 * 1024 * 1024
 
 

@@ -2,7 +2,7 @@
 the rules that pair it with what the executor reported (`validate_against_executor`).
 
 Every field with a `help` is also a flag (`--max-num-seqs`) and an environment variable
-(`CHUNKSERVE_MAX_NUM_SEQS`), see chunkserve/flags.py. The names follow vLLM's where the
+(`CHUNKSERVE_MAX_NUM_SEQS`), see chunkserve_contracts/flags.py. The names follow vLLM's where the
 meaning matches.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from chunkserve.executor.v1.executor_pb2 import HandshakeResponse
+    from chunkserve_contracts.executor.v1.executor_pb2 import HandshakeResponse
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import grpc
 
-from chunkserve import __version__
-from chunkserve.auth import bearer_metadata
-from chunkserve.executor.v1 import executor_pb2 as epb
-from chunkserve.executor.v1 import executor_pb2_grpc as epb_grpc
+from chunkserve_contracts import __version__
+from chunkserve_contracts.auth import bearer_metadata
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from chunkserve_contracts.executor.v1 import executor_pb2_grpc as epb_grpc
 from scheduler_svc.errors import StepFailedError
 from scheduler_svc.plan import Sampled, StepPlan, StepResult
 from scheduler_svc.request import SamplingParams

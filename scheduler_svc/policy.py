@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from collections import defaultdict
 from typing import ClassVar, Sequence
 
-from chunkserve.registry import Registry
+from chunkserve_contracts.registry import Registry
 from scheduler_svc.request import Request
 
 

@@ -64,7 +64,7 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     host_block_ids: list[int] = field(default_factory=list)  # while swapped out
-    # Chained prefix-cache hashes of the leading full blocks (see block_manager.py).
+    # Chained prefix-cache hashes of the leading full blocks (see block_pool.py).
     block_hashes: list[bytes] = field(default_factory=list)
     # Mixed into the prefix-cache hashes: requests with different salts never share blocks.
     cache_salt: str | None = None

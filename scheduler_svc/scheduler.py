@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from scheduler_svc.block_manager import BlockPool
+from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.plan import NewSeq, Sampled, ScheduledSeq, StepPlan, StepResult, StepStats
 from scheduler_svc.policy import Policy

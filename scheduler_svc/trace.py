@@ -12,7 +12,7 @@ from typing import IO
 
 from google.protobuf import json_format
 
-from chunkserve.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from scheduler_svc.engine import Observer, StepRecord
 
 QUEUE_STEPS = 4096

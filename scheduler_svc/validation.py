@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from chunkserve.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from scheduler_svc.errors import InvalidRequestError
 from scheduler_svc.request import SamplingParams
 from scheduler_svc.tokenizer import Tokenizer

@@ -30,13 +30,15 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from chunkserve.client import Completion, build_request
-from chunkserve.executor.v1 import executor_pb2 as epb
-from chunkserve.executor.v1 import executor_pb2_grpc as epb_grpc
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from chunkserve_contracts.executor.v1 import executor_pb2_grpc as epb_grpc
 from chunkserve.launch import free_port
-from chunkserve.v1 import chunkserve_pb2 as pb
-from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from executor_svc.config import ExecutorConfig
 from scheduler_svc.config import SchedulerConfig
+
+pytestmark = pytest.mark.slow  # starts real server processes: the full tier only
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "docker-compose.yml"
@@ -350,7 +352,7 @@ def test_probe_executor_handshake_and_default_address_from_env(fake_services):
 def test_probe_executor_sends_the_token_from_the_environment():
     """An executor with a token refuses a probe without it; CHUNKSERVE_EXECUTOR_TOKEN (set in
     the executor's container) makes the probe pass."""
-    from chunkserve.auth import SyncBearerTokenInterceptor
+    from chunkserve_contracts.auth import SyncBearerTokenInterceptor
 
     class Executor(epb_grpc.ExecutorServicer):
         def Handshake(self, request, context):

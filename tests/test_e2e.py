@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from chunkserve.client import Completion, build_request
-from chunkserve.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 
 pytestmark = pytest.mark.slow
 
@@ -333,7 +333,7 @@ def test_hot_swap_policy_and_budget_under_load(server, prompts, expected):
     needs a particular step."""
     import threading
 
-    from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+    from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 
     deadline_s = 300.0
     admin = pb_grpc.AdminStub(grpc.insecure_channel(server.admin_address))

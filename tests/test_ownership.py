@@ -29,11 +29,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chunkserve.client import Completion, build_request
-from chunkserve.executor.v1 import executor_pb2 as epb
-from chunkserve.executor.v1 import executor_pb2_grpc as epb_grpc
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from chunkserve_contracts.executor.v1 import executor_pb2_grpc as epb_grpc
 from chunkserve.launch import free_port, start_server
-from chunkserve.v1 import chunkserve_pb2 as pb
-from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow  # starts real server processes: the full tier only
 
 REPO = Path(__file__).resolve().parents[1]
 DEADLINE_S = 120.0  # bound on waiting for a process to get ready or to exit (failure only)
@@ -356,7 +358,7 @@ def test_watchdog_stops_then_exits_hard_when_the_parent_is_gone():
     that does not stop within the grace period is ended (exit 1)."""
     code = textwrap.dedent("""
         import os, threading, time
-        from chunkserve.ownership import tie_to_parent
+        from chunkserve_contracts.ownership import tie_to_parent
         os.environ["CHUNKSERVE_PARENT_PID"] = "999999999"  # above any pid_max: never our parent
         stop = threading.Event()
         assert tie_to_parent(stop, interval_s=0.05, exit_grace_s=0.2) == 999999999
@@ -371,7 +373,7 @@ def test_watchdog_stops_then_exits_hard_when_the_parent_is_gone():
 
 
 def test_standalone_executor_has_no_watchdog():
-    code = ("import threading\nfrom chunkserve.ownership import tie_to_parent\n"
+    code = ("import threading\nfrom chunkserve_contracts.ownership import tie_to_parent\n"
             "assert tie_to_parent(threading.Event()) is None\n"
             "assert not [t for t in threading.enumerate() if t.name == 'parent-watchdog']\n")
     done = subprocess.run([sys.executable, "-c", code], env=_clean_env(), cwd=REPO, capture_output=True, text=True,
@@ -386,7 +388,7 @@ def test_standalone_executor_has_no_watchdog():
 def test_token_is_a_secret_setting_of_both_services(monkeypatch):
     import argparse
 
-    from chunkserve.flags import add_config_flags, config_from_args, config_to_argv
+    from chunkserve_contracts.flags import add_config_flags, config_from_args, config_to_argv
     from executor_svc.config import ExecutorConfig
     from scheduler_svc.config import SchedulerConfig
 

@@ -65,7 +65,7 @@ def test_dependency_floors_match_what_the_generated_stubs_require():
         m = re.match(r"([A-Za-z0-9_.-]+)\s*(?:>=|==)\s*([0-9.]+)", spec)
         if m:
             floors[m.group(1).lower()] = m.group(2)
-    stubs = sorted((ROOT / "chunkserve").rglob("*_pb2*.py"))
+    stubs = sorted((ROOT / "chunkserve_contracts").rglob("*_pb2*.py"))
     assert stubs
     for path in stubs:
         text = path.read_text()
@@ -76,3 +76,25 @@ def test_dependency_floors_match_what_the_generated_stubs_require():
         else:
             needed = re.search(r"# Protobuf Python Version: ([0-9.]+)", text).group(1)
             assert floors["protobuf"] == needed, f"protobuf floor {floors['protobuf']} but {path.name} needs {needed}"
+
+
+def test_every_import_points_down():
+    """The layers: chunkserve_contracts (stubs, flags, tokens) <- scheduler_svc / executor_svc /
+    kernels <- chunkserve (CLI, client, launcher, bench). No module imports a layer above its
+    own, and the two services never import each other."""
+    import ast
+
+    above = {
+        "chunkserve_contracts": {"chunkserve", "scheduler_svc", "executor_svc", "chunkserve_kernels"},
+        "scheduler_svc": {"chunkserve", "executor_svc", "chunkserve_kernels"},
+        "executor_svc": {"chunkserve", "scheduler_svc"},
+        "kernels": {"chunkserve", "scheduler_svc", "executor_svc"},
+    }
+    bad = []
+    for layer, forbidden in above.items():
+        for path in (ROOT / layer).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+                bad += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n.split(".")[0] in forbidden]
+    assert not bad, bad

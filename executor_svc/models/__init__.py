@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from chunkserve.registry import Registry
+from chunkserve_contracts.registry import Registry
 
 MODELS: Registry[type] = Registry("model architecture", {
     "LlamaForCausalLM": "executor_svc.models.llama:LlamaForCausalLM",

@@ -26,8 +26,8 @@ from chunkserve.bench.metrics import compute_metrics, parse_slos, per_request_li
 from chunkserve.bench.runner import RequestRecord, StalledError, run_requests
 from chunkserve.bench.servers import split_server_args
 from chunkserve.bench.workloads import BenchRequest, WorkloadSpec, build_workload, corpus_ids
-from chunkserve.v1 import chunkserve_pb2 as pb
-from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 
 CORPUS = list(range(1000, 2500))  # stand-in token ids: 1500 distinct "words"
 
@@ -369,6 +369,7 @@ def check_report(rep: dict, spec_lens: bool = True) -> None:
     assert 0 < rep["median_ttft_ms"] <= rep["p99_ttft_ms"] and rep["prefix_cache_hit_rate"] == 0.0
 
 
+@pytest.mark.slow  # a real server pair
 def test_bench_against_a_running_server(tiny_model_path, launch, tmp_path):
     server = launch(["--model", str(tiny_model_path), "--max-num-batched-tokens", "256"],
                     ["--max-num-batched-tokens", "256"])
@@ -396,6 +397,7 @@ def test_bench_against_a_running_server(tiny_model_path, launch, tmp_path):
     server.assert_idle_and_no_leaks()
 
 
+@pytest.mark.slow  # two real server pairs
 def test_bench_compare_runs_the_same_workload_on_each_config(tiny_model_path, tmp_path):
     run_bench_cli(["--server-args", f"--model {tiny_model_path} --max-num-batched-tokens 512",
                    "--compare", "--enable-chunked-prefill", "--no-enable-chunked-prefill", "--rounds", "1",

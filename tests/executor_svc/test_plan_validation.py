@@ -13,7 +13,7 @@ import transformers
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from chunkserve.executor.v1 import executor_pb2 as epb
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.config import ExecutorConfig
 from executor_svc.runner import ModelRunner, PlanError
 from executor_svc.server import ExecutorServicer, load

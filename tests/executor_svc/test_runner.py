@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from chunkserve.executor.v1 import executor_pb2 as epb
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.config import ExecutorConfig
 from executor_svc.runner import PlanError
 from executor_svc.server import load

@@ -91,7 +91,7 @@ def _executor():
 def _greedy_via_runner(runner, prompts, new_tokens, chunk=256):
     """Plays the scheduler: prefills in chunks while earlier sequences decode, so steps mix
     both; blocks come from a shuffled pool. Returns each prompt's sampled tokens."""
-    from chunkserve.executor.v1 import executor_pb2 as epb
+    from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 
     runner.reset()
     bs = runner.block_size

@@ -48,6 +48,7 @@ def _check(batch, scale=0.3, config=SMALL_TILES):
 
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the parent: it starts the interpreter run")
+@pytest.mark.slow  # ~25 s in Triton's interpreter
 def test_triton_kernels_under_the_interpreter(request):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 
-from scheduler_svc.block_manager import BlockPool, blocks_needed
+from scheduler_svc.block_pool import BlockPool, blocks_needed
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.plan import Sampled, StepPlan, StepResult
 from scheduler_svc.policy import create_policy

@@ -10,8 +10,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chunkserve.client import build_request
 from chunkserve.launch import start_server
-from chunkserve.v1 import chunkserve_pb2 as pb
-from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow  # starts real server processes: the full tier only
 
 
 def test_bearer_token_and_tls(tiny_model_path, tmp_path, monkeypatch):

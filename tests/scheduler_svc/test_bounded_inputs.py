@@ -21,9 +21,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chunkserve.client import build_request
-from chunkserve.executor.v1 import executor_pb2 as epb
-from chunkserve.v1 import chunkserve_pb2 as pb
-from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc import app as app_module
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.tokenizer import Tokenizer

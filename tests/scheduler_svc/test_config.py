@@ -11,10 +11,10 @@ import dataclasses
 import grpc
 import pytest
 
-from chunkserve.executor.v1 import executor_pb2 as epb
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve.launch import free_port
-from chunkserve.v1 import chunkserve_pb2 as pb
-from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc import app as app_module
 from scheduler_svc.config import SchedulerConfig, validate_against_executor
 

@@ -14,8 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from chunkserve.client import build_request
-from chunkserve.v1 import chunkserve_pb2 as pb
-from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.engine import Engine, Observer
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.request import SamplingParams

@@ -9,9 +9,9 @@ import pytest
 
 import grpc
 
-from chunkserve.executor.v1 import executor_pb2 as epb
-from chunkserve.v1 import chunkserve_pb2 as pb
-from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.admin import Controls, apply_update
 from scheduler_svc.policy import FCFS, FairShare, PriorityPolicy, ShortestJobFirst, create_policy
 
@@ -134,6 +134,7 @@ def test_live_update_is_validated_whole_and_atomic(fakes):
     assert sched.step_stats.token_budget == 1024
 
 
+@pytest.mark.slow  # a real server pair
 def test_documented_user_policy_serves_requests_end_to_end(tiny_model_path, tmp_path, monkeypatch):
     """The policy from docs/policies.md, as a file outside the package, loaded by dotted path."""
     import pathlib

@@ -6,7 +6,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from scheduler_svc.block_manager import blocks_needed
+from scheduler_svc.block_pool import blocks_needed
 from scheduler_svc.request import RequestStatus
 
 

@@ -6,8 +6,8 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from scheduler_svc import block_manager
-from scheduler_svc.block_manager import BlockPool, hash_block
+from scheduler_svc import block_pool
+from scheduler_svc.block_pool import BlockPool, hash_block
 from scheduler_svc.request import Request, SamplingParams
 
 
@@ -85,7 +85,7 @@ def test_a_colliding_hash_never_shares_another_prefix_or_tenant(monkeypatch):
     The hash is replaced by one that sees only a block's own tokens, so every block with
     equal tokens collides: the parent and salt checks alone must turn those into misses.
     (Python's `hash()` with a tokens-only check shared both cases below.)"""
-    monkeypatch.setattr(block_manager, "hash_block", lambda parent, salt, tokens: bytes(tuple(tokens)))
+    monkeypatch.setattr(block_pool, "hash_block", lambda parent, salt, tokens: bytes(tuple(tokens)))
     pool = BlockPool(16, 4, enable_caching=True)
     fill(pool, req("a", [0, 1, 2, 3, 10, 11, 12, 13, 99]), salt="tenant-1")
     # Same tokens as a's second block, but at the start of the sequence (no parent).

@@ -69,7 +69,7 @@ import hypothesis.errors
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
-from scheduler_svc.block_manager import BlockPool, blocks_needed
+from scheduler_svc.block_pool import BlockPool, blocks_needed
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.policy import create_policy
 from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingParams

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.block_manager import blocks_needed
+from scheduler_svc.block_pool import blocks_needed
 from scheduler_svc.request import FinishReason
 
 

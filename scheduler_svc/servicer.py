@@ -20,8 +20,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from chunkserve.v1 import chunkserve_pb2 as pb
-from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.engine import Engine, RequestStream, StreamDelta
 from scheduler_svc.errors import ServingError, UnavailableError
 from scheduler_svc.validation import (Limits, check_client_request_id, needs_tokenizer, sampling_params,

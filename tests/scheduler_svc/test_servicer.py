@@ -8,12 +8,12 @@ import grpc
 import pytest
 
 from chunkserve.client import build_request
-from chunkserve.v1 import chunkserve_pb2 as pb
-from chunkserve.v1 import chunkserve_pb2_grpc as pb_grpc
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.admin import describe
 from scheduler_svc.engine import Engine
 from scheduler_svc.request import RequestStatus
-from scheduler_svc.server import GenerationServicer, add_generation_servicer
+from scheduler_svc.servicer import GenerationServicer, add_generation_servicer
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.validation import Limits
 

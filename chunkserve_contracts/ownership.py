@@ -29,7 +29,7 @@ import time
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "CHUNKSERVE_EXECUTOR_TOKEN"        # the executor_token flag's variable (chunkserve.flags)
+TOKEN_ENV = "CHUNKSERVE_EXECUTOR_TOKEN"        # the executor_token flag's variable (chunkserve_contracts.flags)
 PARENT_PID_ENV = "CHUNKSERVE_PARENT_PID"        # set by a launcher: the child exits when this pid is gone
 PARENT_DEATHSIG_ENV = "CHUNKSERVE_PARENT_DEATHSIG"  # "1": spawned from the main thread, PDEATHSIG is safe
 PR_SET_PDEATHSIG = 1

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from chunkserve.v1 import chunkserve_pb2 as chunkserve_dot_v1_dot_chunkserve__pb2
+from chunkserve_contracts.v1 import chunkserve_pb2 as chunkserve_dot_v1_dot_chunkserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
