@@ -37,10 +37,25 @@ from chunkserve_kernels import build_metadata, choose_backend, get_backend, set_
 
 HBM_BYTES_PER_S = 4.3e12  # H200, measured device-to-device copy
 PEAK_FLOPS = 790e12  # H200 dense bf16, measured 8192^3 product
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
-TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096)
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+)
+TINY = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=4096,
+)
 
 
 def build_model(shape: dict, dtype: torch.dtype, device: torch.device):
@@ -118,9 +133,15 @@ def run(args: argparse.Namespace) -> dict:
     matmul_params -= cfg.vocab_size * cfg.hidden_size
     kv_bytes_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * dtype.itemsize
     backends = args.backends or default_backends(device, dtype)
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "dtype": args.dtype, "shape": shape, "weight_bytes": weight_bytes,
-              "decode": [], "prefill": []}
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "shape": shape,
+        "weight_bytes": weight_bytes,
+        "decode": [],
+        "prefill": [],
+    }
     for name in backends:
         block_size = 256 if name == "flash_attn" else args.block_size
         reason = unusable(name, dtype, block_size, head_dim)
@@ -131,26 +152,52 @@ def run(args: argparse.Namespace) -> dict:
         set_backend(model, name)
         tokens_needed = max(max(args.batches) * (args.context + 1), args.prefill_seqs * args.prefill_len)
         num_blocks = math.ceil(tokens_needed / block_size) + max(args.batches) + args.prefill_seqs
-        kv_cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads,
-                               head_dim, dtype=dtype, device=device)
+        kv_cache = torch.zeros(
+            cfg.num_hidden_layers,
+            2,
+            num_blocks,
+            block_size,
+            cfg.num_key_value_heads,
+            head_dim,
+            dtype=dtype,
+            device=device,
+        )
         for batch in args.batches:
             step, _ = make_step(model, kv_cache, [(args.context, 1)] * batch, block_size, device)
             seconds = timed(step, args.warmup, args.iters, device)
             floor = weight_bytes / HBM_BYTES_PER_S
             floor_kv = (weight_bytes + batch * (args.context + 1) * kv_bytes_per_token) / HBM_BYTES_PER_S
-            result["decode"].append({"backend": name, "block_size": block_size, "batch": batch,
-                                     "context": args.context, "step_ms": seconds * 1e3,
-                                     "tokens_per_s": batch / seconds, "floor_ms": floor * 1e3,
-                                     "floor_with_kv_ms": floor_kv * 1e3, "floor_fraction": floor / seconds})
+            result["decode"].append(
+                {
+                    "backend": name,
+                    "block_size": block_size,
+                    "batch": batch,
+                    "context": args.context,
+                    "step_ms": seconds * 1e3,
+                    "tokens_per_s": batch / seconds,
+                    "floor_ms": floor * 1e3,
+                    "floor_with_kv_ms": floor_kv * 1e3,
+                    "floor_fraction": floor / seconds,
+                }
+            )
         seqs = [(0, args.prefill_len)] * args.prefill_seqs
         step, _ = make_step(model, kv_cache, seqs, block_size, device)
         seconds = timed(step, max(1, args.warmup // 2), max(1, args.iters // 2), device)
         tokens = args.prefill_seqs * args.prefill_len
         attn_flops = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * args.prefill_len**2
         flops = 2 * matmul_params * tokens + attn_flops * args.prefill_seqs
-        result["prefill"].append({"backend": name, "block_size": block_size, "seqs": args.prefill_seqs,
-                                  "len": args.prefill_len, "step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
-                                  "tflops": flops / seconds / 1e12, "peak_fraction": flops / seconds / PEAK_FLOPS})
+        result["prefill"].append(
+            {
+                "backend": name,
+                "block_size": block_size,
+                "seqs": args.prefill_seqs,
+                "len": args.prefill_len,
+                "step_ms": seconds * 1e3,
+                "tokens_per_s": tokens / seconds,
+                "tflops": flops / seconds / 1e12,
+                "peak_fraction": flops / seconds / PEAK_FLOPS,
+            }
+        )
         del kv_cache
     return result
 
@@ -176,17 +223,23 @@ def default_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
 
 
 def print_table(result: dict, tiny: bool) -> None:
-    print(f"\n{result['device']}, torch {result['torch']}, {result['dtype']}, "
-          f"weights {result['weight_bytes'] / 2**30:.2f} GiB" + ("  (--tiny: floors are H200 figures)" if tiny else ""))
+    print(
+        f"\n{result['device']}, torch {result['torch']}, {result['dtype']}, "
+        f"weights {result['weight_bytes'] / 2**30:.2f} GiB" + ("  (--tiny: floors are H200 figures)" if tiny else "")
+    )
     print("\ndecode  backend      block batch ctx   step ms  tok/s      floor ms  +KV ms  of floor")
     for r in result["decode"]:
-        print(f"        {r['backend']:<12} {r['block_size']:>5} {r['batch']:>5} {r['context']:>5} "
-              f"{r['step_ms']:>8.2f} {r['tokens_per_s']:>9.0f} {r['floor_ms']:>9.3f} {r['floor_with_kv_ms']:>7.3f}"
-              f" {r['floor_fraction']:>8.0%}")
+        print(
+            f"        {r['backend']:<12} {r['block_size']:>5} {r['batch']:>5} {r['context']:>5} "
+            f"{r['step_ms']:>8.2f} {r['tokens_per_s']:>9.0f} {r['floor_ms']:>9.3f} {r['floor_with_kv_ms']:>7.3f}"
+            f" {r['floor_fraction']:>8.0%}"
+        )
     print("\nprefill backend      block tokens      step ms  tok/s      TFLOP/s  of 790")
     for r in result["prefill"]:
-        print(f"        {r['backend']:<12} {r['block_size']:>5} {r['seqs']:>2}x{r['len']:<7} {r['step_ms']:>8.1f} "
-              f"{r['tokens_per_s']:>9.0f} {r['tflops']:>8.1f} {r['peak_fraction']:>7.1%}")
+        print(
+            f"        {r['backend']:<12} {r['block_size']:>5} {r['seqs']:>2}x{r['len']:<7} {r['step_ms']:>8.1f} "
+            f"{r['tokens_per_s']:>9.0f} {r['tflops']:>8.1f} {r['peak_fraction']:>7.1%}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ salt))` over the same blocks: per block and for a whole prompt. Rounds alternate
     .venv/bin/python benchmarks/prefix_hash_cost.py                 # block size 16, 2048-token prompt
     .venv/bin/python benchmarks/prefix_hash_cost.py --block-size 256
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,10 @@ def main() -> None:
                 fns[name](blocks, args.salt)
             times[name].append((time.perf_counter() - start) / 10)
     sha, base = statistics.median(times["sha256"]), statistics.median(times["hash()"])
-    print(f"block size {args.block_size}, {num_blocks} blocks ({args.prompt_len}-token prompt), "
-          f"median of {args.rounds} alternating rounds")
+    print(
+        f"block size {args.block_size}, {num_blocks} blocks ({args.prompt_len}-token prompt), "
+        f"median of {args.rounds} alternating rounds"
+    )
     print(f"{'key':<8} {'per block (us)':>15} {'per prompt (ms)':>16}")
     for name, t in (("sha256", sha), ("hash()", base)):
         print(f"{name:<8} {t / num_blocks * 1e6:>15.2f} {t * 1e3:>16.3f}")

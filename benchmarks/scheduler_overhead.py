@@ -16,6 +16,7 @@ can cost end to end; the step counts show whether it changes the work the model 
     .venv/bin/python benchmarks/scheduler_overhead.py            # defaults: the prefix0 bench shape
     .venv/bin/python benchmarks/scheduler_overhead.py --input-len 2048 --concurrency 64
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,7 @@ from scheduler_svc.scheduler import Scheduler
 def run(args: argparse.Namespace, caching: bool) -> tuple[int, int, float, str]:
     """One closed-loop run; returns (steps, tokens scheduled, scheduler seconds, a digest of
     every plan's sequences, chunks and block ids: what the executor would be asked to do)."""
-    config = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                             enable_prefix_caching=caching)
+    config = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=caching)
     pool = BlockPool(args.num_blocks, args.block_size, enable_caching=caching)
     sched = Scheduler(config, pool, create_policy("fcfs"), max_model_len=args.input_len + args.output_len + 1)
     rng = random.Random(args.seed)  # the same distinct prompts for both settings
@@ -47,8 +47,11 @@ def run(args: argparse.Namespace, caching: bool) -> tuple[int, int, float, str]:
 
     def submit() -> None:
         nonlocal submitted
-        sched.add_request(Request(request_id=f"r{submitted}", seq_id=submitted,
-                                  prompt_token_ids=prompts[submitted], sampling=sampling))
+        sched.add_request(
+            Request(
+                request_id=f"r{submitted}", seq_id=submitted, prompt_token_ids=prompts[submitted], sampling=sampling
+            )
+        )
         submitted += 1
 
     while submitted < min(args.concurrency, args.num_prompts):
@@ -67,8 +70,11 @@ def run(args: argparse.Namespace, caching: bool) -> tuple[int, int, float, str]:
         spent += (t1 - t0) + (time.perf_counter() - t2)
         steps += 1
         tokens += plan.num_tokens
-        digest.update(repr([(s.seq_id, s.num_computed_tokens, s.num_new_tokens, s.new_block_ids, s.sample)
-                            for s in plan.seqs]).encode())
+        digest.update(
+            repr(
+                [(s.seq_id, s.num_computed_tokens, s.num_new_tokens, s.new_block_ids, s.sample) for s in plan.seqs]
+            ).encode()
+        )
         for out in outputs:  # closed loop: a finished request makes room for the next one
             if out.finish_reason is not None and submitted < args.num_prompts:
                 submit()
@@ -88,27 +94,39 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--model-step-ms", type=float, default=135.0,
-                   help="a model step's time to relate the overhead to (default: the median ITL "
-                        "of the prefix0 bench on this CPU)")
+    p.add_argument(
+        "--model-step-ms",
+        type=float,
+        default=135.0,
+        help="a model step's time to relate the overhead to (default: the median ITL of the prefix0 bench on this CPU)",
+    )
     args = p.parse_args()
     per_step: dict[bool, list[float]] = {True: [], False: []}
     work_of: dict[bool, set[tuple[int, int, str]]] = {True: set(), False: set()}
     for k in range(args.rounds):
-        for caching in ((True, False) if k % 2 == 0 else (False, True)):  # ABBA: drift falls on both
+        for caching in (True, False) if k % 2 == 0 else (False, True):  # ABBA: drift falls on both
             steps, tokens, spent, digest = run(args, caching)
             per_step[caching].append(spent / steps * 1e6)
             work_of[caching].add((steps, tokens, digest))
-            print(f"round {k + 1} caching {'on ' if caching else 'off'}: {steps} steps, {tokens} tokens, "
-                  f"{spent / steps * 1e6:.1f} us/step")
+            print(
+                f"round {k + 1} caching {'on ' if caching else 'off'}: {steps} steps, {tokens} tokens, "
+                f"{spent / steps * 1e6:.1f} us/step"
+            )
     on, off = statistics.median(per_step[True]), statistics.median(per_step[False])
     print(f"\n(steps, tokens, plan digest) caching on: {sorted(work_of[True])}, off: {sorted(work_of[False])}")
-    print("the executor gets identical plans with caching on and off" if work_of[True] == work_of[False]
-          else "the plans DIFFER: caching changes the executor's work")
-    print(f"scheduler time per step, median of {args.rounds}: on {on:.1f} us, off {off:.1f} us, "
-          f"extra {on - off:+.1f} us ({on / off:.2f}x)")
-    print(f"extra as a share of a {args.model_step_ms:.0f} ms model step: "
-          f"{(on - off) / (args.model_step_ms * 1e3) * 100:+.3f}%")
+    print(
+        "the executor gets identical plans with caching on and off"
+        if work_of[True] == work_of[False]
+        else "the plans DIFFER: caching changes the executor's work"
+    )
+    print(
+        f"scheduler time per step, median of {args.rounds}: on {on:.1f} us, off {off:.1f} us, "
+        f"extra {on - off:+.1f} us ({on / off:.2f}x)"
+    )
+    print(
+        f"extra as a share of a {args.model_step_ms:.0f} ms model step: "
+        f"{(on - off) / (args.model_step_ms * 1e3) * 100:+.3f}%"
+    )
 
 
 if __name__ == "__main__":

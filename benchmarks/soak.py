@@ -11,6 +11,7 @@ completed, failed by status code, streams that never ended (hung: a 120 s client
 expired), and KV blocks still held once the server is idle. Exit code 1 if hung or leaked
 is not 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,9 +33,13 @@ from chunkserve.launch import start_server
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 
-BAD = [lambda: pb.GenerateRequest(text=""), lambda: build_request([1, 2, 10**7]),
-       lambda: build_request("hi", temperature=-1.0), lambda: build_request("hi", top_p=2.0),
-       lambda: build_request("hi", max_tokens=10**7)]
+BAD = [
+    lambda: pb.GenerateRequest(text=""),
+    lambda: build_request([1, 2, 10**7]),
+    lambda: build_request("hi", temperature=-1.0),
+    lambda: build_request("hi", top_p=2.0),
+    lambda: build_request("hi", max_tokens=10**7),
+]
 
 
 def tiny_model(folder: Path) -> Path:
@@ -49,9 +54,16 @@ def tiny_model(folder: Path) -> Path:
 
     source = resolve_model("default", Path(default_cache_dir()))
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
-                                      max_position_embeddings=4096, eos_token_id=2)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=4096,
+        eos_token_id=2,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(source / name, folder / name)
@@ -63,8 +75,13 @@ async def one(stub: pb_grpc.GenerationStub, rng: random.Random, outcome: collect
         request, cancel_after = BAD[rng.randrange(len(BAD))](), None
     else:
         prompt = [rng.randrange(100, 40000) for _ in range(rng.randint(1, 300))]
-        request = build_request(prompt, temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(1000),
-                                max_tokens=rng.randint(1, 64), ignore_eos=True)
+        request = build_request(
+            prompt,
+            temperature=rng.choice([0.0, 0.8]),
+            seed=rng.randrange(1000),
+            max_tokens=rng.randint(1, 64),
+            ignore_eos=True,
+        )
         cancel_after = rng.randint(0, 10) if rng.random() < 0.2 else None
     call = stub.Generate(request, timeout=120)
     try:
@@ -118,15 +135,19 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="chunkserve-soak-"))
     model = args.model or str(tiny_model(work / "model"))
-    server = start_server(work, ["--model", model, "--dtype", "float32", "--num-gpu-blocks-override", "256",
-                                 "--block-size", "16"], ["--max-num-batched-tokens", "512"])
+    server = start_server(
+        work,
+        ["--model", model, "--dtype", "float32", "--num-gpu-blocks-override", "256", "--block-size", "16"],
+        ["--max-num-batched-tokens", "512"],
+    )
     argv = server.executor.args
 
     def kill() -> None:
         os.kill(server.executor.pid, signal.SIGKILL)
         server.executor.wait()
-        server.executor = subprocess.Popen(argv, stdout=open(work / "executor2.log", "w"), stderr=subprocess.STDOUT,
-                                           env=server.executor_env)  # same token: the scheduler must accept it
+        server.executor = subprocess.Popen(
+            argv, stdout=open(work / "executor2.log", "w"), stderr=subprocess.STDOUT, env=server.executor_env
+        )  # same token: the scheduler must accept it
 
     start = time.time()
     try:

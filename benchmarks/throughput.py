@@ -8,12 +8,12 @@ send to the last token. Baseline: transformers `generate` with static batching (
 same prompts, greedy, exactly 128 new tokens) on the same weights and dtype, after the
 server has stopped so the two never share the cores. Prints a table of tok/s and ratios.
 """
+
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +26,7 @@ def prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     """Distinct prompts of exactly `length` tokens cut from real text."""
     ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
     step = max(1, (len(ids) - length) // max(1, count))
-    return [ids[i * step:i * step + length] for i in range(count)]
+    return [ids[i * step : i * step + length] for i in range(count)]
 
 
 async def serve_round(address: str, batch: list[list[int]], new_tokens: int) -> float:
@@ -63,8 +63,9 @@ def hf_round(model, batch: list[list[int]], new_tokens: int) -> float:
     ids = torch.tensor(batch)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, generation_config=config, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, pad_token_id=0)
+        out = model.generate(
+            ids, generation_config=config, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0
+        )
     elapsed = time.perf_counter() - start
     if out.shape[1] - ids.shape[1] != new_tokens:
         raise RuntimeError("HF generated the wrong number of tokens")
@@ -94,9 +95,11 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     batches = {c: prompts(tokenizer, c, args.prompt_len) for c in args.concurrency}
     budget = str(args.max_num_batched_tokens)
-    server = start_server(Path(tempfile.mkdtemp()), [
-        "--model", str(path), "--dtype", args.dtype, "--max-num-batched-tokens", budget],
-        ["--max-num-batched-tokens", budget, "--max-num-seqs", str(max(args.concurrency))])
+    server = start_server(
+        Path(tempfile.mkdtemp()),
+        ["--model", str(path), "--dtype", args.dtype, "--max-num-batched-tokens", budget],
+        ["--max-num-batched-tokens", budget, "--max-num-seqs", str(max(args.concurrency))],
+    )
     ours: dict[int, float] = {}
     try:
         asyncio.run(serve_round(server.address, batches[args.concurrency[0]][:1], 8))  # warm-up
@@ -114,8 +117,10 @@ def main() -> None:
         theirs[c] = hf_round(model, batches[c], args.new_tokens)
         print(f"HF generate b={c:3d}: {theirs[c]:8.1f} output tok/s", flush=True)
 
-    print(f"\n{args.dtype}, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"\n{args.dtype}, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
+        f"{torch.get_num_threads()} threads"
+    )
     print("| concurrency | chunkserve tok/s | HF generate tok/s | ratio |")
     print("| --- | --- | --- | --- |")
     for c in args.concurrency:

@@ -13,6 +13,7 @@ same cores as the server, as a dashboard on the same host would.
 folder with the default model's tokenizer: its steps take milliseconds, so a per-step cost
 of the trace is visible rather than lost in the noise of a real model's step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,10 @@ def main() -> None:
         def generate() -> float:
             """ms per step of STREAMS concurrent greedy streams."""
             t = time.perf_counter()
-            calls = [stub.Generate(build_request([5 + i, 6, 7], temperature=0.0, max_tokens=args.tokens, ignore_eos=True))
-                     for i in range(STREAMS)]
+            calls = [
+                stub.Generate(build_request([5 + i, 6, 7], temperature=0.0, max_tokens=args.tokens, ignore_eos=True))
+                for i in range(STREAMS)
+            ]
             n = sum(len(r.token_ids) for c in calls for r in c)
             return (time.perf_counter() - t) * 1000 / (n / STREAMS)
 

@@ -1,4 +1,5 @@
 """`chunkserve admin ...`: read and change a running server's scheduling without a restart."""
+
 from __future__ import annotations
 
 import argparse

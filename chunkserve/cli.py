@@ -3,6 +3,7 @@
 `serve` runs the scheduler in this process and the executor as a child process (`python -m
 executor_svc`), so the two never share an interpreter: this process imports no torch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     from executor_svc.config import ExecutorConfig
     from scheduler_svc.config import SchedulerConfig
 
-    p = sub.add_parser("serve", help="run the scheduler and an executor child process",
-                       description="Serve a model: the public gRPC API plus an executor child process.")
+    p = sub.add_parser(
+        "serve",
+        help="run the scheduler and an executor child process",
+        description="Serve a model: the public gRPC API plus an executor child process.",
+    )
     seen: set[str] = set()
     # The executor's address and token are this command's own: a fresh token per launch.
     add_config_flags(p, SchedulerConfig, skip=("executor_address", "executor_token"), seen=seen)
@@ -49,8 +53,11 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--logprobs", type=int, help="print each token's logprob and this many alternatives")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
-    p.add_argument("--api-key", default=os.environ.get(env_name("api_key")),
-                   help="bearer token, when the server has one [env CHUNKSERVE_API_KEY]")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(env_name("api_key")),
+        help="bearer token, when the server has one [env CHUNKSERVE_API_KEY]",
+    )
     p.add_argument("--tls-ca-file", help="PEM CA/certificate to trust: connect over TLS")
 
 
@@ -89,8 +96,9 @@ def _serve(args: argparse.Namespace) -> None:
     try:
         executor = config_from_args(ExecutorConfig, args, executor_token=token)
         host = "127.0.0.1" if executor.executor_host in ("0.0.0.0", "::") else executor.executor_host
-        scheduler = config_from_args(SchedulerConfig, args, executor_address=f"{host}:{executor.executor_port}",
-                                     executor_token=token)
+        scheduler = config_from_args(
+            SchedulerConfig, args, executor_address=f"{host}:{executor.executor_port}", executor_token=token
+        )
         # Before anything starts: another server's executor on that port is said in one line.
         ensure_port_free(executor.executor_host, executor.executor_port)
     except ValueError as exc:
@@ -136,8 +144,9 @@ async def _serve_async(scheduler_config: object, executor_config: object) -> int
             if stopping in done:
                 return 0
             if child.returncode == EXIT_CONFIG_ERROR:  # restarting cannot help
-                log.error("the executor exited with code %d (its reason is above); not restarting it",
-                          EXIT_CONFIG_ERROR)
+                log.error(
+                    "the executor exited with code %d (its reason is above); not restarting it", EXIT_CONFIG_ERROR
+                )
                 return EXIT_CONFIG_ERROR
             now = loop.time()
             restarts = [t for t in restarts if now - t < RESTART_WINDOW_S] + [now]
@@ -156,7 +165,7 @@ async def _serve_async(scheduler_config: object, executor_config: object) -> int
             child.terminate()
             try:
                 await asyncio.wait_for(child.wait(), 10)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 child.kill()
 
 

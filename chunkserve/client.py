@@ -1,4 +1,5 @@
 """A small client for chunkserve.v1 (used by `chunkserve generate`, tests and benchmarks)."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,11 +12,13 @@ from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 
 
-def build_request(prompt: str | list[int] | list[dict[str, str]], cache_salt: str = "",
-                  **sampling: object) -> pb.GenerateRequest:
+def build_request(
+    prompt: str | list[int] | list[dict[str, str]], cache_salt: str = "", **sampling: object
+) -> pb.GenerateRequest:
     """A GenerateRequest from text, token ids or chat messages; sampling as keyword fields."""
-    req = pb.GenerateRequest(sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
-                             cache_salt=cache_salt)
+    req = pb.GenerateRequest(
+        sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}), cache_salt=cache_salt
+    )
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):
@@ -60,10 +63,19 @@ def generate_cli(args: argparse.Namespace) -> int:
     prompt: str | list[dict[str, str]] = args.prompt
     if args.chat:
         prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.prompt}]
-    req = build_request(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos or None,
-                        logprobs=args.logprobs)
+            {"role": "user", "content": args.prompt}
+        ]
+    req = build_request(
+        prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos or None,
+        logprobs=args.logprobs,
+    )
     req.sampling.stop.extend(args.stop)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     target = f"{host}:{args.port}"
@@ -85,8 +97,10 @@ def generate_cli(args: argparse.Namespace) -> int:
                         sys.stderr.write(f"\n  [{tid} {lp.logprob:.3f}] {alts}")
                 if msg.finished:
                     reason = pb.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
-                    sys.stderr.write(f"\n[{reason}; prompt {msg.usage.prompt_tokens} tokens, "
-                                     f"completion {msg.usage.completion_tokens} tokens]\n")
+                    sys.stderr.write(
+                        f"\n[{reason}; prompt {msg.usage.prompt_tokens} tokens, "
+                        f"completion {msg.usage.completion_tokens} tokens]\n"
+                    )
         except grpc.RpcError as exc:
             sys.stderr.write(f"\nchunkserve generate: {exc.code().name}: {exc.details()}\n")
             return 1

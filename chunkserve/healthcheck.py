@@ -18,6 +18,7 @@ The default address is loopback on the port the service itself was configured wi
 probe needs no arguments beyond `--target`. It imports grpc and the generated stubs only:
 no torch, so it costs a fraction of a second and little memory per probe.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,13 +47,15 @@ def check_scheduler(address: str, service: str, timeout: float) -> str:
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
         except grpc.RpcError as exc:
             raise RuntimeError(_rpc_error(exc)) from None
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     if reply.status != health_pb2.HealthCheckResponse.SERVING:
-        raise RuntimeError(f"service {service!r} is {status}" +
-                           (" (waiting for the executor?)" if service == READY_SERVICE else ""))
+        raise RuntimeError(
+            f"service {service!r} is {status}" + (" (waiting for the executor?)" if service == READY_SERVICE else "")
+        )
     return f"service {service!r} is {status}"
 
 
@@ -68,8 +71,8 @@ def check_executor(address: str, timeout: float, token: str | None = None) -> st
         try:
             # scheduler_version names the caller in the executor's "handshake from" log line.
             hs = epb_grpc.ExecutorStub(channel).Handshake(
-                epb.HandshakeRequest(scheduler_version="healthcheck"), timeout=timeout,
-                metadata=bearer_metadata(token))
+                epb.HandshakeRequest(scheduler_version="healthcheck"), timeout=timeout, metadata=bearer_metadata(token)
+            )
         except grpc.RpcError as exc:
             raise RuntimeError(_rpc_error(exc)) from None
     return f"serving {hs.model_name} ({hs.dtype} on {hs.device}, {hs.num_device_blocks} KV blocks)"
@@ -88,14 +91,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m chunkserve.healthcheck",
-                     description="Health probe: exit 0 when the service is ready, 1 otherwise.")
+    parser = _Parser(
+        prog="python -m chunkserve.healthcheck",
+        description="Health probe: exit 0 when the service is ready, 1 otherwise.",
+    )
     parser.add_argument("--target", required=True, choices=sorted(TARGETS), help="which service to probe")
-    parser.add_argument("--address", help="host:port (default: 127.0.0.1 and $CHUNKSERVE_PORT / "
-                                          "$CHUNKSERVE_EXECUTOR_PORT, else 50051 / 50061)")
-    parser.add_argument("--service", default=READY_SERVICE,
-                        help=f"scheduler only: grpc.health.v1 service to check (default {READY_SERVICE!r}; "
-                             "'' = process alive)")
+    parser.add_argument(
+        "--address",
+        help="host:port (default: 127.0.0.1 and $CHUNKSERVE_PORT / $CHUNKSERVE_EXECUTOR_PORT, else 50051 / 50061)",
+    )
+    parser.add_argument(
+        "--service",
+        default=READY_SERVICE,
+        help=f"scheduler only: grpc.health.v1 service to check (default {READY_SERVICE!r}; '' = process alive)",
+    )
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the reply (default 3)")
     args = parser.parse_args(argv)
     address = args.address or default_address(args.target)

@@ -3,6 +3,7 @@
 Used by the tests, `chunkserve bench --compare` and the benchmarks, so that all of them run
 the services exactly the way `python -m executor_svc` / `python -m scheduler_svc` do.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,6 +19,7 @@ import grpc
 from chunkserve_contracts.ownership import TOKEN_ENV, executor_child_env, new_token
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
+
 
 def free_port() -> int:
     """A loopback port that was free a moment ago."""
@@ -62,12 +64,17 @@ class Server:
         deadline = time.time() + timeout
         while True:
             info = self.info()
-            if (info.num_free_device_blocks == info.num_device_blocks and not info.num_requests_running
-                    and not info.num_requests_waiting):
+            if (
+                info.num_free_device_blocks == info.num_device_blocks
+                and not info.num_requests_running
+                and not info.num_requests_waiting
+            ):
                 return
             if time.time() > deadline:
-                raise RuntimeError(f"leak: {info.num_device_blocks - info.num_free_device_blocks} blocks "
-                                     f"held, {info.num_requests_running} running, {info.num_requests_waiting} waiting")
+                raise RuntimeError(
+                    f"leak: {info.num_device_blocks - info.num_free_device_blocks} blocks "
+                    f"held, {info.num_requests_running} running, {info.num_requests_waiting} waiting"
+                )
             time.sleep(0.05)
 
     def stop(self) -> None:
@@ -80,8 +87,7 @@ class Server:
                 proc.kill()
 
 
-def start_server(tmp_dir: Path, executor_args: list[str], scheduler_args: list[str],
-                 timeout: float = 600) -> Server:
+def start_server(tmp_dir: Path, executor_args: list[str], scheduler_args: list[str], timeout: float = 600) -> Server:
     """Starts `python -m executor_svc` and `python -m scheduler_svc` as separate processes.
 
     Like `chunkserve serve`: a fresh executor token shared by the two through their
@@ -92,12 +98,33 @@ def start_server(tmp_dir: Path, executor_args: list[str], scheduler_args: list[s
     token = new_token()
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{TOKEN_ENV: token})
     executor_env = executor_child_env(token, env)
-    executor = subprocess.Popen([sys.executable, "-m", "executor_svc", "--executor-port", str(eport), *executor_args],
-                                stdout=out, stderr=subprocess.STDOUT, env=executor_env)
-    scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_svc", "--host", "127.0.0.1", "--port", str(port),
-                                  "--executor-address", f"127.0.0.1:{eport}", "--metrics-port", str(mport),
-                                  "--admin-port", str(aport), *scheduler_args],
-                                 stdout=out, stderr=subprocess.STDOUT, env=executor_child_env(token, env))
+    executor = subprocess.Popen(
+        [sys.executable, "-m", "executor_svc", "--executor-port", str(eport), *executor_args],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=executor_env,
+    )
+    scheduler = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "scheduler_svc",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--executor-address",
+            f"127.0.0.1:{eport}",
+            "--metrics-port",
+            str(mport),
+            "--admin-port",
+            str(aport),
+            *scheduler_args,
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=executor_child_env(token, env),
+    )
     server = Server(port, mport, aport, scheduler, executor, log, token, executor_env)
     deadline = time.time() + timeout
     while True:
@@ -111,7 +138,7 @@ def start_server(tmp_dir: Path, executor_args: list[str], scheduler_args: list[s
         except grpc.RpcError:
             if time.time() > deadline:
                 server.stop()
-                raise RuntimeError(f"server not ready after {timeout}s:\n{log.read_text()[-4000:]}")
+                raise RuntimeError(f"server not ready after {timeout}s:\n{log.read_text()[-4000:]}") from None
             time.sleep(0.5)
 
 
@@ -127,9 +154,17 @@ def write_tiny_model(path: Path, tokenizer_from: Path) -> Path:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
-                                      max_position_embeddings=4096, eos_token_id=2, bos_token_id=1)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=4096,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_from / name).is_file():

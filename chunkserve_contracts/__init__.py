@@ -7,4 +7,5 @@ tokens and the executor-ownership rules. scheduler_svc, executor_svc and kernels
 from here and from nothing above them; `chunkserve` (CLI, client, launcher, bench) sits on
 top of all of them. No torch here.
 """
+
 __version__ = "0.1.0"

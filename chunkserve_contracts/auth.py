@@ -8,10 +8,12 @@ Two flavours of one check: `BearerTokenInterceptor` for grpc.aio servers (the sc
 public API, `--api-key`) and `SyncBearerTokenInterceptor` for threaded grpc servers (the
 executor, `--executor-token`). No torch and nothing from either service is imported here.
 """
+
 from __future__ import annotations
 
 import hmac
-from typing import Any, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import grpc
 
@@ -49,7 +51,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         if details.method.startswith(OPEN_SERVICES) or token_matches(details.invocation_metadata, self._expected):
@@ -71,8 +74,7 @@ class SyncBearerTokenInterceptor(grpc.ServerInterceptor):
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
 
     def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
-        details: grpc.HandlerCallDetails,
+        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler], details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
         if details.method.startswith(OPEN_SERVICES) or token_matches(details.invocation_metadata, self._expected):
             return continuation(details)

@@ -7,13 +7,15 @@ The field's `metadata["help"]` is the flag's help text, so the dataclass stays t
 place a setting is documented; `metadata["secret"]` keeps a value out of `--help` and out of
 config_to_argv.
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
 import typing
-from typing import Any, Iterable, TypeVar
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 ENV_PREFIX = "CHUNKSERVE_"

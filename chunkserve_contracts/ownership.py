@@ -14,6 +14,7 @@ executor child's tie to the process that started it.
 
 No torch here: the scheduler side and the launchers import it.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -29,8 +30,8 @@ import time
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "CHUNKSERVE_EXECUTOR_TOKEN"        # the executor_token flag's variable (chunkserve_contracts.flags)
-PARENT_PID_ENV = "CHUNKSERVE_PARENT_PID"        # set by a launcher: the child exits when this pid is gone
+TOKEN_ENV = "CHUNKSERVE_EXECUTOR_TOKEN"  # the executor_token flag's variable (chunkserve_contracts.flags)
+PARENT_PID_ENV = "CHUNKSERVE_PARENT_PID"  # set by a launcher: the child exits when this pid is gone
 PARENT_DEATHSIG_ENV = "CHUNKSERVE_PARENT_DEATHSIG"  # "1": spawned from the main thread, PDEATHSIG is safe
 PR_SET_PDEATHSIG = 1
 WATCHDOG_INTERVAL_S = 1.0
@@ -83,12 +84,15 @@ def ensure_port_free(host: str, port: int, flag: str = "--executor-port") -> Non
 
 
 def port_in_use(host: str, port: int, flag: str = "--executor-port") -> str:
-    return (f"cannot listen on {host}:{port}: the port is in use (another chunkserve server's executor? "
-            f"each server needs its own {flag})")
+    return (
+        f"cannot listen on {host}:{port}: the port is in use (another chunkserve server's executor? "
+        f"each server needs its own {flag})"
+    )
 
 
-def tie_to_parent(stop: threading.Event, interval_s: float = WATCHDOG_INTERVAL_S,
-                  exit_grace_s: float = EXIT_GRACE_S) -> int | None:
+def tie_to_parent(
+    stop: threading.Event, interval_s: float = WATCHDOG_INTERVAL_S, exit_grace_s: float = EXIT_GRACE_S
+) -> int | None:
     """In a child started by a launcher that set CHUNKSERVE_PARENT_PID: set `stop` when that
     parent dies, and exit hard if still running `exit_grace_s` later. Returns the parent pid
     being watched, or None when started standalone (by a user, compose, Kubernetes)."""
@@ -104,13 +108,22 @@ def tie_to_parent(stop: threading.Event, interval_s: float = WATCHDOG_INTERVAL_S
     if deathsig and sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(int(signal.SIGTERM)), ctypes.c_ulong(0),
-                          ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+            if (
+                libc.prctl(
+                    PR_SET_PDEATHSIG,
+                    ctypes.c_ulong(int(signal.SIGTERM)),
+                    ctypes.c_ulong(0),
+                    ctypes.c_ulong(0),
+                    ctypes.c_ulong(0),
+                )
+                != 0
+            ):
                 log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); relying on the watchdog", ctypes.get_errno())
         except (OSError, AttributeError) as exc:
             log.warning("prctl(PR_SET_PDEATHSIG) unavailable (%s); relying on the watchdog", exc)
-    threading.Thread(target=_watch, args=(parent, stop, interval_s, exit_grace_s), daemon=True,
-                     name="parent-watchdog").start()
+    threading.Thread(
+        target=_watch, args=(parent, stop, interval_s, exit_grace_s), daemon=True, name="parent-watchdog"
+    ).start()
     return parent
 
 

@@ -6,6 +6,7 @@ imports a model), or to the object itself. Unknown names fail with a ValueError 
 the known ones. Optionally a registry also accepts a dotted path (`package.module:Class` or
 `package.module.Class`) for a user's own class, the way `--scheduling-policy` does.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -17,8 +18,7 @@ T = TypeVar("T")
 class Registry(Generic[T]):
     """Named entries of one kind, loaded lazily."""
 
-    def __init__(self, kind: str, entries: dict[str, str | T] | None = None,
-                 allow_dotted_path: bool = False) -> None:
+    def __init__(self, kind: str, entries: dict[str, str | T] | None = None, allow_dotted_path: bool = False) -> None:
         self.kind = kind  # for messages: "attention backend", "scheduling policy", ...
         self.allow_dotted_path = allow_dotted_path
         self._entries: dict[str, str | T] = dict(entries or {})

@@ -1,4 +1,5 @@
 """`python -m executor_svc`: load the model and serve steps to a scheduler."""
+
 from __future__ import annotations
 
 import argparse

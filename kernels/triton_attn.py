@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from chunkserve_kernels.backend import AttentionBackend
 from chunkserve_kernels.metadata import AttentionMetadata
 
@@ -52,12 +51,30 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, K, V, O, BLOCK_TABLE, CU_SEQLENS_Q, SEQUSED_K,
+    Q,
+    K,
+    V,
+    O,  # noqa: E741 (the kernel's tensor names)
+    BLOCK_TABLE,
+    CU_SEQLENS_Q,
+    SEQUSED_K,
     scale_log2,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_bt,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -113,9 +130,21 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _write_kv_kernel(
-    K_NEW, V_NEW, K_CACHE, V_CACHE, SLOT_MAPPING,
-    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_kb, stride_ks, stride_kh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    K_NEW,
+    V_NEW,
+    K_CACHE,
+    V_CACHE,
+    SLOT_MAPPING,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -151,10 +180,21 @@ def write_kv(kv_cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slo
         return
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     _write_kv_kernel[(num_tokens, num_kv_heads)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_SIZE=k_cache.shape[1],
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_SIZE=k_cache.shape[1],
     )
 
 
@@ -199,16 +239,33 @@ def paged_attention(
     tile_q = cfg["BLOCK_M"] // group
     grid = (meta.num_seqs, triton.cdiv(meta.max_seqlen_q, tile_q), num_kv_heads)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, meta.block_table, meta.cu_seqlens_q, meta.seqused_k,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        meta.block_table,
+        meta.cu_seqlens_q,
+        meta.seqused_k,
         scale * LOG2_E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
-        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), GROUP=group, BLOCK_SIZE=block_size,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        meta.block_table.stride(0),
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        GROUP=group,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
         # float32 must not silently drop to TF32 (10-bit mantissa) on tensor cores.
         PRECISION="ieee" if q.dtype == torch.float32 else None,
         UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,  # interpreter only, see _dot
-        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2),
+        num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 2),
     )
     return out
 
@@ -222,9 +279,7 @@ class TritonBackend(AttentionBackend):
 
     def check_head_size(self, head_size: int) -> None:
         if not 1 <= head_size <= MAX_HEAD_SIZE:
-            raise ValueError(
-                f"attention backend 'triton' supports head sizes 1..{MAX_HEAD_SIZE}, got {head_size}"
-            )
+            raise ValueError(f"attention backend 'triton' supports head sizes 1..{MAX_HEAD_SIZE}, got {head_size}")
 
     def write_kv(
         self, kv_cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor

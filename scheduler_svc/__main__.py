@@ -1,4 +1,5 @@
 """`python -m scheduler_svc`: the public API and scheduler, connecting to a running executor."""
+
 from __future__ import annotations
 
 import argparse

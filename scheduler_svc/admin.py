@@ -5,10 +5,11 @@ steps, so a change applies at a step boundary: the plan in flight was built unde
 settings, the next one under the new. A change is validated whole before anything moves;
 a rejected one leaves everything as it was.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -21,8 +22,14 @@ from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.snapshot import SchedulerSnapshot
 from scheduler_svc.trace import StepTracer
 
-_FIELDS = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "max_num_partial_prefills",
-           "max_long_partial_prefills", "long_prefill_token_threshold")
+_FIELDS = (
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "enable_chunked_prefill",
+    "max_num_partial_prefills",
+    "max_long_partial_prefills",
+    "long_prefill_token_threshold",
+)
 
 
 @dataclasses.dataclass
@@ -35,8 +42,13 @@ class Controls:
 
 def describe(s: SchedulerSnapshot) -> pb.SchedulingConfig:
     return pb.SchedulingConfig(
-        policy=s.policy, **{f: getattr(s.config, f) for f in _FIELDS}, num_running=s.num_running,
-        num_waiting=s.num_waiting + s.num_swapped, kv_cache_usage=s.kv_cache_usage, effective_step=s.next_step)
+        policy=s.policy,
+        **{f: getattr(s.config, f) for f in _FIELDS},
+        num_running=s.num_running,
+        num_waiting=s.num_waiting + s.num_swapped,
+        kv_cache_usage=s.kv_cache_usage,
+        effective_step=s.next_step,
+    )
 
 
 def apply_update(controls: Controls, update: pb.SchedulingConfig) -> pb.SchedulingConfig:
@@ -63,8 +75,9 @@ class AdminServicer(pb_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is still loading")
         return controls
 
-    async def WatchSteps(self, request: pb.WatchStepsRequest, context: grpc.aio.ServicerContext
-                         ) -> AsyncIterator[pb.StepTrace]:
+    async def WatchSteps(
+        self, request: pb.WatchStepsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StepTrace]:
         queue = self._tracer.subscribe()
         try:
             while True:
@@ -72,17 +85,18 @@ class AdminServicer(pb_grpc.AdminServicer):
         finally:
             self._tracer.unsubscribe(queue)
 
-    async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
-                               ) -> pb.ResetPrefixCacheResponse:
+    async def ResetPrefixCache(
+        self, request: pb.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ResetPrefixCacheResponse:
         controls = await self._controls(context)
         return pb.ResetPrefixCacheResponse(num_blocks_dropped=controls.scheduler.pool.reset_cache())
 
-    async def GetConfig(self, request: pb.GetConfigRequest, context: grpc.aio.ServicerContext
-                        ) -> pb.SchedulingConfig:
+    async def GetConfig(self, request: pb.GetConfigRequest, context: grpc.aio.ServicerContext) -> pb.SchedulingConfig:
         return describe((await self._controls(context)).scheduler.snapshot())
 
-    async def UpdateConfig(self, request: pb.SchedulingConfig, context: grpc.aio.ServicerContext
-                           ) -> pb.SchedulingConfig:
+    async def UpdateConfig(
+        self, request: pb.SchedulingConfig, context: grpc.aio.ServicerContext
+    ) -> pb.SchedulingConfig:
         controls = await self._controls(context)
         try:
             return apply_update(controls, request)

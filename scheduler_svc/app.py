@@ -6,6 +6,7 @@ executor's handshake has sized the block pool. Limits are decided here from the 
 and the config by config.validate_against_executor, the rules every live change passes too:
 a setting that can never work stops start-up with a message that says what to change.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,13 +18,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from chunkserve_contracts import __version__
+from chunkserve_contracts.auth import BearerTokenInterceptor
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
+from scheduler_svc.admin import AdminServicer, Controls
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.config import SchedulerConfig, validate_against_executor
-from scheduler_svc.admin import AdminServicer, Controls
-from chunkserve_contracts.auth import BearerTokenInterceptor
 from scheduler_svc.engine import Engine
 from scheduler_svc.executor_client import MAX_MESSAGE_BYTES, ExecutorClient
 from scheduler_svc.metrics import Metrics
@@ -46,9 +47,11 @@ MAX_PUBLIC_REQUEST_BYTES = 16 * 1024 * 1024
 
 def refused_message(address: str) -> str:
     """One line for an executor that refused this scheduler's token (UNAUTHENTICATED)."""
-    return (f"the executor at {address} refused this scheduler (UNAUTHENTICATED): it belongs to another "
-            "server (another `chunkserve serve` on the same --executor-port?) or CHUNKSERVE_EXECUTOR_TOKEN "
-            "differs between the scheduler and the executor")
+    return (
+        f"the executor at {address} refused this scheduler (UNAUTHENTICATED): it belongs to another "
+        "server (another `chunkserve serve` on the same --executor-port?) or CHUNKSERVE_EXECUTOR_TOKEN "
+        "differs between the scheduler and the executor"
+    )
 
 
 @dataclass
@@ -68,20 +71,25 @@ class SchedulerApp:
         self.ready: Ready | None = None
         self.health = health.aio.HealthServicer()
         interceptors = [BearerTokenInterceptor(config.api_key)] if config.api_key else []
-        self.server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", MAX_PUBLIC_REQUEST_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-        ])
-        servicer = GenerationServicer(lambda: None if self.ready is None else
-                                      (self.ready.engine, self.ready.limits, self.ready.info))
+        self.server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", MAX_PUBLIC_REQUEST_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ],
+        )
+        servicer = GenerationServicer(
+            lambda: None if self.ready is None else (self.ready.engine, self.ready.limits, self.ready.info)
+        )
         add_generation_servicer(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), self.server)
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
         self.port = 0
         self.metrics: Metrics | None = None
         self._supervisor: asyncio.Task[None] | None = None
@@ -107,8 +115,12 @@ class SchedulerApp:
             await self.admin.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-        log.info("public API on %s:%d; waiting for the executor at %s",
-                 self.config.host, self.port, self.config.executor_address)
+        log.info(
+            "public API on %s:%d; waiting for the executor at %s",
+            self.config.host,
+            self.port,
+            self.config.executor_address,
+        )
         client = ExecutorClient(self.config.executor_address, self.config.executor_token)
         try:
             hs = await client.handshake(timeout=self.config.startup_timeout_s)
@@ -116,27 +128,37 @@ class SchedulerApp:
             await client.close()
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                 raise ValueError(refused_message(self.config.executor_address)) from None
-            raise ValueError(f"no executor answered at {self.config.executor_address} within "
-                             f"{self.config.startup_timeout_s:g} s ({exc.code().name}): start it first "
-                             "(python -m executor_svc) or raise --startup-timeout-s") from None
+            raise ValueError(
+                f"no executor answered at {self.config.executor_address} within "
+                f"{self.config.startup_timeout_s:g} s ({exc.code().name}): start it first "
+                "(python -m executor_svc) or raise --startup-timeout-s"
+            ) from None
         self.ready = self._build(client, hs, self.config, create_policy(self.config.scheduling_policy))
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="executor-supervisor")
 
-    def _build(self, client: ExecutorClient, hs: epb.HandshakeResponse, config: SchedulerConfig,
-               policy: Policy) -> Ready:
+    def _build(
+        self, client: ExecutorClient, hs: epb.HandshakeResponse, config: SchedulerConfig, policy: Policy
+    ) -> Ready:
         """A fresh block pool, scheduler and engine sized from a handshake."""
         max_model_len = validate_against_executor(config, hs)  # the same rules as every live change
         tokenizer = Tokenizer(config.tokenizer or hs.model_path)
         limits = Limits.for_tokenizer(max_model_len, hs.model.vocab_size, tokenizer.max_bytes_per_token)
         if limits.max_prompt_bytes is None:
-            log.warning("no byte bound on text prompts for this tokenizer (%s): text up to %d MiB is "
-                        "tokenized (off the event loop) before its length is checked",
-                        tokenizer.byte_bound_note, MAX_PUBLIC_REQUEST_BYTES >> 20)
+            log.warning(
+                "no byte bound on text prompts for this tokenizer (%s): text up to %d MiB is "
+                "tokenized (off the event loop) before its length is checked",
+                tokenizer.byte_bound_note,
+                MAX_PUBLIC_REQUEST_BYTES >> 20,
+            )
         elif limits.max_request_bytes > MAX_PUBLIC_REQUEST_BYTES:
-            log.warning("text prompts of %d to %d bytes could fit max_model_len %d but exceed the %d MiB "
-                        "message limit", MAX_PUBLIC_REQUEST_BYTES, limits.max_prompt_bytes, max_model_len,
-                        MAX_PUBLIC_REQUEST_BYTES >> 20)
+            log.warning(
+                "text prompts of %d to %d bytes could fit max_model_len %d but exceed the %d MiB message limit",
+                MAX_PUBLIC_REQUEST_BYTES,
+                limits.max_prompt_bytes,
+                max_model_len,
+                MAX_PUBLIC_REQUEST_BYTES >> 20,
+            )
         host_pool = BlockPool(hs.num_host_blocks, hs.block_size) if hs.num_host_blocks else None
         pool = BlockPool(hs.num_device_blocks, hs.block_size, enable_caching=config.enable_prefix_caching)
         scheduler = Scheduler(config, pool, policy, max_model_len, host_pool)
@@ -145,16 +167,37 @@ class SchedulerApp:
             self.metrics = Metrics(hs.model_name)
             if config.metrics_port:
                 self.metrics.serve(config.metrics_host, config.metrics_port)
-        engine = Engine(scheduler, client, tokenizer, frozenset(eos), config.max_waiting_requests,
-                        config.step_timeout_s, (self.metrics, self.tracer))
+        engine = Engine(
+            scheduler,
+            client,
+            tokenizer,
+            frozenset(eos),
+            config.max_waiting_requests,
+            config.step_timeout_s,
+            (self.metrics, self.tracer),
+        )
         engine.start()
         info = pb.GetInfoResponse(
-            model_name=hs.model_name, max_model_len=max_model_len, vocab_size=hs.model.vocab_size,
-            dtype=hs.dtype, block_size=hs.block_size, num_device_blocks=hs.num_device_blocks,
-            num_host_blocks=hs.num_host_blocks, attention_backend=hs.attention_backend, version=__version__,
-            eos_token_ids=sorted(eos))
-        log.info("serving %s (max_model_len %d, %d KV blocks of %d tokens, %s, %s)", hs.model_name,
-                 max_model_len, hs.num_device_blocks, hs.block_size, hs.dtype, hs.attention_backend)
+            model_name=hs.model_name,
+            max_model_len=max_model_len,
+            vocab_size=hs.model.vocab_size,
+            dtype=hs.dtype,
+            block_size=hs.block_size,
+            num_device_blocks=hs.num_device_blocks,
+            num_host_blocks=hs.num_host_blocks,
+            attention_backend=hs.attention_backend,
+            version=__version__,
+            eos_token_ids=sorted(eos),
+        )
+        log.info(
+            "serving %s (max_model_len %d, %d KV blocks of %d tokens, %s, %s)",
+            hs.model_name,
+            max_model_len,
+            hs.num_device_blocks,
+            hs.block_size,
+            hs.dtype,
+            hs.attention_backend,
+        )
         return Ready(engine, limits, info, client, Controls(scheduler, hs))
 
     async def _supervise(self) -> None:
@@ -165,7 +208,7 @@ class SchedulerApp:
             while not ready.engine.dead.is_set():
                 try:
                     await asyncio.wait_for(ready.engine.dead.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if not ready.engine.scheduler.has_work():  # idle: is the executor still there?
                         try:
                             await ready.client.handshake(timeout=2.0)

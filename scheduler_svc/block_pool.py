@@ -24,6 +24,7 @@ of the *middle* of the queue in O(1). The order is the eviction order: blocks ar
 as they are freed, and a request frees its blocks tail first, so the end of a prompt
 (least likely to be shared) is evicted before its beginning.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -126,7 +127,7 @@ class BlockPool:
         parent: bytes | None = None
         bs = self.block_size
         for i in range((len(tokens) - 1) // bs):
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
             block_hash = hash_block(parent, salt, chunk)
             block_id = self._cached.get(block_hash)
             if block_id is None:
@@ -208,8 +209,10 @@ class BlockPool:
             if block.ref_count < 0:
                 raise RuntimeError(f"block {block.block_id} has ref count {block.ref_count}")
             if (block.ref_count == 0) != (block.block_id in self._free):
-                raise RuntimeError(f"block {block.block_id}: ref count {block.ref_count} but "
-                                   f"{'in' if block.block_id in self._free else 'not in'} the free queue")
+                raise RuntimeError(
+                    f"block {block.block_id}: ref count {block.ref_count} but "
+                    f"{'in' if block.block_id in self._free else 'not in'} the free queue"
+                )
         for block_hash, block_id in self._cached.items():
             if self.blocks[block_id].block_hash != block_hash:
                 raise RuntimeError(f"cached hash points at block {block_id} which has another hash")

@@ -5,6 +5,7 @@ Every field with a `help` is also a flag (`--max-num-seqs`) and an environment v
 (`CHUNKSERVE_MAX_NUM_SEQS`), see chunkserve_contracts/flags.py. The names follow vLLM's where the
 meaning matches.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,72 +19,130 @@ if TYPE_CHECKING:
 class SchedulerConfig:
     """What the scheduler admits and how much work one step may carry."""
 
-    max_num_batched_tokens: int = field(default=2048, metadata={
-        "help": "token budget of one step: decode tokens plus prefill chunks"})
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "token budget of one step: decode tokens plus prefill chunks"}
+    )
     max_num_seqs: int = field(default=128, metadata={"help": "most sequences in one step"})
-    max_model_len: int | None = field(default=None, metadata={
-        "help": "most prompt + generated tokens per request (default: the model's context, "
-                "capped by what the KV pool holds)"})
-    enable_chunked_prefill: bool = field(default=True, metadata={
-        "help": "split long prefills into chunks mixed with decodes; off = whole-prompt prefill "
-                "steps without decodes (prompts longer than the budget are refused)"})
-    max_num_partial_prefills: int = field(default=4, metadata={
-        "help": "most requests in the middle of a chunked prefill at once"})
-    max_long_partial_prefills: int = field(default=1, metadata={
-        "help": "most of those whose remaining prompt is longer than --long-prefill-token-threshold; "
-                "a long prompt over this cap waits and shorter ones behind it start"})
-    long_prefill_token_threshold: int = field(default=0, metadata={
-        "help": "a prefill with more tokens left than this is long (0 = 4%% of max_model_len)"})
-    enable_prefix_caching: bool = field(default=True, metadata={
-        "help": "reuse the KV blocks of identical prompt prefixes across requests"})
-    scheduling_policy: str = field(default="fcfs", metadata={
-        "help": "waiting order and preemption victims: fcfs, priority, sjf, fair, or a dotted path "
-                "to your own class (docs/policies.md)"})
-    preemption_mode: str = field(default="recompute", metadata={
-        "help": "when KV blocks run out: recompute (free the victim's blocks, prefill again later) "
-                "or swap (copy them to host memory and back; falls back to recompute when full)",
-        "choices": ("recompute", "swap")})
-    max_preemptions: int = field(default=8, metadata={
-        "help": "a request preempted this many times is never chosen as a victim again while another "
-                "can be (forward progress)"})
-    max_waiting_requests: int = field(default=1024, metadata={
-        "help": "requests allowed to wait for admission; more get RESOURCE_EXHAUSTED"})
+    max_model_len: int | None = field(
+        default=None,
+        metadata={
+            "help": "most prompt + generated tokens per request (default: the model's context, "
+            "capped by what the KV pool holds)"
+        },
+    )
+    enable_chunked_prefill: bool = field(
+        default=True,
+        metadata={
+            "help": "split long prefills into chunks mixed with decodes; off = whole-prompt prefill "
+            "steps without decodes (prompts longer than the budget are refused)"
+        },
+    )
+    max_num_partial_prefills: int = field(
+        default=4, metadata={"help": "most requests in the middle of a chunked prefill at once"}
+    )
+    max_long_partial_prefills: int = field(
+        default=1,
+        metadata={
+            "help": "most of those whose remaining prompt is longer than --long-prefill-token-threshold; "
+            "a long prompt over this cap waits and shorter ones behind it start"
+        },
+    )
+    long_prefill_token_threshold: int = field(
+        default=0, metadata={"help": "a prefill with more tokens left than this is long (0 = 4%% of max_model_len)"}
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "reuse the KV blocks of identical prompt prefixes across requests"}
+    )
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata={
+            "help": "waiting order and preemption victims: fcfs, priority, sjf, fair, or a dotted path "
+            "to your own class (docs/policies.md)"
+        },
+    )
+    preemption_mode: str = field(
+        default="recompute",
+        metadata={
+            "help": "when KV blocks run out: recompute (free the victim's blocks, prefill again later) "
+            "or swap (copy them to host memory and back; falls back to recompute when full)",
+            "choices": ("recompute", "swap"),
+        },
+    )
+    max_preemptions: int = field(
+        default=8,
+        metadata={
+            "help": "a request preempted this many times is never chosen as a victim again while another "
+            "can be (forward progress)"
+        },
+    )
+    max_waiting_requests: int = field(
+        default=1024, metadata={"help": "requests allowed to wait for admission; more get RESOURCE_EXHAUSTED"}
+    )
     host: str = field(default="0.0.0.0", metadata={"help": "address the public gRPC API listens on"})
     port: int = field(default=50051, metadata={"help": "port of the public gRPC API"})
-    api_key: str | None = field(default=None, repr=False, metadata={"secret": True,
-        "help": "require `authorization: Bearer <key>` metadata on the public API (health and "
-                "reflection stay open); set it through the environment, not the command line"})
-    tls_cert_file: str | None = field(default=None, metadata={
-        "help": "PEM certificate chain: serve the public API over TLS (with --tls-key-file)"})
+    api_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "secret": True,
+            "help": "require `authorization: Bearer <key>` metadata on the public API (health and "
+            "reflection stay open); set it through the environment, not the command line",
+        },
+    )
+    tls_cert_file: str | None = field(
+        default=None, metadata={"help": "PEM certificate chain: serve the public API over TLS (with --tls-key-file)"}
+    )
     tls_key_file: str | None = field(default=None, metadata={"help": "PEM private key for --tls-cert-file"})
     metrics_host: str = field(default="0.0.0.0", metadata={"help": "address of the Prometheus /metrics HTTP server"})
     metrics_port: int = field(default=9400, metadata={"help": "port of the Prometheus /metrics server; 0 = off"})
-    admin_host: str = field(default="127.0.0.1", metadata={
-        "help": "address of the Admin gRPC service (operators only: keep it on loopback)"})
+    admin_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "address of the Admin gRPC service (operators only: keep it on loopback)"},
+    )
     admin_port: int = field(default=0, metadata={"help": "port of the Admin gRPC service; 0 = off"})
-    step_trace_file: str | None = field(default=None, metadata={
-        "help": "append every step's plan summary to this file as JSON lines"})
-    executor_address: str = field(default="127.0.0.1:50061", metadata={
-        "help": "host:port of the executor service"})
-    executor_token: str | None = field(default=None, repr=False, metadata={"secret": True, "help": (
-        "the executor's shared secret, sent as `authorization: Bearer <token>` on every executor "
-        "call; must equal the executor's. Set CHUNKSERVE_EXECUTOR_TOKEN, not the flag")})
-    tokenizer: str | None = field(default=None, metadata={
-        "help": "folder with tokenizer.json (default: the model folder the executor reports)"})
-    startup_timeout_s: float = field(default=600.0, metadata={
-        "help": "how long to wait for the executor's handshake at start-up"})
-    step_timeout_s: float = field(default=120.0, metadata={
-        "help": "a step the executor has not answered after this long fails its requests"})
+    step_trace_file: str | None = field(
+        default=None, metadata={"help": "append every step's plan summary to this file as JSON lines"}
+    )
+    executor_address: str = field(default="127.0.0.1:50061", metadata={"help": "host:port of the executor service"})
+    executor_token: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "secret": True,
+            "help": (
+                "the executor's shared secret, sent as `authorization: Bearer <token>` on every executor "
+                "call; must equal the executor's. Set CHUNKSERVE_EXECUTOR_TOKEN, not the flag"
+            ),
+        },
+    )
+    tokenizer: str | None = field(
+        default=None, metadata={"help": "folder with tokenizer.json (default: the model folder the executor reports)"}
+    )
+    startup_timeout_s: float = field(
+        default=600.0, metadata={"help": "how long to wait for the executor's handshake at start-up"}
+    )
+    step_timeout_s: float = field(
+        default=120.0, metadata={"help": "a step the executor has not answered after this long fails its requests"}
+    )
 
     def __post_init__(self) -> None:
-        least = dict(max_num_batched_tokens=1, max_num_seqs=1, max_model_len=2, max_num_partial_prefills=1,
-                     long_prefill_token_threshold=0, max_preemptions=1, max_waiting_requests=1)
+        least = dict(
+            max_num_batched_tokens=1,
+            max_num_seqs=1,
+            max_model_len=2,
+            max_num_partial_prefills=1,
+            long_prefill_token_threshold=0,
+            max_preemptions=1,
+            max_waiting_requests=1,
+        )
         for name, low in least.items():
             if (value := getattr(self, name)) is not None and value < low:  # max_model_len None = decided
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
         if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
-            raise ValueError(f"--max-long-partial-prefills must be in [1, --max-num-partial-prefills], "
-                             f"got {self.max_long_partial_prefills}")
+            raise ValueError(
+                f"--max-long-partial-prefills must be in [1, --max-num-partial-prefills], "
+                f"got {self.max_long_partial_prefills}"
+            )
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("--tls-cert-file and --tls-key-file go together")
         if self.preemption_mode not in ("recompute", "swap"):
@@ -95,19 +154,29 @@ def validate_against_executor(config: SchedulerConfig, hs: HandshakeResponse, ma
     every live change (admin.py) alike. Returns max_model_len: the one given (live: fixed at
     start-up), else the configured one, else the largest that works. ValueError says what to change."""
     if config.max_num_batched_tokens > hs.max_num_batched_tokens:
-        raise ValueError(f"--max-num-batched-tokens {config.max_num_batched_tokens} is larger than the executor's "
-                         f"{hs.max_num_batched_tokens}, the most tokens it accepts in one step: lower it, or "
-                         "give the executor the same --max-num-batched-tokens")
+        raise ValueError(
+            f"--max-num-batched-tokens {config.max_num_batched_tokens} is larger than the executor's "
+            f"{hs.max_num_batched_tokens}, the most tokens it accepts in one step: lower it, or "
+            "give the executor the same --max-num-batched-tokens"
+        )
     if config.preemption_mode == "swap" and not hs.num_host_blocks:
         raise ValueError("--preemption-mode swap needs host swap blocks: give the executor --swap-space > 0")
     caps = [  # (what bounds max_model_len, its value, what to change)
         ("the model's context (max_position_embeddings)", hs.model.max_position_embeddings, "lower --max-model-len"),
-        (f"the KV pool ({hs.num_device_blocks} blocks x {hs.block_size} tokens)",
-         hs.num_device_blocks * hs.block_size, "lower --max-model-len or give the executor more KV memory")]
+        (
+            f"the KV pool ({hs.num_device_blocks} blocks x {hs.block_size} tokens)",
+            hs.num_device_blocks * hs.block_size,
+            "lower --max-model-len or give the executor more KV memory",
+        ),
+    ]
     if not config.enable_chunked_prefill:
-        caps.append(("--max-num-batched-tokens with chunked prefill off (a prompt must fit one step)",
-                     config.max_num_batched_tokens,
-                     "raise --max-num-batched-tokens, keep chunked prefill on, or lower --max-model-len"))
+        caps.append(
+            (
+                "--max-num-batched-tokens with chunked prefill off (a prompt must fit one step)",
+                config.max_num_batched_tokens,
+                "raise --max-num-batched-tokens, keep chunked prefill on, or lower --max-model-len",
+            )
+        )
     wanted = max_model_len or config.max_model_len
     for what, cap, change in caps:
         if wanted is not None and wanted > cap:

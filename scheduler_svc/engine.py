@@ -6,6 +6,7 @@ Requests talk to the loop through `add_request` / `abort` and read their tokens 
 per-request `RequestStream`. Everything runs on one event loop, so the scheduler's state is
 only touched between awaits and needs no locks.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from scheduler_svc.errors import (InternalError, QueueFullError, ServingError, StepFailedError,
-                                  UnavailableError)
+from scheduler_svc.errors import InternalError, QueueFullError, ServingError, StepFailedError, UnavailableError
 from scheduler_svc.plan import StepPlan, StepResult, StepStats
 from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingParams
 from scheduler_svc.scheduler import Scheduler, TokenOutput
@@ -103,9 +103,16 @@ class _Live:
 class Engine:
     """Owns the scheduler and drives the executor one step at a time, telling its observers."""
 
-    def __init__(self, scheduler: Scheduler, executor: StepRunner, tokenizer: Tokenizer,
-                 eos_token_ids: frozenset[int], max_waiting: int, step_timeout_s: float,
-                 observers: tuple[Observer, ...] = ()) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: StepRunner,
+        tokenizer: Tokenizer,
+        eos_token_ids: frozenset[int],
+        max_waiting: int,
+        step_timeout_s: float,
+        observers: tuple[Observer, ...] = (),
+    ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
@@ -122,8 +129,14 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: list[int], sampling: SamplingParams, cache_salt: str | None = None,
-                    priority: int = 0, tenant: str = "") -> RequestStream:
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        tenant: str = "",
+    ) -> RequestStream:
         """Queues a validated request; its tokens arrive on the returned stream."""
         if self._dead is not None:
             raise UnavailableError(f"not serving: {self._dead}")
@@ -209,8 +222,9 @@ class Engine:
                 self._fail_all(f"executor unavailable: step failed: {type(exc).__name__}: {exc}")
                 return
             self._emit(self.scheduler.update(plan, result))
-            record = StepRecord(plan, stats, result, planned_at, time.perf_counter_ns() - started,
-                                self.scheduler.snapshot())
+            record = StepRecord(
+                plan, stats, result, planned_at, time.perf_counter_ns() - started, self.scheduler.snapshot()
+            )
             for observer in self.observers:
                 observer.on_step(record)
 
@@ -221,8 +235,11 @@ class Engine:
         fail with it: their KV may never have been copied to host memory."""
         now = time.monotonic()
         self.scheduler.drop_on_executor(plan.finished_seq_ids)
-        swapped_out = [r for r in plan.preempted if (live := self._live.get(r)) is not None
-                       and live.request.status is RequestStatus.SWAPPED]
+        swapped_out = [
+            r
+            for r in plan.preempted
+            if (live := self._live.get(r)) is not None and live.request.status is RequestStatus.SWAPPED
+        ]
         for request_id in [entry.request_id for entry in plan.seqs] + swapped_out:
             live = self._live.pop(request_id, None)
             if live is None:

@@ -3,6 +3,7 @@
 Keeping the mapping in one place means every path reports the same code for the same
 situation (the table in docs/architecture.md, "Errors").
 """
+
 from __future__ import annotations
 
 import grpc

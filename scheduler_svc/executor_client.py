@@ -1,4 +1,5 @@
 """The scheduler's side of chunkserve.executor.v1: plan objects in, result objects out."""
+
 from __future__ import annotations
 
 import grpc
@@ -56,8 +57,7 @@ def result_from_proto(msg: epb.StepResponse) -> StepResult:
     return StepResult(
         step_id=msg.step_id,
         sampled=[
-            Sampled(s.seq_id, s.token_id, s.logprob, [(t.token_id, t.logprob) for t in s.top])
-            for s in msg.sampled
+            Sampled(s.seq_id, s.token_id, s.logprob, [(t.token_id, t.logprob) for t in s.top]) for s in msg.sampled
         ],
         execute_ns=msg.execute_ns,
         forward_ns=msg.forward_ns,
@@ -78,15 +78,20 @@ class ExecutorClient:
 
     async def handshake(self, timeout: float) -> epb.HandshakeResponse:
         """Waits (up to timeout) for the executor to come up, then asks its capabilities."""
-        return await self._stub.Handshake(epb.HandshakeRequest(scheduler_version=__version__), timeout=timeout,
-                                          wait_for_ready=True, metadata=self._metadata)
+        return await self._stub.Handshake(
+            epb.HandshakeRequest(scheduler_version=__version__),
+            timeout=timeout,
+            wait_for_ready=True,
+            metadata=self._metadata,
+        )
 
     async def step(self, plan: StepPlan, timeout: float) -> StepResult:
         """Runs one step. A step the executor refused while staying alive (out of memory, a
         rejected plan) raises StepFailedError; anything else means the executor is gone."""
         try:
-            return result_from_proto(await self._stub.Step(plan_to_proto(plan), timeout=timeout,
-                                                           metadata=self._metadata))
+            return result_from_proto(
+                await self._stub.Step(plan_to_proto(plan), timeout=timeout, metadata=self._metadata)
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
                 raise StepFailedError(f"step {plan.step_id} failed: {exc.details()}", exc.code()) from None

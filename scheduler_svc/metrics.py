@@ -9,6 +9,7 @@ intervals are measured on this process's monotonic clock (the executor only repo
 own step time), so no multiprocess registry is needed. Served over plain HTTP on
 `--metrics-port` by prometheus_client's threaded server.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -16,15 +17,81 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from scheduler_svc.engine import Observer, StepRecord
 from scheduler_svc.request import FinishReason, Request
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-FINISH_LABELS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
-                 FinishReason.STOP_SEQUENCE: "stop_sequence", FinishReason.ABORTED: "abort"}
+FINISH_LABELS = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.STOP_SEQUENCE: "stop_sequence",
+    FinishReason.ABORTED: "abort",
+}
 
 
 class Metrics(Observer):
@@ -56,8 +123,12 @@ class Metrics(Observer):
         self.recomputed = counter("num_recomputed_tokens", "Computed tokens discarded by recompute preemption.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self._success = Counter("chunkserve_request_success", "Finished requests by finish reason.",
-                                labels + ["finished_reason"], registry=reg)
+        self._success = Counter(
+            "chunkserve_request_success",
+            "Finished requests by finish reason.",
+            labels + ["finished_reason"],
+            registry=reg,
+        )
         self._model_name = model_name
         for label in FINISH_LABELS.values():
             self._success.labels(model_name, label)  # export zeros so rate() works from the start
@@ -74,8 +145,10 @@ class Metrics(Observer):
         try:
             start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
-            raise ValueError(f"cannot serve /metrics on {host}:{port}: {exc.strerror}; choose another "
-                             "--metrics-port, or 0 to turn it off") from None
+            raise ValueError(
+                f"cannot serve /metrics on {host}:{port}: {exc.strerror}; choose another "
+                "--metrics-port, or 0 to turn it off"
+            ) from None
 
     def on_step(self, record: StepRecord) -> None:
         plan, stats = record.plan, record.stats

@@ -5,6 +5,7 @@ after that an entry carries only counts, the token ids the executor does not kno
 block ids appended since the last step. These are plain objects; executor_client.py turns
 them into chunkserve.executor.v1 messages; request ids and `StepStats` stay on this side.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

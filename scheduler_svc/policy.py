@@ -6,11 +6,13 @@ few lines and cannot break a step invariant. The contract is the `Policy` base c
 (`package.module.Class` or `package.module:Class`) loads a user's own subclass,
 instantiated without arguments.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from typing import ClassVar, Sequence
+from collections.abc import Sequence
+from typing import ClassVar
 
 from chunkserve_contracts.registry import Registry
 from scheduler_svc.request import Request
@@ -31,7 +33,7 @@ class Policy(ABC):
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
         """One of the (never empty) running candidates, to be preempted."""
 
-    def on_scheduled(self, request: Request, num_tokens: int) -> None:
+    def on_scheduled(self, request: Request, num_tokens: int) -> None:  # noqa: B027 (optional hook)
         """Told what each step gave each request; the one hook beyond ordering, because
         fairness needs to know who was served. Default: nothing."""
 
@@ -115,9 +117,11 @@ class FairShare(Policy):
         return max(candidates, key=lambda r: (self.served[r.tenant], *_arrival(r)))
 
 
-POLICIES: Registry[type[Policy]] = Registry("scheduling policy", {
-    "fcfs": FCFS, "priority": PriorityPolicy, "sjf": ShortestJobFirst, "fair": FairShare},
-    allow_dotted_path=True)
+POLICIES: Registry[type[Policy]] = Registry(
+    "scheduling policy",
+    {"fcfs": FCFS, "priority": PriorityPolicy, "sjf": ShortestJobFirst, "fair": FairShare},
+    allow_dotted_path=True,
+)
 
 
 def register_policy(name: str, cls: type[Policy]) -> None:

@@ -10,6 +10,7 @@ budget). It is prefilling while `num_computed_tokens < num_prompt_tokens`; a dec
 `n == 1`. Chunked prefill, recompute after preemption and prefix-cache hits only move
 `num_computed_tokens`.
 """
+
 from __future__ import annotations
 
 import enum
@@ -121,5 +122,5 @@ class Request:
             return p[start:end]
         out = self.output_token_ids
         if start >= len(p):
-            return out[start - len(p):end - len(p)]
-        return p[start:] + out[:end - len(p)]
+            return out[start - len(p) : end - len(p)]
+        return p[start:] + out[: end - len(p)]

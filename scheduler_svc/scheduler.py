@@ -18,6 +18,7 @@ placed in the step, never themselves while another candidate exists; so the olde
 request gains at least a block's worth of tokens every step until it finishes. (Placed
 last, as a long partial prefill is, it could only ever preempt itself, and starved.)
 """
+
 from __future__ import annotations
 
 import time
@@ -43,8 +44,14 @@ class TokenOutput:
 class Scheduler:
     """Owns the waiting and running queues and the block pool."""
 
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, policy: Policy, max_model_len: int,
-                 host_pool: BlockPool | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool,
+        policy: Policy,
+        max_model_len: int,
+        host_pool: BlockPool | None = None,
+    ) -> None:
         self.config = config
         self.pool = pool
         self.host_pool = host_pool  # swap space; None = recompute only
@@ -75,8 +82,9 @@ class Scheduler:
         self.config = config
         self.policy = policy
         # A prefill with more tokens left than this is "long" (vLLM's rule: 4% of max_model_len).
-        self.long_prefill_token_threshold = (config.long_prefill_token_threshold
-                                             or max(self.pool.block_size, int(self.max_model_len * 0.04)))
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold or max(
+            self.pool.block_size, int(self.max_model_len * 0.04)
+        )
 
     @property
     def policy_name(self) -> str:
@@ -84,8 +92,17 @@ class Scheduler:
 
     def snapshot(self) -> SchedulerSnapshot:
         """Live queues, pool and settings: the one way other code reads them."""
-        return SchedulerSnapshot(self.config, self.policy_name, self.max_model_len, self.num_steps, len(self.running),
-                                 len(self.waiting), len(self.swapped), self.pool.num_free_blocks, self.pool.usage)
+        return SchedulerSnapshot(
+            self.config,
+            self.policy_name,
+            self.max_model_len,
+            self.num_steps,
+            len(self.running),
+            len(self.waiting),
+            len(self.swapped),
+            self.pool.num_free_blocks,
+            self.pool.usage,
+        )
 
     # ---- queue bookkeeping -------------------------------------------------------------
 
@@ -143,8 +160,11 @@ class Scheduler:
         request.num_preemptions += 1
         plan.preempted.append(request.request_id)
         host = self.host_pool
-        if (self.config.preemption_mode == "swap" and host is not None
-                and host.num_free_blocks >= len(request.block_ids)):
+        if (
+            self.config.preemption_mode == "swap"
+            and host is not None
+            and host.num_free_blocks >= len(request.block_ids)
+        ):
             request.host_block_ids = host.take(len(request.block_ids))
             plan.swap_out.extend(zip(request.block_ids, request.host_block_ids))
             self.pool.free(request)
@@ -338,15 +358,17 @@ class Scheduler:
             request.known_to_executor = True
             new_blocks = list(request.block_ids)  # the whole table: cached prefix blocks too
         is_decode = n == 1 and start == request.num_tokens - 1 and request.executor_has_last_token
-        plan.seqs.append(ScheduledSeq(
-            seq_id=request.seq_id,
-            request_id=request.request_id,
-            num_computed_tokens=start,
-            num_new_tokens=n,
-            token_ids=[] if is_decode else request.token_ids(start, start + n),
-            new_block_ids=new_blocks,
-            sample=start + n == request.num_tokens,
-        ))
+        plan.seqs.append(
+            ScheduledSeq(
+                seq_id=request.seq_id,
+                request_id=request.request_id,
+                num_computed_tokens=start,
+                num_new_tokens=n,
+                token_ids=[] if is_decode else request.token_ids(start, start + n),
+                new_block_ids=new_blocks,
+                sample=start + n == request.num_tokens,
+            )
+        )
         self.step_stats.requests.append(request)
         return plan.seqs[-1]
 

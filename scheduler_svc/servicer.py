@@ -9,13 +9,15 @@ worker thread (the tokenizer releases the GIL), so health checks and other strea
 being answered while a long prompt is encoded. Requests that cannot be valid are refused
 before work proportional to their size: see `add_generation_servicer` and validation.py.
 """
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -24,8 +26,7 @@ from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.engine import Engine, RequestStream, StreamDelta
 from scheduler_svc.errors import ServingError, UnavailableError
-from scheduler_svc.validation import (Limits, check_client_request_id, needs_tokenizer, sampling_params,
-                                      tokenize_prompt)
+from scheduler_svc.validation import Limits, check_client_request_id, needs_tokenizer, sampling_params, tokenize_prompt
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +44,23 @@ def merge(into: StreamDelta, delta: StreamDelta) -> StreamDelta:
 
 
 def delta_to_proto(request_id: str, client_id: str, d: StreamDelta) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(request_id=request_id, token_ids=d.token_ids, text=d.text,
-                              finished=d.finished, client_request_id=client_id)
+    msg = pb.GenerateResponse(
+        request_id=request_id, token_ids=d.token_ids, text=d.text, finished=d.finished, client_request_id=client_id
+    )
     for lp in d.logprobs:
-        msg.logprobs.append(pb.Logprobs(logprob=lp.logprob, top=[
-            pb.TokenLogprob(token_id=t, logprob=v, text=s) for t, v, s in lp.top]))
+        msg.logprobs.append(
+            pb.Logprobs(logprob=lp.logprob, top=[pb.TokenLogprob(token_id=t, logprob=v, text=s) for t, v, s in lp.top])
+        )
     if d.finished:
         msg.finish_reason = d.finish_reason.value if d.finish_reason else 0
         msg.matched_stop = d.matched_stop or ""
         if d.matched_stop_token_id is not None:
             msg.matched_stop_token_id = d.matched_stop_token_id
-        msg.usage.CopyFrom(pb.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
-                                    cached_tokens=d.cached_tokens))
+        msg.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens, cached_tokens=d.cached_tokens
+            )
+        )
     return msg
 
 
@@ -79,19 +85,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise UnavailableError("the executor is unavailable")
         return state
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             engine, limits, _ = self._ready()
             check_client_request_id(request)
             if needs_tokenizer(request):
                 prompt = await asyncio.get_running_loop().run_in_executor(
-                    self._tokenize_pool, tokenize_prompt, request, engine.tokenizer, limits)
+                    self._tokenize_pool, tokenize_prompt, request, engine.tokenizer, limits
+                )
             else:  # token ids: bounded by max_model_len, cheap
                 prompt = tokenize_prompt(request, engine.tokenizer, limits)
             params = sampling_params(request, len(prompt), limits)
-            stream = engine.add_request(prompt, params, request.cache_salt or None,
-                                        request.priority, request.tenant)
+            stream = engine.add_request(prompt, params, request.cache_salt or None, request.priority, request.tenant)
         except ServingError as exc:
             await context.abort(exc.code, str(exc))
             return
@@ -118,9 +125,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise  # unreachable: abort raises
         s = engine.scheduler.snapshot()
         info = pb.GetInfoResponse(
-            max_num_batched_tokens=s.config.max_num_batched_tokens, max_num_seqs=s.config.max_num_seqs,
-            enable_chunked_prefill=s.config.enable_chunked_prefill, num_free_device_blocks=s.num_free_device_blocks,
-            num_requests_running=s.num_running, num_requests_waiting=s.num_waiting + s.num_swapped)
+            max_num_batched_tokens=s.config.max_num_batched_tokens,
+            max_num_seqs=s.config.max_num_seqs,
+            enable_chunked_prefill=s.config.enable_chunked_prefill,
+            num_free_device_blocks=s.num_free_device_blocks,
+            num_requests_running=s.num_running,
+            num_requests_waiting=s.num_waiting + s.num_swapped,
+        )
         info.MergeFrom(static)  # the model and pool, fixed at start-up
         return info
 
@@ -151,12 +162,15 @@ def _deserializer(message_type: type[Message], max_bytes: Callable[[], int | Non
     def deserialize(data: bytes) -> Message | _Refused:
         limit = max_bytes()
         if limit is not None and len(data) > limit:
-            return _Refused(f"the request has {len(data)} bytes; the largest valid {name} has {limit} "
-                            "(the longest prompt max_model_len allows, plus 64 KiB for the other fields)")
+            return _Refused(
+                f"the request has {len(data)} bytes; the largest valid {name} has {limit} "
+                "(the longest prompt max_model_len allows, plus 64 KiB for the other fields)"
+            )
         try:
             return message_type.FromString(data)
         except DecodeError as exc:  # e.g. "String field had bad UTF-8"
             return _Refused(f"the request is not a valid {name} ({exc}); string fields must be valid UTF-8")
+
     return deserialize
 
 
@@ -170,6 +184,7 @@ def _guard_unary(method: str, behaviour: Callable[[Any, grpc.aio.ServicerContext
         if isinstance(request, _Refused):
             await _refuse(method, request, context)
         return await behaviour(request, context)
+
     return handler
 
 
@@ -180,6 +195,7 @@ def _guard_stream(method: str, behaviour: Callable[[Any, grpc.aio.ServicerContex
         async with contextlib.aclosing(behaviour(request, context)) as stream:
             async for message in stream:
                 yield message
+
     return handler
 
 
@@ -199,15 +215,18 @@ def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Serve
         "Generate": grpc.unary_stream_rpc_method_handler(
             _guard_stream(f"/{service}/Generate", servicer.Generate),
             request_deserializer=_deserializer(pb.GenerateRequest, servicer.max_request_bytes),
-            response_serializer=pb.GenerateResponse.SerializeToString),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
         "Abort": grpc.unary_unary_rpc_method_handler(
             _guard_unary(f"/{service}/Abort", servicer.Abort),
             request_deserializer=_deserializer(pb.AbortRequest, lambda: None),
-            response_serializer=pb.AbortResponse.SerializeToString),
+            response_serializer=pb.AbortResponse.SerializeToString,
+        ),
         "GetInfo": grpc.unary_unary_rpc_method_handler(
             _guard_unary(f"/{service}/GetInfo", servicer.GetInfo),
             request_deserializer=_deserializer(pb.GetInfoRequest, lambda: None),
-            response_serializer=pb.GetInfoResponse.SerializeToString),
+            response_serializer=pb.GetInfoResponse.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     server.add_registered_method_handlers(service, handlers)

@@ -1,5 +1,6 @@
 """The scheduler's live state and settings as one frozen value (Scheduler.snapshot): the one
 way GetInfo, the Admin service and the app read them, never the queues or pools themselves."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -8,12 +8,14 @@ Encoding goes through `encode_batch_fast`, which releases the GIL while the Rust
 (`encode` holds it for the whole call: a 1.6 MB prompt froze every other thread for 2 s),
 so a prompt tokenized in a worker thread never stalls the event loop.
 """
+
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.sandbox
@@ -36,7 +38,8 @@ class Tokenizer:
         self._tok = _HFTokenizer.from_str(spec)
         # Computed once: text longer than max_model_len tokens can be is refused unencoded.
         self.max_bytes_per_token, self.byte_bound_note = max_bytes_per_token(
-            json.loads(spec), self._tok.get_vocab(with_added_tokens=True))
+            json.loads(spec), self._tok.get_vocab(with_added_tokens=True)
+        )
         cfg_path = folder / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.bos_token = _token_text(cfg.get("bos_token"))
@@ -72,8 +75,11 @@ class Tokenizer:
             raise ValueError("this model has no chat template; send the prompt as text")
         try:
             text = self._template.render(
-                messages=list(messages), add_generation_prompt=True,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                messages=list(messages),
+                add_generation_prompt=True,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
         return text
@@ -168,8 +174,7 @@ def max_bytes_per_token(spec: dict[str, Any], vocab: dict[str, int]) -> tuple[in
     added = {t["content"] for t in spec.get("added_tokens") or ()}
     byte_level = _uses_byte_level(spec.get("pre_tokenizer"))
     # An unknown character that becomes one unknown token covers at most 4 bytes.
-    longest = max([4, *(len(token) if byte_level and token not in added else len(token.encode())
-                        for token in vocab)])
+    longest = max([4, *(len(token) if byte_level and token not in added else len(token.encode()) for token in vocab)])
     bound = math.ceil(longest * factor)
     return bound, f"a token covers at most {bound} bytes of text"
 
@@ -237,10 +242,10 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Adds one token; returns the text now safe to stream (maybe empty)."""
         self._ids.append(token_id)
-        prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._tok.decode(self._ids[self._prefix_offset:])
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._tok.decode(self._ids[self._prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            new_text = full[len(prefix):]
+            new_text = full[len(prefix) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
             start = max(0, len(self.text) - self._hold)
@@ -257,7 +262,7 @@ class IncrementalDetokenizer:
                 best = (at, stop)
         if best is None:
             return False
-        self.text = self.text[:best[0]]
+        self.text = self.text[: best[0]]
         self.matched_stop = best[1]
         return True
 
@@ -268,14 +273,14 @@ class IncrementalDetokenizer:
         decoding the whole output would give them; they are never dropped.
         """
         if self.matched_stop is None and self._read_offset < len(self._ids):
-            prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
-            self.text += self._tok.decode(self._ids[self._prefix_offset:])[len(prefix):]
+            prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
+            self.text += self._tok.decode(self._ids[self._prefix_offset :])[len(prefix) :]
             self._prefix_offset = self._read_offset = len(self._ids)
         return self._take(len(self.text))
 
     def _take(self, end: int) -> str:
         if end <= self._sent:
             return ""
-        out = self.text[self._sent:end]
+        out = self.text[self._sent : end]
         self._sent = end
         return out

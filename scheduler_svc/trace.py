@@ -5,6 +5,7 @@ Admin.WatchSteps. Building a trace costs O(sequences in the step), so it is skip
 entirely when nobody listens. A subscriber that falls behind loses steps (its queue is
 bounded) rather than growing the server's memory.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,20 +38,36 @@ class StepTracer(Observer):
         if self._file is None and not self._subscribers:
             return  # nobody listens: build nothing
         plan, stats = record.plan, record.stats
-        seqs = [pb.StepTraceEntry(request_id=s.request_id, num_tokens=s.num_new_tokens,
-                                  is_prefill=s.num_computed_tokens < r.num_prompt_tokens,
-                                  num_computed_tokens=s.num_computed_tokens, num_prompt_tokens=r.num_prompt_tokens)
-                for s, r in zip(plan.seqs, stats.requests)]
+        seqs = [
+            pb.StepTraceEntry(
+                request_id=s.request_id,
+                num_tokens=s.num_new_tokens,
+                is_prefill=s.num_computed_tokens < r.num_prompt_tokens,
+                num_computed_tokens=s.num_computed_tokens,
+                num_prompt_tokens=r.num_prompt_tokens,
+            )
+            for s, r in zip(plan.seqs, stats.requests)
+        ]
         prefill = sum(e.num_tokens for e in seqs if e.is_prefill)
         trace = pb.StepTrace(
-            step_id=plan.step_id, timestamp=record.planned_at, num_tokens=plan.num_tokens,
-            token_budget=stats.token_budget, num_prefill_tokens=prefill,
-            num_decode_tokens=plan.num_tokens - prefill, num_preempted=len(plan.preempted),
-            num_swapped_out=len(plan.swap_out), num_swapped_in=len(plan.swap_in),
-            num_cached_tokens=stats.prefix_hits, executor_ns=record.result.execute_ns, step_ns=record.step_ns,
-            num_running=record.state.num_running, num_waiting=record.state.num_waiting,
+            step_id=plan.step_id,
+            timestamp=record.planned_at,
+            num_tokens=plan.num_tokens,
+            token_budget=stats.token_budget,
+            num_prefill_tokens=prefill,
+            num_decode_tokens=plan.num_tokens - prefill,
+            num_preempted=len(plan.preempted),
+            num_swapped_out=len(plan.swap_out),
+            num_swapped_in=len(plan.swap_in),
+            num_cached_tokens=stats.prefix_hits,
+            executor_ns=record.result.execute_ns,
+            step_ns=record.step_ns,
+            num_running=record.state.num_running,
+            num_waiting=record.state.num_waiting,
             kv_cache_usage=record.state.kv_cache_usage,
-            policy=stats.policy, seqs=seqs)
+            policy=stats.policy,
+            seqs=seqs,
+        )
         if self._file is not None:
             self._file.write(json_format.MessageToJson(trace, indent=None) + "\n")
         for queue in self._subscribers:

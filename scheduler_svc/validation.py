@@ -10,6 +10,7 @@ tokenizer.max_bytes_per_token for why no valid prompt is refused), token ids are
 before they are read, and a whole message larger than the largest valid request
 (`Limits.max_request_bytes`) is refused by server.py before it is parsed.
 """
+
 from __future__ import annotations
 
 import math
@@ -86,8 +87,10 @@ def _check_prompt_bytes(field: str, text: str, limits: Limits) -> None:
     # More characters than the bound decides it without encoding a copy.
     size = len(text) if len(text) > bound else len(text.encode())
     if size > bound:
-        _fail(f"{field} has {'at least ' if size == len(text) else ''}{size} UTF-8 bytes; no text over "
-              f"{bound} bytes fits in max_model_len {limits.max_model_len} tokens")
+        _fail(
+            f"{field} has {'at least ' if size == len(text) else ''}{size} UTF-8 bytes; no text over "
+            f"{bound} bytes fits in max_model_len {limits.max_model_len} tokens"
+        )
 
 
 def tokenize_prompt(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
@@ -152,8 +155,10 @@ def sampling_params(request: pb.GenerateRequest, num_prompt_tokens: int, limits:
     if max_tokens < 1:
         _fail("sampling.max_tokens must be >= 1")
     if num_prompt_tokens + max_tokens > limits.max_model_len:
-        _fail(f"prompt ({num_prompt_tokens} tokens) + sampling.max_tokens ({max_tokens}) exceeds "
-              f"max_model_len {limits.max_model_len}")
+        _fail(
+            f"prompt ({num_prompt_tokens} tokens) + sampling.max_tokens ({max_tokens}) exceeds "
+            f"max_model_len {limits.max_model_len}"
+        )
     min_tokens = s.min_tokens if s.HasField("min_tokens") else 0
     if min_tokens > max_tokens:
         _fail(f"sampling.min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})")

@@ -7,6 +7,7 @@ protoc names Python modules after the proto paths (`chunkserve/v1/...` -> `chunk
 the stubs live in the bottom package chunkserve_contracts instead, so their imports of each
 other are rewritten (TGI post-processes its stubs the same way).
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -17,10 +18,7 @@ import tempfile
 from grpc_tools import protoc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PROTOS = [
-    "chunkserve/v1/chunkserve.proto",
-    "chunkserve/executor/v1/executor.proto",
-]
+PROTOS = ["chunkserve/v1/chunkserve.proto", "chunkserve/executor/v1/executor.proto"]
 
 
 PACKAGE = "chunkserve_contracts"
@@ -31,15 +29,17 @@ def generate(out_dir: pathlib.Path) -> None:
     include = pathlib.Path(protoc.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
         for proto in PROTOS:
-            rc = protoc.main([
-                "protoc",
-                f"-I{ROOT / 'protos'}",
-                f"-I{include}",
-                f"--python_out={tmp}",
-                f"--pyi_out={tmp}",
-                f"--grpc_python_out={tmp}",
-                str(ROOT / "protos" / proto),
-            ])
+            rc = protoc.main(
+                [
+                    "protoc",
+                    f"-I{ROOT / 'protos'}",
+                    f"-I{include}",
+                    f"--python_out={tmp}",
+                    f"--pyi_out={tmp}",
+                    f"--grpc_python_out={tmp}",
+                    str(ROOT / "protos" / proto),
+                ]
+            )
             if rc != 0:
                 raise SystemExit(f"protoc failed on {proto}")
         generated = pathlib.Path(tmp) / "chunkserve"

@@ -1,4 +1,5 @@
 """Shared fixtures: real two-process servers on free loopback ports."""
+
 from __future__ import annotations
 
 from pathlib import Path

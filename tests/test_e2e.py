@@ -4,6 +4,7 @@ The reference is Hugging Face transformers' own `generate` on the same saved wei
 dtype (float32), so "equal" means our model, kernels, paged KV cache, chunking, batching,
 scheduler and detokenizer all agree with it token for token.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -61,9 +62,20 @@ def prompts(hf) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def server(default_model_path, launch):
     return launch(
-        ["--model", str(default_model_path), "--dtype", "float32", "--block-size", str(BLOCK),
-         "--kv-cache-memory-gib", "0.25", "--max-num-batched-tokens", str(BUDGET)],
-        ["--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "32"])
+        [
+            "--model",
+            str(default_model_path),
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(BLOCK),
+            "--kv-cache-memory-gib",
+            "0.25",
+            "--max-num-batched-tokens",
+            str(BUDGET),
+        ],
+        ["--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "32"],
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -85,9 +97,10 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     config.eos_token_id = None
     config.do_sample = False
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), generation_config=config, max_new_tokens=n,
-                             min_new_tokens=n, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]), generation_config=config, max_new_tokens=n, min_new_tokens=n, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def greedy(prompt, **kw) -> pb.GenerateRequest:
@@ -131,8 +144,9 @@ def test_text_prompt_and_usage(server, hf):
 
 
 def test_streamed_chinese_text_is_never_split(server, hf):
-    request = build_request([{"role": "user", "content": "用中文写一首关于春天的短诗。"}],
-                            temperature=0.0, max_tokens=48, ignore_eos=True)
+    request = build_request(
+        [{"role": "user", "content": "用中文写一首关于春天的短诗。"}], temperature=0.0, max_tokens=48, ignore_eos=True
+    )
     done = run(server.stub(), request)
     assert done.num_messages > 10
     assert any(ord(c) > 0x2E80 for c in done.text), f"no CJK in the output: {done.text!r}"
@@ -158,18 +172,17 @@ def test_stop_string_and_stop_token(server, prompts, expected, hf):
     stop = text[10:14]
     done = run(server.stub(), build_request(prompts[6], temperature=0.0, max_tokens=NEW_TOKENS, stop=[stop]))
     assert done.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE and done.matched_stop == stop
-    assert done.text == text[:text.index(stop)]
+    assert done.text == text[: text.index(stop)]
     stop_id = expected[6][5]
     request = build_request(prompts[6], temperature=0.0, max_tokens=NEW_TOKENS, stop_token_ids=[stop_id])
     done = run(server.stub(), request)
-    assert done.token_ids == expected[6][:expected[6].index(stop_id) + 1]
+    assert done.token_ids == expected[6][: expected[6].index(stop_id) + 1]
     assert done.finish_reason == pb.FINISH_REASON_STOP
 
 
 def test_seeded_sampling_is_reproducible_and_logprobs(server, prompts):
     stub = server.stub()
-    req = build_request(prompts[3], temperature=0.8, top_p=0.9, seed=1234, max_tokens=16, logprobs=3,
-                        ignore_eos=True)
+    req = build_request(prompts[3], temperature=0.8, top_p=0.9, seed=1234, max_tokens=16, logprobs=3, ignore_eos=True)
     a, b = run(stub, req), run(stub, req)
     assert a.token_ids == b.token_ids and len(a.logprobs) == 16
     for lp in a.logprobs:
@@ -177,14 +190,17 @@ def test_seeded_sampling_is_reproducible_and_logprobs(server, prompts):
         assert lp.top[0].logprob >= lp.top[1].logprob >= lp.top[2].logprob
 
 
-@pytest.mark.parametrize("request_fn, field", [
-    (lambda: pb.GenerateRequest(text=""), "prompt"),
-    (lambda: build_request([1, 2, 10**6]), "token_ids"),
-    (lambda: build_request("hi", temperature=-1.0), "temperature"),
-    (lambda: build_request("hi", top_p=0.0), "top_p"),
-    (lambda: build_request("hi", max_tokens=10**6), "max_tokens"),
-    (lambda: build_request("hi", logprobs=100), "logprobs"),
-])
+@pytest.mark.parametrize(
+    "request_fn, field",
+    [
+        (lambda: pb.GenerateRequest(text=""), "prompt"),
+        (lambda: build_request([1, 2, 10**6]), "token_ids"),
+        (lambda: build_request("hi", temperature=-1.0), "temperature"),
+        (lambda: build_request("hi", top_p=0.0), "top_p"),
+        (lambda: build_request("hi", max_tokens=10**6), "max_tokens"),
+        (lambda: build_request("hi", logprobs=100), "logprobs"),
+    ],
+)
 def test_bad_input_is_invalid_argument(server, request_fn, field):
     with pytest.raises(grpc.RpcError) as err:
         run(server.stub(), request_fn())
@@ -228,20 +244,33 @@ def test_chunkserve_serve_and_generate_cli(default_model_path, tmp_path):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
-    env = dict(os.environ, CHUNKSERVE_PORT=str(ports[0]), CHUNKSERVE_EXECUTOR_PORT=str(ports[1]),
-               CHUNKSERVE_METRICS_PORT=str(ports[2]), CHUNKSERVE_KV_CACHE_MEMORY_GIB="0.1")
+    env = dict(
+        os.environ,
+        CHUNKSERVE_PORT=str(ports[0]),
+        CHUNKSERVE_EXECUTOR_PORT=str(ports[1]),
+        CHUNKSERVE_METRICS_PORT=str(ports[2]),
+        CHUNKSERVE_KV_CACHE_MEMORY_GIB="0.1",
+    )
     cli = [sys.executable, "-m", "chunkserve.cli"]
     log = open(tmp_path / "serve.log", "w")
-    serve = subprocess.Popen(cli + ["serve", "--model", str(default_model_path), "--host", "127.0.0.1"],
-                             env=env, stdout=log, stderr=subprocess.STDOUT)
+    serve = subprocess.Popen(
+        cli + ["serve", "--model", str(default_model_path), "--host", "127.0.0.1"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.time() + 300
         while "serving on" not in (tmp_path / "serve.log").read_text():
             assert serve.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()
             time.sleep(0.5)
-        out = subprocess.run(cli + ["generate", "--chat", "--temperature", "0", "--max-tokens", "40",
-                                    "What is the capital of France?"],
-                             env=env, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            cli + ["generate", "--chat", "--temperature", "0", "--max-tokens", "40", "What is the capital of France?"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         assert "Paris" in out.stdout
         assert "[stop; prompt" in out.stderr
@@ -250,20 +279,35 @@ def test_chunkserve_serve_and_generate_cli(default_model_path, tmp_path):
         assert serve.wait(30) == 0, (tmp_path / "serve.log").read_text()
 
 
-@pytest.mark.parametrize("scheduler_args", [
-    ["--max-num-batched-tokens", "16"],  # one block per step
-    ["--max-num-batched-tokens", "64"],
-    ["--max-num-batched-tokens", "256"],
-    ["--max-num-batched-tokens", "2048"],
-    ["--max-num-batched-tokens", "2048", "--no-enable-chunked-prefill"],
-], ids=["budget16", "budget64", "budget256", "budget2048", "unchunked"])
+@pytest.mark.parametrize(
+    "scheduler_args",
+    [
+        ["--max-num-batched-tokens", "16"],  # one block per step
+        ["--max-num-batched-tokens", "64"],
+        ["--max-num-batched-tokens", "256"],
+        ["--max-num-batched-tokens", "2048"],
+        ["--max-num-batched-tokens", "2048", "--no-enable-chunked-prefill"],
+    ],
+    ids=["budget16", "budget64", "budget256", "budget2048", "unchunked"],
+)
 def test_greedy_tokens_do_not_depend_on_chunking(default_model_path, prompts, expected, tmp_path, scheduler_args):
     """All prompts at once, so steps mix prefill chunks and decodes differently per budget."""
     from chunkserve.launch import start_server
 
-    server = start_server(tmp_path, ["--model", str(default_model_path), "--dtype", "float32",
-                                     "--block-size", str(BLOCK), "--kv-cache-memory-gib", "0.1"],
-                          scheduler_args + ["--max-num-seqs", "32"])
+    server = start_server(
+        tmp_path,
+        [
+            "--model",
+            str(default_model_path),
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(BLOCK),
+            "--kv-cache-memory-gib",
+            "0.1",
+        ],
+        scheduler_args + ["--max-num-seqs", "32"],
+    )
     try:
         stub = server.stub()
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -282,10 +326,22 @@ def test_forced_preemption_gives_the_same_tokens(default_model_path, prompts, ex
 
     from chunkserve.launch import start_server
 
-    server = start_server(tmp_path, ["--model", str(default_model_path), "--dtype", "float32",
-                                     "--block-size", str(BLOCK), "--num-gpu-blocks-override", "16",
-                                     "--swap-space", "0.05"],
-                          ["--max-num-batched-tokens", "64", "--preemption-mode", mode])
+    server = start_server(
+        tmp_path,
+        [
+            "--model",
+            str(default_model_path),
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(BLOCK),
+            "--num-gpu-blocks-override",
+            "16",
+            "--swap-space",
+            "0.05",
+        ],
+        ["--max-num-batched-tokens", "64", "--preemption-mode", mode],
+    )
     try:
         stub = server.stub()
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -293,8 +349,11 @@ def test_forced_preemption_gives_the_same_tokens(default_model_path, prompts, ex
         assert got == expected[3:]
         server.assert_idle_and_no_leaks()
         metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-        values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                  if line.startswith("chunkserve_") and "{" in line}
+        values = {
+            line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("chunkserve_") and "{" in line
+        }
         assert values["chunkserve_num_preemptions_total"] > 0
         swapped = values["chunkserve_kv_blocks_swapped_out_total"]
         assert (swapped > 0) == (mode == "swap")
@@ -309,8 +368,8 @@ def test_prefix_cache_hits_give_the_same_tokens(server, hf, shared):
     """A shared system prefix (or the whole prompt again): the second request is served
     from cached blocks and must still equal transformers exactly."""
     ids = hf[1](TEXT, add_special_tokens=False)["input_ids"]
-    first = ids[100:100 + (shared or 70)] + ids[:20]
-    second = first if shared is None else ids[100:100 + shared] + ids[20:50]
+    first = ids[100 : 100 + (shared or 70)] + ids[:20]
+    second = first if shared is None else ids[100 : 100 + shared] + ids[20:50]
     stub = server.stub()
     run(stub, greedy(first))
     done = run(stub, greedy(second))
@@ -371,8 +430,11 @@ def test_hot_swap_policy_and_budget_under_load(server, prompts, expected):
                 started.release()
         return out.token_ids
 
-    updates = [pb.SchedulingConfig(policy="sjf"), pb.SchedulingConfig(max_num_batched_tokens=64),
-               pb.SchedulingConfig(policy="priority")]
+    updates = [
+        pb.SchedulingConfig(policy="sjf"),
+        pb.SchedulingConfig(max_num_batched_tokens=64),
+        pb.SchedulingConfig(policy="priority"),
+    ]
     settings = [("fcfs", BUDGET), ("sjf", BUDGET), ("sjf", 64), ("priority", 64)]
     applied = []
     restored = None
@@ -424,16 +486,21 @@ def test_executor_killed_under_load_then_restarted(tiny_model_path, tmp_path):
     try:
         stub = server.stub()
         health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
-        check = lambda: health.Check(health_pb2.HealthCheckRequest(service="chunkserve.v1.Generation"),
-                                     timeout=5).status
+
+        def check():
+            return health.Check(health_pb2.HealthCheckRequest(service="chunkserve.v1.Generation"), timeout=5).status
+
         assert check() == health_pb2.HealthCheckResponse.SERVING
         eport = server.executor.args[server.executor.args.index("--executor-port") + 1]
         executor_health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{eport}"))
         for name in ("", "chunkserve.executor.v1.Executor"):  # the standard service, for probes
-            assert executor_health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == \
-                health_pb2.HealthCheckResponse.SERVING
-        calls = [stub.Generate(build_request([5, 6, 7], temperature=0.0, max_tokens=3000, ignore_eos=True))
-                 for _ in range(6)]
+            assert (
+                executor_health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
+        calls = [
+            stub.Generate(build_request([5, 6, 7], temperature=0.0, max_tokens=3000, ignore_eos=True)) for _ in range(6)
+        ]
         for call in calls:
             next(call)
         executor_argv = server.executor.args
@@ -453,8 +520,12 @@ def test_executor_killed_under_load_then_restarted(tiny_model_path, tmp_path):
             run(stub, build_request([5, 6], max_tokens=2))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         # What `chunkserve serve` or compose does: start the executor again, same flags.
-        server.executor = subprocess.Popen(executor_argv, stdout=open(tmp_path / "executor2.log", "w"),
-                                           stderr=subprocess.STDOUT, env=server.executor_env)
+        server.executor = subprocess.Popen(
+            executor_argv,
+            stdout=open(tmp_path / "executor2.log", "w"),
+            stderr=subprocess.STDOUT,
+            env=server.executor_env,
+        )
         deadline = time.time() + 120
         while check() != health_pb2.HealthCheckResponse.SERVING:
             assert time.time() < deadline, (tmp_path / "executor2.log").read_text()[-2000:]

@@ -12,6 +12,7 @@
 Real processes on the tiny random model. Nothing here measures time: deadlines only bound
 a wait for a state, and a test that hits one has failed.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,9 +30,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chunkserve.client import Completion, build_request
+from chunkserve.launch import free_port, start_server
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.executor.v1 import executor_pb2_grpc as epb_grpc
-from chunkserve.launch import free_port, start_server
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 
@@ -111,9 +112,26 @@ def _serve(tmp_path: Path, name: str, model: Path, port: int, eport: int) -> tup
     """`chunkserve serve` on the tiny model, output in tmp_path/name.log."""
     log = tmp_path / f"{name}.log"
     env = _clean_env(CHUNKSERVE_PORT=str(port), CHUNKSERVE_EXECUTOR_PORT=str(eport), CHUNKSERVE_METRICS_PORT="0")
-    proc = subprocess.Popen([sys.executable, "-m", "chunkserve.cli", "serve", "--model", str(model), "--dtype",
-                             "float32", "--host", "127.0.0.1", "--num-gpu-blocks-override", "64"],
-                            env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "chunkserve.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--dtype",
+            "float32",
+            "--host",
+            "127.0.0.1",
+            "--num-gpu-blocks-override",
+            "64",
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
     return proc, log
 
 
@@ -121,6 +139,7 @@ def _wait_serving(proc: subprocess.Popen, log: Path) -> None:
     def ready() -> bool:
         assert proc.poll() is None, f"exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
         return "serving on" in log.read_text()
+
     _wait_for(ready, "chunkserve serve ready", on_fail=lambda: log.read_text()[-4000:])
 
 
@@ -145,6 +164,7 @@ def _generates(port: int) -> None:
     def idle() -> bool:
         info = stub.GetInfo(pb.GetInfoRequest(), timeout=10)
         return info.num_free_device_blocks == info.num_device_blocks and not info.num_requests_running
+
     _wait_for(idle, "all blocks free after the request")
 
 
@@ -164,9 +184,11 @@ def test_executor_rpcs_need_the_token_and_a_wrong_scheduler_stops_in_one_line(ti
         eport = server.executor.args[server.executor.args.index("--executor-port") + 1]
         channel = grpc.insecure_channel(f"127.0.0.1:{eport}")
         stub = epb_grpc.ExecutorStub(channel)
-        calls = {"Handshake": (stub.Handshake, epb.HandshakeRequest()),
-                 "Step": (stub.Step, epb.StepRequest(step_id=1)),
-                 "Reset": (stub.Reset, epb.ResetRequest())}
+        calls = {
+            "Handshake": (stub.Handshake, epb.HandshakeRequest()),
+            "Step": (stub.Step, epb.StepRequest(step_id=1)),
+            "Reset": (stub.Reset, epb.ResetRequest()),
+        }
         for metadata in ((), (("authorization", "Bearer not-the-token"),), (("authorization", "not-bearer"),)):
             for name, (call, request) in calls.items():
                 with pytest.raises(grpc.RpcError) as err:
@@ -175,11 +197,12 @@ def test_executor_rpcs_need_the_token_and_a_wrong_scheduler_stops_in_one_line(ti
         # Health stays open for probes; the pair's own token works; it never was on a command line.
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "chunkserve.executor.v1.Executor"):
-            assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == \
-                health_pb2.HealthCheckResponse.SERVING
+            assert (
+                health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
         assert server.token
-        hs = stub.Handshake(epb.HandshakeRequest(), metadata=(("authorization", f"Bearer {server.token}"),),
-                            timeout=10)
+        hs = stub.Handshake(epb.HandshakeRequest(), metadata=(("authorization", f"Bearer {server.token}"),), timeout=10)
         assert hs.num_device_blocks > 0
         for proc in (server.executor, server.scheduler):
             assert server.token not in Path(f"/proc/{proc.pid}/cmdline").read_text()
@@ -188,10 +211,24 @@ def test_executor_rpcs_need_the_token_and_a_wrong_scheduler_stops_in_one_line(ti
         for token in ("another-token", ""):
             log = tmp_path / f"intruder-{len(token)}.log"
             intruder = subprocess.Popen(
-                [sys.executable, "-m", "scheduler_svc", "--host", "127.0.0.1", "--port", str(free_port()),
-                 "--metrics-port", "0", "--executor-address", f"127.0.0.1:{eport}"],
-                env=_clean_env(CHUNKSERVE_EXECUTOR_TOKEN=token), cwd=REPO, stdout=open(log, "w"),
-                stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "scheduler_svc",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(free_port()),
+                    "--metrics-port",
+                    "0",
+                    "--executor-address",
+                    f"127.0.0.1:{eport}",
+                ],
+                env=_clean_env(CHUNKSERVE_EXECUTOR_TOKEN=token),
+                cwd=REPO,
+                stdout=open(log, "w"),
+                stderr=subprocess.STDOUT,
+            )
             try:
                 assert _exit_code(intruder, log) == 2, log.read_text()
             finally:
@@ -244,9 +281,14 @@ def test_executor_on_a_taken_port_says_so_in_one_line(tiny_model_path, tmp_path)
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "executor_svc", "--model", str(tiny_model_path),
-                               "--executor-port", str(port)], env=_clean_env(), cwd=REPO, capture_output=True,
-                              text=True, timeout=DEADLINE_S)
+        done = subprocess.run(
+            [sys.executable, "-m", "executor_svc", "--model", str(tiny_model_path), "--executor-port", str(port)],
+            env=_clean_env(),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE_S,
+        )
     lines = _one_line_no_traceback(done.stdout + done.stderr)
     assert done.returncode == 2, done.stderr
     assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0], lines
@@ -261,8 +303,15 @@ def test_serve_bind_failure_after_loading_is_a_value_error(tiny_model_path, tmp_
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        config = ExecutorConfig(model=str(tiny_model_path), dtype="float32", device="cpu", executor_port=port,
-                                num_gpu_blocks_override=8, swap_space=0, cache_dir=str(tmp_path))
+        config = ExecutorConfig(
+            model=str(tiny_model_path),
+            dtype="float32",
+            device="cpu",
+            executor_port=port,
+            num_gpu_blocks_override=8,
+            swap_space=0,
+            cache_dir=str(tmp_path),
+        )
         with pytest.raises(ValueError, match=f"127.0.0.1:{port}: the port is in use"):
             serve(config)
 
@@ -300,8 +349,12 @@ def test_executor_dies_with_a_sigkilled_chunkserve_serve(tiny_model_path, tmp_pa
         assert not _port_free(eport)
         proc.kill()
         proc.wait()
-        _wait_for(lambda: _gone(child), f"orphaned executor {child} exits", ORPHAN_DEADLINE_S,
-                  on_fail=lambda: log.read_text()[-4000:])
+        _wait_for(
+            lambda: _gone(child),
+            f"orphaned executor {child} exits",
+            ORPHAN_DEADLINE_S,
+            on_fail=lambda: log.read_text()[-4000:],
+        )
         _wait_for(lambda: _port_free(eport), f"executor port {eport} free", ORPHAN_DEADLINE_S)
     finally:
         _stop(proc)
@@ -329,8 +382,13 @@ LAUNCHER = textwrap.dedent("""
 
 
 def test_launched_pair_survives_its_spawning_thread_and_dies_with_the_process(tiny_model_path, tmp_path):
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path), str(tiny_model_path)],
-                                env=_clean_env(), cwd=REPO, stdout=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(tmp_path), str(tiny_model_path)],
+        env=_clean_env(),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     pids: list[int] = []
     try:
         line = launcher.stdout.readline()
@@ -366,18 +424,22 @@ def test_watchdog_stops_then_exits_hard_when_the_parent_is_gone():
         assert "CHUNKSERVE_PARENT_PID" not in os.environ
         time.sleep(60)  # ignores stop: the watchdog must end the process
     """)
-    done = subprocess.run([sys.executable, "-c", code], env=_clean_env(), cwd=REPO, capture_output=True, text=True,
-                          timeout=DEADLINE_S)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=_clean_env(), cwd=REPO, capture_output=True, text=True, timeout=DEADLINE_S
+    )
     assert done.returncode == 1, done.stderr
     assert "parent process 999999999 is gone" in done.stderr
 
 
 def test_standalone_executor_has_no_watchdog():
-    code = ("import threading\nfrom chunkserve_contracts.ownership import tie_to_parent\n"
-            "assert tie_to_parent(threading.Event()) is None\n"
-            "assert not [t for t in threading.enumerate() if t.name == 'parent-watchdog']\n")
-    done = subprocess.run([sys.executable, "-c", code], env=_clean_env(), cwd=REPO, capture_output=True, text=True,
-                          timeout=DEADLINE_S)
+    code = (
+        "import threading\nfrom chunkserve_contracts.ownership import tie_to_parent\n"
+        "assert tie_to_parent(threading.Event()) is None\n"
+        "assert not [t for t in threading.enumerate() if t.name == 'parent-watchdog']\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=_clean_env(), cwd=REPO, capture_output=True, text=True, timeout=DEADLINE_S
+    )
     assert done.returncode == 0, done.stderr
 
 

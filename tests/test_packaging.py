@@ -1,4 +1,5 @@
 """Install layout and process boundaries: checked in fresh interpreters."""
+
 from __future__ import annotations
 
 import pathlib
@@ -21,7 +22,8 @@ def test_our_kernels_do_not_shadow_huggingface_kernels():
         "import importlib.metadata as md, chunkserve_kernels\n"
         "from transformers.utils.import_utils import is_kernels_available\n"
         "print(is_kernels_available(), 'kernels' in md.packages_distributions(),"
-        " chunkserve_kernels.__name__)\n")
+        " chunkserve_kernels.__name__)\n"
+    )
     assert out.split() == ["False", "False", "chunkserve_kernels"]
 
 
@@ -31,7 +33,8 @@ def test_transformers_model_runs_beside_our_kernels():
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
         "m = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,"
         " num_attention_heads=2, num_key_value_heads=1, vocab_size=50))\n"
-        "print(m(torch.tensor([[1, 2, 3]])).logits.shape[-1])\n")
+        "print(m(torch.tensor([[1, 2, 3]])).logits.shape[-1])\n"
+    )
     assert out.strip() == "50"
 
 
@@ -48,7 +51,8 @@ def test_scheduler_service_never_imports_torch(tmp_path):
         "    app = SchedulerApp(SchedulerConfig(port=0))\n"
         "    await app.server.start(); await app.server.stop(None)\n"
         "asyncio.run(main())\n"
-        "print('torch' in sys.modules, 'transformers' in sys.modules)\n")
+        "print('torch' in sys.modules, 'transformers' in sys.modules)\n"
+    )
     assert out.split() == ["False", "False"]
 
 
@@ -94,7 +98,12 @@ def test_every_import_points_down():
     for layer, forbidden in above.items():
         for path in (ROOT / layer).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
-                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                         [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module]
+                    if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                    else []
+                )
                 bad += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n.split(".")[0] in forbidden]
     assert not bad, bad

@@ -1,4 +1,5 @@
 """`python -m chunkserve.bench ...` = `chunkserve bench ...`."""
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """Calls on the scheduler's Admin service that keep runs independent of each other."""
+
 from __future__ import annotations
 
 import logging
@@ -22,6 +23,9 @@ async def reset_prefix_cache(admin_address: str, timeout: float = 10.0) -> int |
             reply = await pb_grpc.AdminStub(channel).ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=timeout)
         return reply.num_blocks_dropped
     except grpc.aio.AioRpcError as exc:
-        log.warning("could not reset the prefix cache at %s (%s): this run may hit prompts cached by an "
-                    "earlier one", admin_address, exc.code().name)
+        log.warning(
+            "could not reset the prefix cache at %s (%s): this run may hit prompts cached by an earlier one",
+            admin_address,
+            exc.code().name,
+        )
         return None

@@ -6,6 +6,7 @@ Poisson process); below 1 the arrivals come in bursts with long gaps between the
 1 they are more evenly spaced. An infinite rate sends every request at time 0 (use it with
 --max-concurrency for a fixed-concurrency closed loop).
 """
+
 from __future__ import annotations
 
 import math

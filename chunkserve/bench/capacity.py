@@ -23,12 +23,13 @@ prompts alone (max_tokens 1) and interpolating linearly between their TTFTs. Und
 a chunked prefill shares its steps with decodes and takes longer than alone, so the
 estimate includes that stretch and errs high: capacity found this way is conservative.
 """
+
 from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
 
 from chunkserve.bench.metrics import itls, percentile, ttft
 from chunkserve.bench.report import pooled_report
@@ -72,13 +73,17 @@ class PrefillModel:
         return max(0.0, y0 + (y1 - y0) * (n - x0) / (x1 - x0))
 
 
-def calibrate_prefill(address: str, requests: Sequence[BenchRequest], opts: RunOptions,
-                      num_points: int = 4, repeats: int = 2) -> PrefillModel:
+def calibrate_prefill(
+    address: str, requests: Sequence[BenchRequest], opts: RunOptions, num_points: int = 4, repeats: int = 2
+) -> PrefillModel:
     """Sends prompts of a spread of the workload's lengths one at a time, max_tokens 1."""
     by_len = sorted(requests, key=lambda r: len(r.prompt_ids))
     picks = {by_len[round(k * (len(by_len) - 1) / max(1, num_points - 1))] for k in range(num_points)}
-    probes = [replace(r, index=-1000 - k, prompt_ids=r.prompt_ids[::-1], output_len=1)
-              for k, r in enumerate(sorted(picks, key=lambda r: len(r.prompt_ids))) for _ in range(repeats)]
+    probes = [
+        replace(r, index=-1000 - k, prompt_ids=r.prompt_ids[::-1], output_len=1)
+        for k, r in enumerate(sorted(picks, key=lambda r: len(r.prompt_ids)))
+        for _ in range(repeats)
+    ]
     lone = replace(opts, max_concurrency=1, num_warmups=1, progress=False)
     run = run_once(address, probes, [0.0] * len(probes), lone, desc="calibrating prefill")
     return PrefillModel([(r.input_len, ttft(r)) for r in run.result.records if r.ok])
@@ -88,8 +93,12 @@ def queue_delays(run: Run, prefill: PrefillModel | None) -> tuple[list[float | N
     """Per-request scheduling delay (seconds): measured from the trace, else estimated."""
     records: list[RequestRecord] = run.result.records
     if run.first_scheduled:
-        return [max(0.0, run.first_scheduled[r.request_id] - r.send)
-                if r.ok and r.request_id in run.first_scheduled else None for r in records], True
+        return [
+            max(0.0, run.first_scheduled[r.request_id] - r.send)
+            if r.ok and r.request_id in run.first_scheduled
+            else None
+            for r in records
+        ], True
     if prefill is None:
         return [None] * len(records), False
     return [max(0.0, ttft(r) - prefill(r.input_len)) if r.ok else None for r in records], False
@@ -108,8 +117,9 @@ def worst_class_median_ms(records: Sequence[RequestRecord], delays: Sequence[flo
     return max(percentile(v, 50) if v else float("inf") for v in by_class.values())
 
 
-def search_capacity(probe: Callable[[float], Probe], start_rate: float, max_probes: int = 8,
-                    tolerance: float = 0.1) -> tuple[float | None, list[Probe]]:
+def search_capacity(
+    probe: Callable[[float], Probe], start_rate: float, max_probes: int = 8, tolerance: float = 0.1
+) -> tuple[float | None, list[Probe]]:
     """Highest feasible rate found (None if even the lowest probed rate fails) and the probes."""
     if max_probes < 1 or start_rate <= 0:
         raise ValueError("capacity search needs --capacity-probes >= 1 and a finite --request-rate > 0")
@@ -118,9 +128,15 @@ def search_capacity(probe: Callable[[float], Probe], start_rate: float, max_prob
     def run(rate: float) -> bool:
         p = probe(rate)
         probes.append(p)
-        log.warning("capacity probe %d/%d: %.3f req/s -> P99 TBT %.1f ms, worst class median queue %.1f ms: %s",
-                    len(probes), max_probes, rate, p.p99_tbt_ms, p.median_queue_ms,
-                    "ok" if p.feasible else "over the SLO")
+        log.warning(
+            "capacity probe %d/%d: %.3f req/s -> P99 TBT %.1f ms, worst class median queue %.1f ms: %s",
+            len(probes),
+            max_probes,
+            rate,
+            p.p99_tbt_ms,
+            p.median_queue_ms,
+            "ok" if p.feasible else "over the SLO",
+        )
         return p.feasible
 
     lo: float | None = None
@@ -142,17 +158,27 @@ def search_capacity(probe: Callable[[float], Probe], start_rate: float, max_prob
     return lo, probes
 
 
-def make_probe(address: str, admin_address: str | None, requests: Sequence[BenchRequest],
-               arrivals_for: Callable[[float], list[float]], opts: RunOptions, percentiles: Sequence[float],
-               slos: dict[str, float] | None, slo_p99_tbt_ms: float, max_median_queue_ms: float,
-               prefill: PrefillModel | None) -> Callable[[float], Probe]:
+def make_probe(
+    address: str,
+    admin_address: str | None,
+    requests: Sequence[BenchRequest],
+    arrivals_for: Callable[[float], list[float]],
+    opts: RunOptions,
+    percentiles: Sequence[float],
+    slos: dict[str, float] | None,
+    slo_p99_tbt_ms: float,
+    max_median_queue_ms: float,
+    prefill: PrefillModel | None,
+) -> Callable[[float], Probe]:
     """A probe function for search_capacity: one run of the workload at the given rate.
 
     A probe with failed requests is infeasible whatever its latencies.
     """
+
     def probe(rate: float) -> Probe:
-        run = run_once(address, requests, arrivals_for(rate), replace(opts, num_warmups=0), admin_address,
-                       desc=f"{rate:.3g} req/s")
+        run = run_once(
+            address, requests, arrivals_for(rate), replace(opts, num_warmups=0), admin_address, desc=f"{rate:.3g} req/s"
+        )
         delays, measured = queue_delays(run, prefill)
         report = pooled_report([run], percentiles, slos, delays, lists=False)
         p99_tbt = percentile([g * 1000 for r in run.result.records if r.ok for g in itls(r)], 99)

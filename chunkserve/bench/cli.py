@@ -8,6 +8,7 @@
 
 Without --address the bench starts its own server (--server-args) and stops it at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,20 +41,39 @@ _CONFIG_FLAGS = ("--compare", "--server-args")
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Adds `bench` to the `chunkserve` command's subparsers."""
-    p = sub.add_parser("bench", help="load-test a server over gRPC and report latency and throughput",
-                       description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "bench",
+        help="load-test a server over gRPC and report latency and throughput",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     t = p.add_argument_group("target")
     t.add_argument("--address", help="host:port of a running server (default: start one with --server-args)")
-    t.add_argument("--admin-address", help="host:port of the running server's Admin service: record its step "
-                   "trace (tokens-per-step plot, measured queue delay) and empty its prefix cache before each run")
-    t.add_argument("--step-trace", action="store_true", help="record the step trace of the servers the bench "
-                   "starts itself (as --admin-address does for a running server)")
+    t.add_argument(
+        "--admin-address",
+        help="host:port of the running server's Admin service: record its step "
+        "trace (tokens-per-step plot, measured queue delay) and empty its prefix cache before each run",
+    )
+    t.add_argument(
+        "--step-trace",
+        action="store_true",
+        help="record the step trace of the servers the bench "
+        "starts itself (as --admin-address does for a running server)",
+    )
     t.add_argument("--server-args", default="", help="`chunkserve serve` flags of the servers the bench starts")
-    t.add_argument("--compare", action="append", metavar="FLAGS",
-                   help="two or more configurations (server flags added to --server-args), one quoted "
-                        "string each, e.g. --compare '--enable-chunked-prefill' '--no-enable-chunked-prefill'")
-    t.add_argument("--rounds", type=int, default=2,
-                   help="--compare: rounds; the order alternates A,B then B,A so drift falls on all alike")
+    t.add_argument(
+        "--compare",
+        action="append",
+        metavar="FLAGS",
+        help="two or more configurations (server flags added to --server-args), one quoted "
+        "string each, e.g. --compare '--enable-chunked-prefill' '--no-enable-chunked-prefill'",
+    )
+    t.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="--compare: rounds; the order alternates A,B then B,A so drift falls on all alike",
+    )
     t.add_argument("--tokenizer", type=Path, help="folder with tokenizer.json (default: the served model's)")
     t.add_argument("--log-dir", type=Path, help="server logs of started servers (default: a temp folder)")
     w = p.add_argument_group("workload")
@@ -69,17 +89,25 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     w.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: system prompt tokens")
     w.add_argument("--suffix-len", default="16:64", help="shared-prefix: user suffix tokens, LOW:HIGH")
     w.add_argument("--seed", type=int, default=0, help="same seed = same prompts, lengths and arrivals")
-    w.add_argument("--reset-prefix-cache", action=argparse.BooleanOptionalAction, default=True,
-                   help="empty the server's prefix cache before each measured run (needs its admin address: "
-                        "known for servers the bench starts, --admin-address otherwise)")
+    w.add_argument(
+        "--reset-prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="empty the server's prefix cache before each measured run (needs its admin address: "
+        "known for servers the bench starts, --admin-address otherwise)",
+    )
     a = p.add_argument_group("arrivals")
     a.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf = all at once)")
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     a.add_argument("--max-concurrency", type=int, help="most requests in flight")
     a.add_argument("--num-warmups", type=int, default=1, help="uncounted requests sent first")
     a.add_argument("--request-timeout", type=float, help="seconds per request (default: none)")
-    a.add_argument("--stall-timeout", type=float, default=600.0,
-                   help="give up when nothing was sent or streamed for this long with requests in flight")
+    a.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=600.0,
+        help="give up when nothing was sent or streamed for this long with requests in flight",
+    )
     r = p.add_argument_group("report")
     r.add_argument("--percentiles", default="50,95,99", help="comma-separated, e.g. 50,90,99,99.9")
     r.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:100 e2el:5000")
@@ -89,12 +117,19 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     c = p.add_argument_group("capacity search (Sarathi-Serve)")
     c.add_argument("--capacity", action="store_true", help="find the highest rate within the SLOs")
     c.add_argument("--slo-p99-tbt-ms", type=float, help="P99 time-between-tokens SLO")
-    c.add_argument("--max-median-queue-ms", type=float,
-                   help="bound on the median scheduling delay of each request class (the worst class counts)")
+    c.add_argument(
+        "--max-median-queue-ms",
+        type=float,
+        help="bound on the median scheduling delay of each request class (the worst class counts)",
+    )
     c.add_argument("--capacity-probes", type=int, default=8, help="most runs of the search")
     h = p.add_argument_group("Hugging Face baseline")
-    h.add_argument("--hf-baseline", action="store_true", help="also run HF generate (static batching) on the "
-                   "model of --server-args (--model, else the default model), after the servers have stopped")
+    h.add_argument(
+        "--hf-baseline",
+        action="store_true",
+        help="also run HF generate (static batching) on the "
+        "model of --server-args (--model, else the default model), after the servers have stopped",
+    )
     h.add_argument("--hf-batch-size", type=int, default=8)
     h.add_argument("--hf-dtype", choices=("auto", "float32", "bfloat16"), help="default: the server's --dtype")
     parse = p.parse_known_args
@@ -166,12 +201,26 @@ def _run(args: argparse.Namespace) -> int:
     _check(args)
     requests, tokenizer_dir, model_dir = _workload(args)
     plan = modes.Plan(
-        requests, arrival_times(len(requests), args.request_rate, args.burstiness, args.seed),
-        RunOptions(args.max_concurrency, args.num_warmups, args.request_timeout, not args.disable_tqdm,
-                   args.stall_timeout, trace=args.step_trace or bool(args.admin_address),
-                   reset_prefix_cache=args.reset_prefix_cache),
-        _percentiles(args.percentiles), parse_slos(args.goodput), args.server_args, args.address,
-        args.admin_address, args.log_dir, args.seed, args.burstiness)
+        requests,
+        arrival_times(len(requests), args.request_rate, args.burstiness, args.seed),
+        RunOptions(
+            args.max_concurrency,
+            args.num_warmups,
+            args.request_timeout,
+            not args.disable_tqdm,
+            args.stall_timeout,
+            trace=args.step_trace or bool(args.admin_address),
+            reset_prefix_cache=args.reset_prefix_cache,
+        ),
+        _percentiles(args.percentiles),
+        parse_slos(args.goodput),
+        args.server_args,
+        args.address,
+        args.admin_address,
+        args.log_dir,
+        args.seed,
+        args.burstiness,
+    )
     if args.capacity:
         start = args.request_rate if math.isfinite(args.request_rate) else 1.0
         outcome = modes.capacity(plan, args.slo_p99_tbt_ms, args.max_median_queue_ms, start, args.capacity_probes)
@@ -228,9 +277,19 @@ def _workload(args: argparse.Namespace):
     from chunkserve.bench.servers import model_folder
     from chunkserve.bench.workloads import build_workload, corpus_ids
 
-    spec = WorkloadSpec(args.workload, args.num_prompts, parse_range(args.output_len), args.input_len,
-                        args.long_fraction, parse_range(args.long_len), parse_range(args.short_len),
-                        args.num_prefixes, args.users_per_prefix, args.prefix_len, parse_range(args.suffix_len))
+    spec = WorkloadSpec(
+        args.workload,
+        args.num_prompts,
+        parse_range(args.output_len),
+        args.input_len,
+        args.long_fraction,
+        parse_range(args.long_len),
+        parse_range(args.short_len),
+        args.num_prefixes,
+        args.users_per_prefix,
+        args.prefix_len,
+        parse_range(args.suffix_len),
+    )
     needs_model = args.hf_baseline or not args.tokenizer
     model_dir = model_folder(args.server_args) if needs_model else None
     tokenizer_dir = args.tokenizer or model_dir
@@ -238,15 +297,43 @@ def _workload(args: argparse.Namespace):
 
 
 def _settings(args: argparse.Namespace, plan, tokenizer_dir: Path, started: float) -> dict:
-    keep = ("workload", "num_prompts", "input_len", "output_len", "long_fraction", "long_len", "short_len",
-            "num_prefixes", "users_per_prefix", "prefix_len", "suffix_len", "seed", "request_rate", "burstiness",
-            "max_concurrency", "num_warmups", "server_args", "compare", "rounds", "address", "admin_address",
-            "step_trace", "capacity",
-            "hf_baseline", "hf_batch_size")
+    keep = (
+        "workload",
+        "num_prompts",
+        "input_len",
+        "output_len",
+        "long_fraction",
+        "long_len",
+        "short_len",
+        "num_prefixes",
+        "users_per_prefix",
+        "prefix_len",
+        "suffix_len",
+        "seed",
+        "request_rate",
+        "burstiness",
+        "max_concurrency",
+        "num_warmups",
+        "server_args",
+        "compare",
+        "rounds",
+        "address",
+        "admin_address",
+        "step_trace",
+        "capacity",
+        "hf_baseline",
+        "hf_batch_size",
+    )
     out = {k: getattr(args, k) for k in keep}
-    out.update(date=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)), backend="chunkserve",
-               num_requests=len(plan.requests), percentiles=plan.percentiles, goodput_slos=plan.slos,
-               tokenizer=str(tokenizer_dir), command=" ".join(sys.argv))
+    out.update(
+        date=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+        backend="chunkserve",
+        num_requests=len(plan.requests),
+        percentiles=plan.percentiles,
+        goodput_slos=plan.slos,
+        tokenizer=str(tokenizer_dir),
+        command=" ".join(sys.argv),
+    )
     return out
 
 

@@ -15,12 +15,13 @@ A request counts for goodput only if it completed and meets every SLO given (ttf
 e2el in ms; a one-token request's TPOT is 0, as in vLLM). The prefix-cache hit rate is
 cached prompt tokens / prompt tokens, both from the server's final `usage`.
 """
+
 from __future__ import annotations
 
 import math
 import statistics
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 from chunkserve.bench.runner import RequestRecord
 
@@ -85,17 +86,23 @@ def is_good(r: RequestRecord, slos: dict[str, float]) -> bool:
 
 def _summary(name: str, seconds: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
     ms = [s * 1000.0 for s in seconds]
-    out = {f"mean_{name}_ms": statistics.fmean(ms) if ms else 0.0,
-           f"median_{name}_ms": statistics.median(ms) if ms else 0.0,
-           f"std_{name}_ms": statistics.pstdev(ms) if ms else 0.0}
+    out = {
+        f"mean_{name}_ms": statistics.fmean(ms) if ms else 0.0,
+        f"median_{name}_ms": statistics.median(ms) if ms else 0.0,
+        f"std_{name}_ms": statistics.pstdev(ms) if ms else 0.0,
+    }
     for p in percentiles:
         out[f"{pct_name(p)}_{name}_ms"] = percentile(ms, p)
     return out
 
 
-def compute_metrics(records: Sequence[RequestRecord], duration: float, percentiles: Sequence[float] = (50, 95, 99),
-                    slos: dict[str, float] | None = None,
-                    queue_delays: Sequence[float | None] | None = None) -> dict:
+def compute_metrics(
+    records: Sequence[RequestRecord],
+    duration: float,
+    percentiles: Sequence[float] = (50, 95, 99),
+    slos: dict[str, float] | None = None,
+    queue_delays: Sequence[float | None] | None = None,
+) -> dict:
     """The summary figures of one group of records (a whole run, or one class of it).
 
     `queue_delays` (seconds, aligned with `records`, None where unknown) adds
@@ -109,37 +116,55 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float, percentil
     cached = sum(r.cached_tokens for r in done)
     per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
     out: dict = {
-        "completed": len(done), "failed": sum(failed.values()), "failed_by_code": dict(sorted(failed.items())),
-        "duration": duration, "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
-        "request_throughput": per_s(len(done)), "output_throughput": per_s(output_tokens),
+        "completed": len(done),
+        "failed": sum(failed.values()),
+        "failed_by_code": dict(sorted(failed.items())),
+        "duration": duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": per_s(len(done)),
+        "output_throughput": per_s(output_tokens),
         "total_token_throughput": per_s(input_tokens + output_tokens),
-        "total_cached_tokens": cached, "prefix_cache_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+        "total_cached_tokens": cached,
+        "prefix_cache_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
         "finish_reasons": dict(sorted(Counter(r.finish_reason for r in done).items())),
     }
     if slos:
         good = sum(is_good(r, slos) for r in records)
         out.update(good_requests=good, request_goodput=per_s(good))
-    series = {"ttft": [ttft(r) for r in done], "tpot": [t for r in done if (t := tpot(r)) is not None],
-              "itl": [g for r in done for g in itls(r)], "e2el": [e2el(r) for r in done]}
+    series = {
+        "ttft": [ttft(r) for r in done],
+        "tpot": [t for r in done if (t := tpot(r)) is not None],
+        "itl": [g for r in done for g in itls(r)],
+        "e2el": [e2el(r) for r in done],
+    }
     for name in LATENCIES:
         out.update(_summary(name, series[name], percentiles))
     if queue_delays is not None:
-        out.update(_summary("queue", [q for r, q in zip(records, queue_delays) if r.ok and q is not None],
-                            percentiles))
+        out.update(_summary("queue", [q for r, q in zip(records, queue_delays) if r.ok and q is not None], percentiles))
     return out
 
 
 def per_request_lists(records: Sequence[RequestRecord]) -> dict[str, list]:
     """vLLM-style per-request lists, in request order, seconds; null for a failed request."""
+
     def ok(r: RequestRecord, f):
         return f(r) if r.ok else None
-    return {"ttfts": [ok(r, ttft) for r in records], "tpots": [ok(r, tpot) for r in records],
-            "itls": [itls(r) if r.ok else [] for r in records], "e2els": [ok(r, e2el) for r in records],
-            "input_lens": [r.input_len for r in records], "output_lens": [r.output_tokens for r in records],
-            "classes": [r.cls for r in records], "arrivals": [r.arrival for r in records],
-            "send_times": [r.send for r in records], "cached_tokens": [r.cached_tokens for r in records],
-            "finish_reason_list": [r.finish_reason for r in records],
-            "errors": [f"{r.error_code}: {r.error}" if r.error_code else "" for r in records]}
+
+    return {
+        "ttfts": [ok(r, ttft) for r in records],
+        "tpots": [ok(r, tpot) for r in records],
+        "itls": [itls(r) if r.ok else [] for r in records],
+        "e2els": [ok(r, e2el) for r in records],
+        "input_lens": [r.input_len for r in records],
+        "output_lens": [r.output_tokens for r in records],
+        "classes": [r.cls for r in records],
+        "arrivals": [r.arrival for r in records],
+        "send_times": [r.send for r in records],
+        "cached_tokens": [r.cached_tokens for r in records],
+        "finish_reason_list": [r.finish_reason for r in records],
+        "errors": [f"{r.error_code}: {r.error}" if r.error_code else "" for r in records],
+    }
 
 
 def classes_of(records: Sequence[RequestRecord]) -> list[str]:

@@ -3,14 +3,15 @@
 Each mode returns an Outcome: the JSON document, the tables to print and the reports to
 plot. Servers the bench starts itself run one at a time and are always stopped.
 """
+
 from __future__ import annotations
 
 import contextlib
 import logging
 import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from chunkserve.bench import arrivals as arrivals_mod
 from chunkserve.bench.report import pooled_report, ratios
@@ -83,17 +84,27 @@ def compare(plan: Plan, variants: Sequence[str], rounds: int) -> Outcome:
     for c in configs:
         reports[c.name] = {"server_args": list(c.args), **reports[c.name]}
     base = configs[0].name
-    doc = {"configs": reports, "rounds": rounds,
-           "ratios": {f"{c.name}/{base}": ratios(reports[base], reports[c.name]) for c in configs[1:]}}
-    tables = [run_table(reports[c.name], plan.percentiles, f"config {c.name}: {c.command_line or '(defaults)'}")
-              for c in configs]
-    tables.append(comparison_table([(c.name, reports[c.name]) for c in configs],
-                                   title=f"{len(configs)} configurations x {rounds} rounds, pooled"))
+    doc = {
+        "configs": reports,
+        "rounds": rounds,
+        "ratios": {f"{c.name}/{base}": ratios(reports[base], reports[c.name]) for c in configs[1:]},
+    }
+    tables = [
+        run_table(reports[c.name], plan.percentiles, f"config {c.name}: {c.command_line or '(defaults)'}")
+        for c in configs
+    ]
+    tables.append(
+        comparison_table(
+            [(c.name, reports[c.name]) for c in configs],
+            title=f"{len(configs)} configurations x {rounds} rounds, pooled",
+        )
+    )
     return Outcome(doc, tables, [(c.name, reports[c.name]) for c in configs])
 
 
-def capacity(plan: Plan, slo_p99_tbt_ms: float, max_median_queue_ms: float, start_rate: float,
-             max_probes: int) -> Outcome:
+def capacity(
+    plan: Plan, slo_p99_tbt_ms: float, max_median_queue_ms: float, start_rate: float, max_probes: int
+) -> Outcome:
     from chunkserve.bench.capacity import calibrate_prefill, make_probe, search_capacity
 
     def arrivals_for(rate: float) -> list[float]:
@@ -101,43 +112,79 @@ def capacity(plan: Plan, slo_p99_tbt_ms: float, max_median_queue_ms: float, star
 
     with target(plan) as (address, admin):
         if admin is None:
-            log.warning("no admin address: the prefix cache is not emptied between probes, which send the "
-                        "same prompts (pass --admin-address)")
+            log.warning(
+                "no admin address: the prefix cache is not emptied between probes, which send the "
+                "same prompts (pass --admin-address)"
+            )
         warm = replace(plan.opts, progress=False)
         check = run_once(address, plan.requests[:1], [0.0], warm, admin)  # warm-up; is the trace there?
         probe_trace = bool(check.first_scheduled)
         prefill = None if probe_trace else calibrate_prefill(address, plan.requests, plan.opts)
-        probe = make_probe(address, admin, plan.requests, arrivals_for, plan.opts, plan.percentiles, plan.slos,
-                           slo_p99_tbt_ms, max_median_queue_ms, prefill)
+        probe = make_probe(
+            address,
+            admin,
+            plan.requests,
+            arrivals_for,
+            plan.opts,
+            plan.percentiles,
+            plan.slos,
+            slo_p99_tbt_ms,
+            max_median_queue_ms,
+            prefill,
+        )
         best, probes = search_capacity(probe, start_rate, max_probes)
-    how = ("measured: first step that computed the request (step trace) - send" if probe_trace else
-           "estimated: TTFT - the prompt's lone prefill time (calibrated, linear in length); errs high")
+    how = (
+        "measured: first step that computed the request (step trace) - send"
+        if probe_trace
+        else "estimated: TTFT - the prompt's lone prefill time (calibrated, linear in length); errs high"
+    )
     above = min((p.rate for p in probes if not p.feasible and (best is None or p.rate > best)), default=None)
-    doc = {"capacity": {
-        "request_rate": best, "first_infeasible_rate": above, "slo_p99_tbt_ms": slo_p99_tbt_ms,
-        "max_median_queue_ms": max_median_queue_ms, "queue_delay": how,
-        "prefill_calibration_s": list(zip(prefill.lengths, prefill.times)) if prefill else None,
-        "probes": [{"request_rate": p.rate, "p99_tbt_ms": p.p99_tbt_ms, "median_queue_ms": p.median_queue_ms,
-                    "feasible": p.feasible, "report": p.report} for p in probes]}}
-    lines = [" capacity search ".center(72, "="), f"{'rate (req/s)':>14}{'P99 TBT ms':>14}{'queue ms (*)':>18}"
-             f"{'completed':>12}{'verdict':>14}"]
+    doc = {
+        "capacity": {
+            "request_rate": best,
+            "first_infeasible_rate": above,
+            "slo_p99_tbt_ms": slo_p99_tbt_ms,
+            "max_median_queue_ms": max_median_queue_ms,
+            "queue_delay": how,
+            "prefill_calibration_s": list(zip(prefill.lengths, prefill.times)) if prefill else None,
+            "probes": [
+                {
+                    "request_rate": p.rate,
+                    "p99_tbt_ms": p.p99_tbt_ms,
+                    "median_queue_ms": p.median_queue_ms,
+                    "feasible": p.feasible,
+                    "report": p.report,
+                }
+                for p in probes
+            ],
+        }
+    }
+    lines = [
+        " capacity search ".center(72, "="),
+        f"{'rate (req/s)':>14}{'P99 TBT ms':>14}{'queue ms (*)':>18}{'completed':>12}{'verdict':>14}",
+    ]
     for p in sorted(probes, key=lambda p: p.rate):
-        lines.append(f"{p.rate:14.3f}{p.p99_tbt_ms:14.1f}{p.median_queue_ms:18.1f}{p.report['completed']:12d}"
-                     f"{'ok' if p.feasible else 'over SLO':>14}")
+        lines.append(
+            f"{p.rate:14.3f}{p.p99_tbt_ms:14.1f}{p.median_queue_ms:18.1f}{p.report['completed']:12d}"
+            f"{'ok' if p.feasible else 'over SLO':>14}"
+        )
     verdict = f"{best:.3f} req/s" if best is not None else "none (the lowest probed rate already fails)"
     verdict += f", over the SLOs at {above:.3f}" if above is not None else ", no probed rate failed"
-    lines += [f"capacity: {verdict}  (P99 TBT <= {slo_p99_tbt_ms} ms, queue <= {max_median_queue_ms} ms)",
-              f"(*) median scheduling delay of the worst request class; {how}", "=" * 72]
+    lines += [
+        f"capacity: {verdict}  (P99 TBT <= {slo_p99_tbt_ms} ms, queue <= {max_median_queue_ms} ms)",
+        f"(*) median scheduling delay of the worst request class; {how}",
+        "=" * 72,
+    ]
     return Outcome(doc, ["\n".join(lines)])
 
 
-def add_hf_baseline(outcome: Outcome, plan: Plan, model_folder: Path, dtype: str, device: str,
-                    batch_size: int) -> None:
+def add_hf_baseline(outcome: Outcome, plan: Plan, model_folder: Path, dtype: str, device: str, batch_size: int) -> None:
     """Runs HF generate on the same workload; adds its report and engine/HF ratios."""
     from chunkserve.bench.hf_baseline import run_hf_baseline
 
-    run = run_hf_baseline(model_folder, dtype, plan.requests, plan.arrivals, batch_size, plan.opts.progress,
-                          plan.opts.num_warmups, device)
+    run = run_hf_baseline(
+        model_folder, dtype, plan.requests, plan.arrivals, batch_size, plan.opts.progress, plan.opts.num_warmups, device
+    )
     hf = pooled_report([run], plan.percentiles, plan.slos)
     outcome.doc["hf_baseline"] = hf
     engines = list(outcome.doc["configs"].items()) if "configs" in outcome.doc else [("chunkserve", outcome.doc)]

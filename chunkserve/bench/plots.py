@@ -9,11 +9,12 @@ the HF baseline) each plot overlays them, one colour per configuration.
     tokens_per_step.png  prefill and decode tokens of each step over time, and the budget
                          (only when a step trace was recorded: --admin-address)
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import accumulate
 from pathlib import Path
-from typing import Sequence
 
 _STYLES = ("-", "--", ":", "-.")
 
@@ -90,8 +91,14 @@ def tokens_per_step(reports: Sequence[tuple[str, dict]], path: Path) -> bool:
         steps = rep["step_trace"]
         t = [s["t"] for s in steps]
         ax.vlines(t, 0, [s["num_decode_tokens"] for s in steps], color="tab:blue", linewidth=1, label="decode")
-        ax.vlines(t, [s["num_decode_tokens"] for s in steps], [s["num_tokens"] for s in steps],
-                  color="tab:orange", linewidth=1, label="prefill")
+        ax.vlines(
+            t,
+            [s["num_decode_tokens"] for s in steps],
+            [s["num_tokens"] for s in steps],
+            color="tab:orange",
+            linewidth=1,
+            label="prefill",
+        )
         ax.plot(t, [s["token_budget"] for s in steps], color="gray", linestyle="--", linewidth=1, label="budget")
         ax.set_ylabel("tokens per step")
         ax.set_title(f"Tokens per step — {name}" if len(traced) > 1 or name else "Tokens per step")

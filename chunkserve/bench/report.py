@@ -7,9 +7,10 @@ are pooled: their records are concatenated and their durations added, so through
 are totals over totals and percentiles come from all requests, which is steadier than
 averaging each round's P99.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from chunkserve.bench.metrics import classes_of, compute_metrics, per_request_lists
 from chunkserve.bench.session import Run
@@ -47,8 +48,13 @@ def measured_queue_delays(runs: Sequence[Run]) -> list[float | None] | None:
     return out
 
 
-def pooled_report(runs: Sequence[Run], percentiles: Sequence[float], slos: dict[str, float] | None,
-                  queue_delays: Sequence[float | None] | None = None, lists: bool = True) -> dict:
+def pooled_report(
+    runs: Sequence[Run],
+    percentiles: Sequence[float],
+    slos: dict[str, float] | None,
+    queue_delays: Sequence[float | None] | None = None,
+    lists: bool = True,
+) -> dict:
     """The report of one configuration over one or more runs (see the module docstring)."""
     records = [r for run in runs for r in run.result.records]
     duration = sum(run.result.duration for run in runs)
@@ -58,8 +64,13 @@ def pooled_report(runs: Sequence[Run], percentiles: Sequence[float], slos: dict[
     out["per_class"] = {}
     for cls in classes_of(records):
         idx = [i for i, r in enumerate(records) if r.cls == cls]
-        out["per_class"][cls] = compute_metrics([records[i] for i in idx], duration, percentiles, slos,
-                                                [queue_delays[i] for i in idx] if queue_delays else None)
+        out["per_class"][cls] = compute_metrics(
+            [records[i] for i in idx],
+            duration,
+            percentiles,
+            slos,
+            [queue_delays[i] for i in idx] if queue_delays else None,
+        )
     if runs and runs[0].server_info:
         out["server_info"] = runs[0].server_info
     if any(run.steps for run in runs):
@@ -69,8 +80,7 @@ def pooled_report(runs: Sequence[Run], percentiles: Sequence[float], slos: dict[
         out["num_steps"] = sum(len(run.steps) for run in runs)
         out["num_preemptions"] = sum(s["num_preempted"] for run in runs for s in run.steps)
     if len(runs) > 1:
-        out["rounds"] = [compute_metrics(run.result.records, run.result.duration, percentiles, slos)
-                         for run in runs]
+        out["rounds"] = [compute_metrics(run.result.records, run.result.duration, percentiles, slos) for run in runs]
     if lists:
         out.update(per_request_lists(records))
         out["step_trace"] = [s for run in runs for s in run.steps]

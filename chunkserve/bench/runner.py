@@ -15,13 +15,14 @@ The server sends one message per step that produced output, so a message normall
 one token; when it holds more (several steps' tokens coalesced in the stream), the gap
 before it counts as one inter-token latency, as `vllm bench serve` counts a chunk.
 """
+
 from __future__ import annotations
 
 import asyncio
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import grpc
 
@@ -82,15 +83,23 @@ def progress_bar(total: int, desc: str, enabled: bool):
     except ImportError:  # the `bench` extra is not installed: run without a bar
         enabled = False
     if not enabled:
+
         class _Null:
             def update(self, n: int = 1) -> None: ...
             def close(self) -> None: ...
+
         return _Null()
     return tqdm(total=total, desc=desc, file=sys.stderr, unit="req", dynamic_ncols=True)
 
 
-async def _one(stub: pb_grpc.GenerationStub, req: BenchRequest, rec: RequestRecord, t0: float,
-               slots: asyncio.Semaphore | None, timeout: float | None) -> None:
+async def _one(
+    stub: pb_grpc.GenerationStub,
+    req: BenchRequest,
+    rec: RequestRecord,
+    t0: float,
+    slots: asyncio.Semaphore | None,
+    timeout: float | None,
+) -> None:
     await asyncio.sleep(max(0.0, t0 + rec.arrival - time.perf_counter()))
     if slots is not None:
         await slots.acquire()
@@ -134,13 +143,23 @@ async def _watchdog(records: list[RequestRecord], t0: float, stall_timeout: floa
             continue
         last = max(max(r.send or 0.0, r.chunk_times[-1] if r.chunk_times else 0.0, r.end or 0.0) for r in records)
         if time.perf_counter() - t0 - last > stall_timeout:
-            raise StalledError(f"no token for {stall_timeout:.0f} s with requests in flight: is the server "
-                               "stuck? (see its log; --stall-timeout changes the limit)")
+            raise StalledError(
+                f"no token for {stall_timeout:.0f} s with requests in flight: is the server "
+                "stuck? (see its log; --stall-timeout changes the limit)"
+            )
 
 
-async def run_requests(address: str, requests: Sequence[BenchRequest], arrivals: Sequence[float], *,
-                       max_concurrency: int | None = None, timeout: float | None = None,
-                       progress: bool = True, desc: str = "requests", stall_timeout: float = 600.0) -> RunResult:
+async def run_requests(
+    address: str,
+    requests: Sequence[BenchRequest],
+    arrivals: Sequence[float],
+    *,
+    max_concurrency: int | None = None,
+    timeout: float | None = None,
+    progress: bool = True,
+    desc: str = "requests",
+    stall_timeout: float = 600.0,
+) -> RunResult:
     """Sends `requests` at their `arrivals` offsets and waits for all of them to finish."""
     records = [RequestRecord(r.index, r.cls, len(r.prompt_ids), r.output_len, a) for r, a in zip(requests, arrivals)]
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None

@@ -11,6 +11,7 @@ chunkserve.launch.start_server and are refused here.
 Nothing here imports torch: the config modules are plain dataclasses, and the default
 model's folder is looked up in the cache (converted in a child process if missing).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -115,9 +116,11 @@ def default_model_folder() -> Path:
     folder = Path(default_cache_dir()) / "models" / "SmolLM2-135M-Instruct"
     if (folder / "tokenizer.json").is_file():
         return folder
-    code = ("from pathlib import Path; from executor_svc.config import default_cache_dir; "
-            "from executor_svc.model_loader import resolve_model; "
-            "print(resolve_model('default', Path(default_cache_dir())))")
+    code = (
+        "from pathlib import Path; from executor_svc.config import default_cache_dir; "
+        "from executor_svc.model_loader import resolve_model; "
+        "print(resolve_model('default', Path(default_cache_dir())))"
+    )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     return Path(out.stdout.strip().splitlines()[-1])
 
@@ -129,7 +132,8 @@ def model_folder(server_args: str | list[str]) -> Path:
     if model and model not in ("default", "SmolLM2-135M-Instruct"):
         path = Path(model).expanduser()
         if not path.is_dir():
-            raise ValueError(f"--model {model}: the bench needs a local model folder for the tokenizer "
-                             "(or pass --tokenizer)")
+            raise ValueError(
+                f"--model {model}: the bench needs a local model folder for the tokenizer (or pass --tokenizer)"
+            )
         return path
     return default_model_folder()

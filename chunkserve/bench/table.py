@@ -1,7 +1,8 @@
 """Plain-text tables for the terminal: one run broken down by class, or runs side by side."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from chunkserve.bench.metrics import LATENCIES, pct_name
 from chunkserve.bench.report import HEADLINES, headline
@@ -30,16 +31,21 @@ def _rows(report: dict, percentiles: Sequence[float]) -> list[tuple[str, object,
         ("total token throughput (tok/s)", report["total_token_throughput"], 1),
     ]
     if "request_goodput" in report:
-        rows += [("good requests", report["good_requests"], 0),
-                 ("request goodput (req/s)", report["request_goodput"], 3)]
+        rows += [
+            ("good requests", report["good_requests"], 0),
+            ("request goodput (req/s)", report["request_goodput"], 3),
+        ]
     rows.append(("prefix cache hit rate", report["prefix_cache_hit_rate"], 3))
     names = LATENCIES + (("queue",) if "mean_queue_ms" in report else ())
     for name in names:
         label = name.upper()
         rows.append((f"{label} mean (ms)", report[f"mean_{name}_ms"], 1))
         rows.append((f"{label} median (ms)", report[f"median_{name}_ms"], 1))
-        rows += [(f"{label} {pct_name(p).upper()} (ms)", report[f"{pct_name(p)}_{name}_ms"], 1)
-                 for p in percentiles if p != 50]  # P50 is the median, already there
+        rows += [
+            (f"{label} {pct_name(p).upper()} (ms)", report[f"{pct_name(p)}_{name}_ms"], 1)
+            for p in percentiles
+            if p != 50
+        ]  # P50 is the median, already there
     return rows
 
 
@@ -79,8 +85,7 @@ def comparison_table(reports: Sequence[tuple[str, dict]], baseline: int = 0, tit
             continue
         cells = [_num(v, 3 if "throughput" in key or "goodput" in key else 1) for v in values]
         b = values[baseline]
-        cells += [f"{v / b:.2f}x" if v is not None and b else "-"
-                  for i, v in enumerate(values) if i != baseline]
+        cells += [f"{v / b:.2f}x" if v is not None and b else "-" for i, v in enumerate(values) if i != baseline]
         lines.append(f"{label:28}" + "".join(f"{c:>{w}}" for c in cells))
     lines.append("=" * width)
     return "\n".join(lines)

@@ -7,6 +7,7 @@ Step timestamps are the server's wall clock (seconds since the epoch); `steps()`
 them into seconds from the start of the run, comparable with the request records when
 server and bench share a host (or synchronised clocks).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,7 +40,7 @@ class StepTraceWatcher:
         self._channel = grpc.aio.insecure_channel(self.address)
         try:
             await asyncio.wait_for(self._channel.channel_ready(), ready_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.error = f"admin address {self.address} not reachable"
             await self._close()
             return
@@ -74,11 +75,21 @@ class StepTraceWatcher:
 
     def steps(self, start_wall: float) -> list[dict]:
         """The traces as plain dicts, `t` = seconds from the run's start."""
-        return [{"t": t.timestamp - start_wall, "step_id": t.step_id, "num_tokens": t.num_tokens,
-                 "token_budget": t.token_budget, "num_prefill_tokens": t.num_prefill_tokens,
-                 "num_decode_tokens": t.num_decode_tokens, "num_running": t.num_running,
-                 "num_waiting": t.num_waiting, "num_preempted": t.num_preempted,
-                 "kv_cache_usage": round(t.kv_cache_usage, 4)} for t in self.traces]
+        return [
+            {
+                "t": t.timestamp - start_wall,
+                "step_id": t.step_id,
+                "num_tokens": t.num_tokens,
+                "token_budget": t.token_budget,
+                "num_prefill_tokens": t.num_prefill_tokens,
+                "num_decode_tokens": t.num_decode_tokens,
+                "num_running": t.num_running,
+                "num_waiting": t.num_waiting,
+                "num_preempted": t.num_preempted,
+                "kv_cache_usage": round(t.kv_cache_usage, 4),
+            }
+            for t in self.traces
+        ]
 
     def first_scheduled(self, start_wall: float) -> dict[str, float]:
         """Request id -> time (from the run's start) of the first step that computed it."""

@@ -10,13 +10,14 @@ Offsets are drawn without replacement, so two requests never share a prefix by a
 Every request carries a class label (`short` / `long`, `fixed`, `prefix-<g>`) that the
 report breaks metrics down by.
 """
+
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
 
 WORKLOADS = ("fixed", "mixed", "shared-prefix")
 
@@ -126,8 +127,10 @@ def build_workload(spec: WorkloadSpec, corpus_ids: Sequence[int], seed: int) -> 
         rng.shuffle(classes)
     lengths = {"fixed": (spec.input_len, spec.input_len), "long": spec.long_len, "short": spec.short_len}
     offsets = _offsets(rng, stream, n)
-    return [BenchRequest(i, stream.take(offsets[i], _length(rng, lengths[c])), _length(rng, spec.output_len), c)
-            for i, c in enumerate(classes)]
+    return [
+        BenchRequest(i, stream.take(offsets[i], _length(rng, lengths[c])), _length(rng, spec.output_len), c)
+        for i, c in enumerate(classes)
+    ]
 
 
 def _shared_prefix(spec: WorkloadSpec, stream: _TokenStream, rng: random.Random) -> list[BenchRequest]:
@@ -144,5 +147,7 @@ def _shared_prefix(spec: WorkloadSpec, stream: _TokenStream, rng: random.Random)
     n = spec.num_prompts or len(pairs)
     chosen = (pairs * (n // len(pairs) + 1))[:n]
     rng.shuffle(chosen)
-    return [BenchRequest(i, prefixes[g] + suffixes[(g, u)], _length(rng, spec.output_len), f"prefix-{g}")
-            for i, (g, u) in enumerate(chosen)]
+    return [
+        BenchRequest(i, prefixes[g] + suffixes[(g, u)], _length(rng, spec.output_len), f"prefix-{g}")
+        for i, (g, u) in enumerate(chosen)
+    ]

@@ -6,11 +6,14 @@ from typing import Any
 
 from chunkserve_contracts.registry import Registry
 
-MODELS: Registry[type] = Registry("model architecture", {
-    "LlamaForCausalLM": "executor_svc.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "executor_svc.models.llama:MistralForCausalLM",
-    "Qwen2ForCausalLM": "executor_svc.models.llama:Qwen2ForCausalLM",
-})
+MODELS: Registry[type] = Registry(
+    "model architecture",
+    {
+        "LlamaForCausalLM": "executor_svc.models.llama:LlamaForCausalLM",
+        "MistralForCausalLM": "executor_svc.models.llama:MistralForCausalLM",
+        "Qwen2ForCausalLM": "executor_svc.models.llama:Qwen2ForCausalLM",
+    },
+)
 
 
 def supported_architectures() -> list[str]:

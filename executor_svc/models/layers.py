@@ -12,9 +12,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from chunkserve_kernels import AttentionBackend, get_forward_context
+from torch import nn
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,9 +91,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         rope_type = params["rope_type"]
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
+            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         if params.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("partial_rotary_factor != 1.0 is not supported")
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim

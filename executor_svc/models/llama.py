@@ -14,9 +14,9 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from chunkserve_kernels import AttentionBackend, get_backend
 from torch import nn
 
-from chunkserve_kernels import AttentionBackend, get_backend
 from executor_svc.models.layers import (
     Embedding,
     Linear,

@@ -3,6 +3,7 @@
 The end-to-end tests run the real command in a child process against real servers on a
 tiny random-weight model (tests/conftest.py), and check the JSON report field by field.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,11 @@ CORPUS = list(range(1000, 2500))  # stand-in token ids: 1500 distinct "words"
 
 # ---------------------------------------------------------------- workloads
 
+
 def test_mixed_workload_is_repeatable_and_respects_the_mix():
-    spec = WorkloadSpec("mixed", num_prompts=50, output_len=(4, 9), long_fraction=0.3,
-                        long_len=(300, 400), short_len=(10, 20))
+    spec = WorkloadSpec(
+        "mixed", num_prompts=50, output_len=(4, 9), long_fraction=0.3, long_len=(300, 400), short_len=(10, 20)
+    )
     a, b = build_workload(spec, CORPUS, seed=7), build_workload(spec, CORPUS, seed=7)
     assert a == b
     assert build_workload(spec, CORPUS, seed=8) != a
@@ -90,6 +93,7 @@ def test_bad_workload_settings_are_refused():
 
 # ---------------------------------------------------------------- arrivals
 
+
 @pytest.mark.parametrize("burstiness", [1.0, 0.25, 4.0])
 def test_gamma_arrivals_match_the_rate(burstiness):
     rate, n = 5.0, 20000
@@ -111,6 +115,7 @@ def test_infinite_rate_sends_everything_at_once():
 
 # ---------------------------------------------------------------- metrics
 
+
 def record(index, cls, send, chunks, *, error="", input_len=10, cached=0) -> RequestRecord:
     r = RequestRecord(index, cls, input_len, len(chunks), arrival=send, send=send)
     if error:
@@ -129,8 +134,7 @@ RECORDS = [
 
 
 def test_metrics_on_hand_made_records():
-    m = compute_metrics(RECORDS, duration=2.0, percentiles=[50, 99, 99.9],
-                        slos=parse_slos(["ttft:200", "tpot:80"]))
+    m = compute_metrics(RECORDS, duration=2.0, percentiles=[50, 99, 99.9], slos=parse_slos(["ttft:200", "tpot:80"]))
     assert (m["completed"], m["failed"], m["failed_by_code"]) == (2, 1, {"INVALID_ARGUMENT": 1})
     assert (m["total_input_tokens"], m["total_output_tokens"]) == (40, 4)
     assert m["request_throughput"] == 1.0 and m["output_throughput"] == 2.0 and m["total_token_throughput"] == 22.0
@@ -169,6 +173,7 @@ def test_percentile_matches_numpy():
 
 # ---------------------------------------------------------------- runner (fake server)
 
+
 class FakeGeneration(pb_grpc.GenerationServicer):
     """One token every 50 ms; prompts of 13 tokens are refused; prompts of 99 never answer."""
 
@@ -183,9 +188,12 @@ class FakeGeneration(pb_grpc.GenerationServicer):
             time.sleep(0.05)
             last = i == request.sampling.max_tokens - 1
             yield pb.GenerateResponse(
-                request_id=f"id{n}", token_ids=[7], finished=last,
+                request_id=f"id{n}",
+                token_ids=[7],
+                finished=last,
                 finish_reason=pb.FINISH_REASON_LENGTH if last else 0,
-                usage=pb.Usage(prompt_tokens=n, completion_tokens=i + 1, cached_tokens=4) if last else None)
+                usage=pb.Usage(prompt_tokens=n, completion_tokens=i + 1, cached_tokens=4) if last else None,
+            )
 
 
 @pytest.fixture(scope="module")
@@ -219,11 +227,13 @@ def test_a_hung_server_stops_the_run_instead_of_hanging_it(fake_server):
 
 # ---------------------------------------------------------------- capacity
 
+
 def fake_probe(capacity: float, calls: list[float]):
     def probe(rate: float) -> Probe:
         calls.append(rate)
         ok = rate <= capacity
         return Probe(rate, 50.0 if ok else 900.0, 10.0, True, ok, {"completed": 1})
+
     return probe
 
 
@@ -263,9 +273,11 @@ def test_prefill_model_interpolates_between_calibrated_lengths():
 
 # ---------------------------------------------------------------- flags
 
+
 def test_server_args_go_to_the_process_that_owns_them():
-    executor, scheduler = split_server_args("--max-num-batched-tokens 256 --no-enable-chunked-prefill "
-                                            "--dtype=float32 --block-size 32 --max-num-seqs 8")
+    executor, scheduler = split_server_args(
+        "--max-num-batched-tokens 256 --no-enable-chunked-prefill --dtype=float32 --block-size 32 --max-num-seqs 8"
+    )
     assert executor == ["--max-num-batched-tokens", "256", "--dtype=float32", "--block-size", "32"]
     assert scheduler == ["--max-num-batched-tokens", "256", "--no-enable-chunked-prefill", "--max-num-seqs", "8"]
     for bad in ("--port 5", "--frobnicate 1", "--max-num-seqs"):
@@ -276,9 +288,21 @@ def test_server_args_go_to_the_process_that_owns_them():
 def test_compare_takes_flag_strings_as_values():
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["bench", "--compare", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
-                              "--max-num-batched-tokens 64", "--rounds", "3", "--server-args",
-                              "--no-enable-chunked-prefill", "--seed", "4"])
+    args = parser.parse_args(
+        [
+            "bench",
+            "--compare",
+            "--enable-chunked-prefill",
+            "--no-enable-chunked-prefill",
+            "--max-num-batched-tokens 64",
+            "--rounds",
+            "3",
+            "--server-args",
+            "--no-enable-chunked-prefill",
+            "--seed",
+            "4",
+        ]
+    )
     assert args.compare == ["--enable-chunked-prefill", "--no-enable-chunked-prefill", "--max-num-batched-tokens 64"]
     assert (args.rounds, args.server_args, args.seed) == (3, "--no-enable-chunked-prefill", 4)
 
@@ -290,8 +314,10 @@ def test_pooled_report_counts_steps_and_preemptions_from_the_trace_only():
 
     rec = RequestRecord(0, "all", 10, 2, 0.0, send=0.0, end=1.0, chunk_times=[0.5, 1.0], chunk_tokens=[1, 1])
     step = {"num_preempted": 0}
-    traced = [Run(RunResult([rec], 1.0, 0.0), {}, [step, {"num_preempted": 2}, step]),
-              Run(RunResult([rec], 1.0, 0.0), {}, [{"num_preempted": 1}])]
+    traced = [
+        Run(RunResult([rec], 1.0, 0.0), {}, [step, {"num_preempted": 2}, step]),
+        Run(RunResult([rec], 1.0, 0.0), {}, [{"num_preempted": 1}]),
+    ]
     rep = pooled_report(traced, [50, 99], None)
     assert (rep["num_steps"], rep["num_preemptions"]) == (4, 3)
     untraced = pooled_report([Run(RunResult([rec], 1.0, 0.0), {})], [50, 99], None)
@@ -302,6 +328,7 @@ def test_compare_rounds_alternate_the_order_and_stop_every_server(tmp_path):
     """A B B A A B: neither configuration always goes first, and each server is stopped
     before the next one starts."""
     from chunkserve.bench.compare import configs_from, run_compare
+
     events = []
 
     class FakeServer:
@@ -332,22 +359,52 @@ def test_compare_rounds_alternate_the_order_and_stop_every_server(tmp_path):
 
 # ---------------------------------------------------------------- end to end
 
-REPORT_KEYS = (
-    ["completed", "failed", "failed_by_code", "duration", "total_input_tokens", "total_output_tokens",
-     "request_throughput", "output_throughput", "total_token_throughput", "request_goodput", "good_requests",
-     "total_cached_tokens", "prefix_cache_hit_rate"]
-    + [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p95", "p99")])
+REPORT_KEYS = [
+    "completed",
+    "failed",
+    "failed_by_code",
+    "duration",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "request_goodput",
+    "good_requests",
+    "total_cached_tokens",
+    "prefix_cache_hit_rate",
+] + [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p95", "p99")]
 LIST_KEYS = ["ttfts", "itls", "e2els", "input_lens", "output_lens", "classes"]
-WORKLOAD = ["--workload", "mixed", "--num-prompts", "10", "--long-len", "200:400", "--short-len", "8:32",
-            "--output-len", "4:8", "--seed", "5", "--percentiles", "50,95,99", "--disable-tqdm",
-            "--goodput", "ttft:60000", "tpot:60000", "e2el:60000"]
+WORKLOAD = [
+    "--workload",
+    "mixed",
+    "--num-prompts",
+    "10",
+    "--long-len",
+    "200:400",
+    "--short-len",
+    "8:32",
+    "--output-len",
+    "4:8",
+    "--seed",
+    "5",
+    "--percentiles",
+    "50,95,99",
+    "--disable-tqdm",
+    "--goodput",
+    "ttft:60000",
+    "tpot:60000",
+    "e2el:60000",
+]
 
 
 def run_bench_cli(args: list[str], timeout: float = 120) -> None:
     """`chunkserve bench` in a child process; asserts it never imported torch (unless HF)."""
-    code = ("import sys\nfrom chunkserve.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
-            "    rc = e.code\nassert rc == 0, rc\n"
-            "assert '--hf-baseline' in sys.argv or 'torch' not in sys.modules, 'the bench imported torch'\n")
+    code = (
+        "import sys\nfrom chunkserve.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+        "    rc = e.code\nassert rc == 0, rc\n"
+        "assert '--hf-baseline' in sys.argv or 'torch' not in sys.modules, 'the bench imported torch'\n"
+    )
     out = subprocess.run([sys.executable, "-c", code, "bench", *args], capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
@@ -371,11 +428,26 @@ def check_report(rep: dict, spec_lens: bool = True) -> None:
 
 @pytest.mark.slow  # a real server pair
 def test_bench_against_a_running_server(tiny_model_path, launch, tmp_path):
-    server = launch(["--model", str(tiny_model_path), "--max-num-batched-tokens", "256"],
-                    ["--max-num-batched-tokens", "256"])
-    stdout = run_bench_cli(["--address", server.address, "--admin-address", server.admin_address,
-                            "--tokenizer", str(tiny_model_path), "--request-rate", "40", *WORKLOAD,
-                            "--result-json", str(tmp_path / "r.json"), "--plot-dir", str(tmp_path / "plots")])
+    server = launch(
+        ["--model", str(tiny_model_path), "--max-num-batched-tokens", "256"], ["--max-num-batched-tokens", "256"]
+    )
+    stdout = run_bench_cli(
+        [
+            "--address",
+            server.address,
+            "--admin-address",
+            server.admin_address,
+            "--tokenizer",
+            str(tiny_model_path),
+            "--request-rate",
+            "40",
+            *WORKLOAD,
+            "--result-json",
+            str(tmp_path / "r.json"),
+            "--plot-dir",
+            str(tmp_path / "plots"),
+        ]
+    )
     rep = json.loads((tmp_path / "r.json").read_text())
     check_report(rep)
     assert rep["bench"]["request_rate"] == 40.0 and rep["server_info"]["max_num_batched_tokens"] == 256
@@ -383,10 +455,15 @@ def test_bench_against_a_running_server(tiny_model_path, launch, tmp_path):
     assert rep["step_trace"] and all(s["num_tokens"] <= 256 for s in rep["step_trace"])
     assert rep["num_steps"] == len(rep["step_trace"]) and rep["num_preemptions"] == 0  # no memory pressure
     assert f"step trace: {rep['num_steps']} steps, 0 preemptions" in stdout
-    assert sum(s["num_decode_tokens"] + s["num_prefill_tokens"] for s in rep["step_trace"]) >= \
-        sum(rep["input_lens"]) + sum(rep["output_lens"]) - 10  # + warm-up steps
+    assert (
+        sum(s["num_decode_tokens"] + s["num_prefill_tokens"] for s in rep["step_trace"])
+        >= sum(rep["input_lens"]) + sum(rep["output_lens"]) - 10
+    )  # + warm-up steps
     assert {p.name for p in (tmp_path / "plots").iterdir()} == {
-        "ttft_cdf.png", "itl_over_time.png", "tokens_per_step.png"}
+        "ttft_cdf.png",
+        "itl_over_time.png",
+        "tokens_per_step.png",
+    }
 
     # The same workload again finds every prompt in the prefix cache, unless it is emptied first.
     again = ["--address", server.address, "--tokenizer", str(tiny_model_path), *WORKLOAD, "--num-warmups", "0"]
@@ -399,10 +476,26 @@ def test_bench_against_a_running_server(tiny_model_path, launch, tmp_path):
 
 @pytest.mark.slow  # two real server pairs
 def test_bench_compare_runs_the_same_workload_on_each_config(tiny_model_path, tmp_path):
-    run_bench_cli(["--server-args", f"--model {tiny_model_path} --max-num-batched-tokens 512",
-                   "--compare", "--enable-chunked-prefill", "--no-enable-chunked-prefill", "--rounds", "1",
-                   "--max-concurrency", "4", *WORKLOAD, "--result-json", str(tmp_path / "c.json"),
-                   "--log-dir", str(tmp_path / "logs"), "--plot-dir", str(tmp_path / "plots")])
+    run_bench_cli(
+        [
+            "--server-args",
+            f"--model {tiny_model_path} --max-num-batched-tokens 512",
+            "--compare",
+            "--enable-chunked-prefill",
+            "--no-enable-chunked-prefill",
+            "--rounds",
+            "1",
+            "--max-concurrency",
+            "4",
+            *WORKLOAD,
+            "--result-json",
+            str(tmp_path / "c.json"),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--plot-dir",
+            str(tmp_path / "plots"),
+        ]
+    )
     doc = json.loads((tmp_path / "c.json").read_text())
     a, b = doc["configs"]["A"], doc["configs"]["B"]
     check_report(a), check_report(b)
@@ -410,8 +503,9 @@ def test_bench_compare_runs_the_same_workload_on_each_config(tiny_model_path, tm
     assert a["server_args"][-1] == "--enable-chunked-prefill"
     assert a["input_lens"] == b["input_lens"] and a["arrivals"] == b["arrivals"], "the same workload"
     ratio = doc["ratios"]["B/A"]
-    assert ratio["short.p99_ttft_ms"] == pytest.approx(b["per_class"]["short"]["p99_ttft_ms"] /
-                                                       a["per_class"]["short"]["p99_ttft_ms"])
+    assert ratio["short.p99_ttft_ms"] == pytest.approx(
+        b["per_class"]["short"]["p99_ttft_ms"] / a["per_class"]["short"]["p99_ttft_ms"]
+    )
     assert ratio["output_throughput"] == pytest.approx(b["output_throughput"] / a["output_throughput"])
     assert len(list((tmp_path / "logs").iterdir())) == 2  # A-round1, B-round1
     assert (tmp_path / "plots" / "ttft_cdf.png").stat().st_size > 0

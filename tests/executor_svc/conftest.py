@@ -7,17 +7,26 @@ import math
 import pytest
 import torch
 import transformers
-
 from chunkserve_kernels import build_metadata, set_forward_context
 
 TINY = dict(
-    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-5,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
     initializer_range=0.1,
 )
 LLAMA3_ROPE = {
-    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
 }
 CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**TINY, tie_word_embeddings=False),
@@ -75,8 +84,11 @@ class PagedRunner:
             while len(table) < math.ceil(total / self.block_size):
                 table.append(self.free.pop())
         meta, positions = build_metadata(
-            [len(work[s]) for s in ids], [self.computed.get(s, 0) for s in ids],
-            [self.tables[s] for s in ids], self.block_size, "cpu",
+            [len(work[s]) for s in ids],
+            [self.computed.get(s, 0) for s in ids],
+            [self.tables[s] for s in ids],
+            self.block_size,
+            "cpu",
         )
         input_ids = torch.tensor([t for s in ids for t in work[s]])
         with torch.inference_mode(), set_forward_context(meta, self.kv_cache):

@@ -1,4 +1,5 @@
 """The executor's runner on a tiny random Llama: plans in, tokens out, bad plans refused."""
+
 from __future__ import annotations
 
 import json
@@ -20,26 +21,54 @@ def tiny(tmp_path_factory):
     """A saved random Llama checkpoint, its HF model, and a loaded executor (block size 4)."""
     path = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                      max_position_embeddings=256, initializer_range=0.2)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+    )
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.save_pretrained(path)
-    loaded = load(ExecutorConfig(model=str(path), dtype="float32", block_size=4, num_gpu_blocks_override=32,
-                                 swap_space=0.001, max_num_batched_tokens=64, cache_dir=str(path / "cache")))
+    loaded = load(
+        ExecutorConfig(
+            model=str(path),
+            dtype="float32",
+            block_size=4,
+            num_gpu_blocks_override=32,
+            swap_space=0.001,
+            max_num_batched_tokens=64,
+            cache_dir=str(path / "cache"),
+        )
+    )
     return hf, loaded, path
 
 
 def hf_greedy(hf, prompt, n):
     with torch.inference_mode():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def entry(seq_id, computed, n, tokens=(), blocks=(), sample=False):
-    return epb.ScheduledSequence(seq_id=seq_id, num_computed_tokens=computed, num_new_tokens=n,
-                                 token_ids=list(tokens), block_ids=list(blocks), sample=sample)
+    return epb.ScheduledSequence(
+        seq_id=seq_id,
+        num_computed_tokens=computed,
+        num_new_tokens=n,
+        token_ids=list(tokens),
+        block_ids=list(blocks),
+        sample=sample,
+    )
 
 
 def test_handshake_describes_model_and_cache(tiny):
@@ -57,13 +86,20 @@ def test_chunked_prefill_then_decode_equals_transformers(tiny):
     runner.reset()
     a, b = list(range(3, 13)), list(range(40, 47))
     # Step 1: a's first chunk (4 tokens) and all of b (7 tokens) in one batch.
-    r = runner.execute(epb.StepRequest(step_id=1, new_seqs=[epb.NewSequence(seq_id=1, sampling=GREEDY),
-                                                             epb.NewSequence(seq_id=2, sampling=GREEDY)],
-                                       seqs=[entry(1, 0, 4, a[:4], [9]), entry(2, 0, 7, b, [30, 2], True)]))
+    r = runner.execute(
+        epb.StepRequest(
+            step_id=1,
+            new_seqs=[epb.NewSequence(seq_id=1, sampling=GREEDY), epb.NewSequence(seq_id=2, sampling=GREEDY)],
+            seqs=[entry(1, 0, 4, a[:4], [9]), entry(2, 0, 7, b, [30, 2], True)],
+        )
+    )
     got = {1: [], 2: [s.token_id for s in r.sampled]}
     # Step 2: b decodes (no token id: fed back) while a prefills the rest.
-    r = runner.execute(epb.StepRequest(step_id=2, seqs=[entry(2, 7, 1, blocks=[17], sample=True),
-                                                            entry(1, 4, 6, a[4:], [5, 21], True)]))
+    r = runner.execute(
+        epb.StepRequest(
+            step_id=2, seqs=[entry(2, 7, 1, blocks=[17], sample=True), entry(1, 4, 6, a[4:], [5, 21], True)]
+        )
+    )
     for s in r.sampled:
         got[s.seq_id].append(s.token_id)
     free = [24, 8, 31, 0, 13]
@@ -84,8 +120,13 @@ def test_logprobs_are_log_softmax_of_the_logits(tiny):
     loaded.runner.reset()
     params = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=3)
     prompt = [5, 6, 7, 8, 9]
-    r = loaded.runner.execute(epb.StepRequest(step_id=1, new_seqs=[epb.NewSequence(seq_id=3, sampling=params)],
-                                              seqs=[entry(3, 0, 5, prompt, [0, 1], True)]))
+    r = loaded.runner.execute(
+        epb.StepRequest(
+            step_id=1,
+            new_seqs=[epb.NewSequence(seq_id=3, sampling=params)],
+            seqs=[entry(3, 0, 5, prompt, [0, 1], True)],
+        )
+    )
     with torch.inference_mode():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
     s = r.sampled[0]
@@ -95,27 +136,56 @@ def test_logprobs_are_log_softmax_of_the_logits(tiny):
     assert r.execute_ns >= r.forward_ns > 0 and r.num_tokens == 5
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: epb.StepRequest(step_id=9, seqs=[entry(77, 0, 1, [1], [0])]), "unknown sequence"),
-    (lambda: epb.StepRequest(step_id=9, seqs=[entry(8, 5, 1, [1], [])]), "computed tokens"),
-    (lambda: epb.StepRequest(step_id=9, seqs=[entry(6, 4, 1, [1], [])]), "twice"),
-    (lambda: epb.StepRequest(step_id=9, new_seqs=[epb.NewSequence(seq_id=5, sampling=GREEDY)],
-                             seqs=[entry(5, 0, 2, [1, 2], [99])]), "block id 99"),
-    (lambda: epb.StepRequest(step_id=9, new_seqs=[epb.NewSequence(seq_id=5, sampling=GREEDY)],
-                             seqs=[entry(5, 0, 1, [], [0])]), "no token ids"),
-    (lambda: epb.StepRequest(step_id=9, new_seqs=[epb.NewSequence(seq_id=5, sampling=GREEDY)],
-                             seqs=[entry(5, 0, 6, range(6), [0])]), "cannot hold"),
-    (lambda: epb.StepRequest(step_id=9, new_seqs=[epb.NewSequence(seq_id=5, sampling=GREEDY)],
-                             seqs=[entry(5, 0, 2, [1, 500], [0])]), "vocab"),
-    (lambda: epb.StepRequest(step_id=9, new_seqs=[epb.NewSequence(seq_id=5, sampling=GREEDY)],
-                             seqs=[entry(5, 0, 65, range(65), range(17))]), "max_num_batched_tokens"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: epb.StepRequest(step_id=9, seqs=[entry(77, 0, 1, [1], [0])]), "unknown sequence"),
+        (lambda: epb.StepRequest(step_id=9, seqs=[entry(8, 5, 1, [1], [])]), "computed tokens"),
+        (lambda: epb.StepRequest(step_id=9, seqs=[entry(6, 4, 1, [1], [])]), "twice"),
+        (
+            lambda: epb.StepRequest(
+                step_id=9, new_seqs=[epb.NewSequence(seq_id=5, sampling=GREEDY)], seqs=[entry(5, 0, 2, [1, 2], [99])]
+            ),
+            "block id 99",
+        ),
+        (
+            lambda: epb.StepRequest(
+                step_id=9, new_seqs=[epb.NewSequence(seq_id=5, sampling=GREEDY)], seqs=[entry(5, 0, 1, [], [0])]
+            ),
+            "no token ids",
+        ),
+        (
+            lambda: epb.StepRequest(
+                step_id=9, new_seqs=[epb.NewSequence(seq_id=5, sampling=GREEDY)], seqs=[entry(5, 0, 6, range(6), [0])]
+            ),
+            "cannot hold",
+        ),
+        (
+            lambda: epb.StepRequest(
+                step_id=9, new_seqs=[epb.NewSequence(seq_id=5, sampling=GREEDY)], seqs=[entry(5, 0, 2, [1, 500], [0])]
+            ),
+            "vocab",
+        ),
+        (
+            lambda: epb.StepRequest(
+                step_id=9,
+                new_seqs=[epb.NewSequence(seq_id=5, sampling=GREEDY)],
+                seqs=[entry(5, 0, 65, range(65), range(17))],
+            ),
+            "max_num_batched_tokens",
+        ),
+    ],
+)
 def test_malformed_plans_are_refused(tiny, make, message):
     runner = tiny[1].runner
     runner.reset()
-    runner.execute(epb.StepRequest(step_id=1, new_seqs=[epb.NewSequence(seq_id=6, sampling=GREEDY),
-                                                        epb.NewSequence(seq_id=8, sampling=GREEDY)],
-                                   seqs=[entry(6, 0, 3, [1, 2, 3], [4], True), entry(8, 0, 3, [1, 2, 3], [5])]))
+    runner.execute(
+        epb.StepRequest(
+            step_id=1,
+            new_seqs=[epb.NewSequence(seq_id=6, sampling=GREEDY), epb.NewSequence(seq_id=8, sampling=GREEDY)],
+            seqs=[entry(6, 0, 3, [1, 2, 3], [4], True), entry(8, 0, 3, [1, 2, 3], [5])],
+        )
+    )
     with pytest.raises(PlanError, match=message):
         # A valid entry first: a refused plan must not move its state either.
         plan = make()

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
 from chunkserve_kernels import AttentionMetadata, build_metadata
 
 
@@ -41,9 +40,7 @@ def make_paged_batch(
         block_tables.append(pool[:n])
         pool = pool[n:]
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    meta, positions = build_metadata(
-        [q for _, q in seqs], [b for b, _ in seqs], block_tables, block_size, "cpu"
-    )
+    meta, positions = build_metadata([q for _, q in seqs], [b for b, _ in seqs], block_tables, block_size, "cpu")
     num_tokens = sum(q for _, q in seqs)
 
     def rand(heads: int) -> torch.Tensor:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from chunkserve_kernels import build_metadata, get_backend, get_forward_context, set_forward_context
 
 MIXED = [(0, 7), (5, 1), (13, 1), (20, 6), (0, 1), (31, 1), (3, 2)]  # (context_before, query_len)
@@ -63,8 +62,11 @@ def test_reference_matches_dense_causal_attention(paged_batch, block_size):
             batch.cache[0, block, p % block_size] = k[p]
             batch.cache[1, block, p % block_size] = v[p]
         dense = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.repeat_interleave(num_q // num_kv, 1).transpose(0, 1),
-            v.repeat_interleave(num_q // num_kv, 1).transpose(0, 1), is_causal=True, scale=scale,
+            q.transpose(0, 1),
+            k.repeat_interleave(num_q // num_kv, 1).transpose(0, 1),
+            v.repeat_interleave(num_q // num_kv, 1).transpose(0, 1),
+            is_causal=True,
+            scale=scale,
         ).transpose(0, 1)
         dense_qs.append(q[before:])
         expected.append(dense[before:])

@@ -10,11 +10,10 @@ from __future__ import annotations
 import sys
 import types
 
+import chunkserve_kernels.backend as backend_mod
 import pytest
 import torch
 import transformers
-
-import chunkserve_kernels.backend as backend_mod
 from chunkserve_kernels import choose_backend, get_backend
 
 
@@ -54,15 +53,32 @@ def test_flash_attn_declares_its_limits_in_plain_words():
 def test_model_start_up_refuses_a_head_size_the_backend_cannot_run():
     from executor_svc.models.llama import LlamaForCausalLM
 
-    cfg = transformers.LlamaConfig(hidden_size=80, intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=16)  # head_dim 20
+    cfg = transformers.LlamaConfig(
+        hidden_size=80,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=16,
+    )  # head_dim 20
     with pytest.raises(ValueError, match="got 20"):
         LlamaForCausalLM(cfg, "flash_attn", torch.bfloat16)
     LlamaForCausalLM(cfg, "torch", torch.float32)
 
 
-def _documented_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       softmax_scale=None, causal=False, block_table=None, **unused):
+def _documented_varlen(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale=None,
+    causal=False,
+    block_table=None,
+    **unused,
+):
     """flash_attn_varlen_func as its docstring describes it, paged: sequence b has
     cu_seqlens_k[b+1] - cu_seqlens_k[b] keys found through block_table[b]; causal is
     bottom-right aligned; GQA maps query head h to KV head h // (Hq / Hkv)."""

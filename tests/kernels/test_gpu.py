@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from chunkserve_kernels import build_metadata, get_backend
 
 DEVICE = "cuda"
@@ -46,8 +45,10 @@ def _gpu_batch(seqs, block_size, dtype, heads=(32, 8), head_dim=128, seed=0):
     num_tokens = sum(q for _, q in seqs)
     cache = torch.randn(2, len(pool), block_size, heads[1], head_dim, generator=gen).to(DEVICE, dtype)
     num_q_heads, num_kv_heads = heads
-    q, k, v = (torch.randn(num_tokens, h, head_dim, generator=gen).to(DEVICE, dtype)
-               for h in (num_q_heads, num_kv_heads, num_kv_heads))
+    q, k, v = (
+        torch.randn(num_tokens, h, head_dim, generator=gen).to(DEVICE, dtype)
+        for h in (num_q_heads, num_kv_heads, num_kv_heads)
+    )
     return meta, cache, q, k, v
 
 
@@ -114,8 +115,14 @@ def _greedy_via_runner(runner, prompts, new_tokens, chunk=256):
             need = math.ceil((done[i] + n) / bs) - blocks[i]
             new_blocks = [free.pop() for _ in range(need)]
             blocks[i] += need
-            plan.seqs.add(seq_id=i, num_computed_tokens=done[i], num_new_tokens=n, token_ids=tokens,
-                          block_ids=new_blocks, sample=done[i] + n >= len(prompt))
+            plan.seqs.add(
+                seq_id=i,
+                num_computed_tokens=done[i],
+                num_new_tokens=n,
+                token_ids=tokens,
+                block_ids=new_blocks,
+                sample=done[i] + n >= len(prompt),
+            )
             done[i] += n
         for s in runner.execute(plan).sampled:
             out[s.seq_id].append(s.token_id)
@@ -137,8 +144,12 @@ def _assert_near_greedy(hf, prompts, got, tol):
     assert exact >= 0.9 * total, f"only {exact}/{total} tokens are HF's exact argmax"
 
 
-E2E = [("torch", "float32", 16, 1e-3), ("triton", "float32", 16, 1e-3), ("triton", "bfloat16", 16, 0.5),
-       ("flash_attn", "bfloat16", 256, 0.5)]
+E2E = [
+    ("torch", "float32", 16, 1e-3),
+    ("triton", "float32", 16, 1e-3),
+    ("triton", "bfloat16", 16, 0.5),
+    ("flash_attn", "bfloat16", 256, 0.5),
+]
 
 
 def _e2e(model_path, prompts, name, dtype, block_size, tol, tmp_path):
@@ -149,10 +160,19 @@ def _e2e(model_path, prompts, name, dtype, block_size, tol, tmp_path):
     server = _executor()
     from executor_svc.config import ExecutorConfig
 
-    loaded = server.load(ExecutorConfig(
-        model=str(model_path), device=DEVICE, dtype=dtype, block_size=block_size, attention_backend=name,
-        num_gpu_blocks_override=4096 // block_size * 8, swap_space=0.0, max_num_batched_tokens=2048,
-        cache_dir=str(tmp_path)))
+    loaded = server.load(
+        ExecutorConfig(
+            model=str(model_path),
+            device=DEVICE,
+            dtype=dtype,
+            block_size=block_size,
+            attention_backend=name,
+            num_gpu_blocks_override=4096 // block_size * 8,
+            swap_space=0.0,
+            max_num_batched_tokens=2048,
+            cache_dir=str(tmp_path),
+        )
+    )
     assert loaded.handshake.attention_backend == name
     got = _greedy_via_runner(loaded.runner, prompts, new_tokens=24)
     torch_dtype = getattr(torch, dtype)
@@ -167,9 +187,16 @@ def random_checkpoint(tmp_path_factory) -> Path:
 
     path = tmp_path_factory.mktemp("random-llama")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=2, vocab_size=512,
-                                      max_position_embeddings=4096, initializer_range=0.05)
+    config = transformers.LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        initializer_range=0.05,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return path
 

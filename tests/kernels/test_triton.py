@@ -18,7 +18,6 @@ import sys
 
 import pytest
 import torch
-
 from chunkserve_kernels import build_metadata, get_backend, set_forward_context
 
 pytest.importorskip("triton")
@@ -128,8 +127,14 @@ class _InterpretedCases:
         from executor_svc.models.llama import LlamaForCausalLM
 
         torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+        cfg = transformers.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+        )
         models = {name: LlamaForCausalLM(cfg, name, torch.float32) for name in ("triton", "torch")}
         with torch.no_grad():
             for p in models["torch"].parameters():

@@ -1,4 +1,5 @@
 """Fakes for scheduler tests: an executor that checks every plan, and a byte-level tokenizer."""
+
 from __future__ import annotations
 
 import asyncio
@@ -6,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from scheduler_svc.block_pool import BlockPool, blocks_needed
 from scheduler_svc.config import SchedulerConfig
@@ -29,8 +30,9 @@ class FakeExecutor:
     trips an assertion here.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, eos_after: int | None = None,
-                 num_host_blocks: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, eos_after: int | None = None, num_host_blocks: int = 0
+    ) -> None:
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.block_size = block_size
@@ -115,9 +117,14 @@ def make_scheduler(num_blocks=64, block_size=4, max_model_len=4096, num_host_blo
 
 def make_request(seq_id: int, prompt_len: int, max_tokens: int = 8, **sampling) -> Request:
     prompt = [(seq_id * 13 + i) % 200 for i in range(prompt_len)]
-    return Request(request_id=f"r{seq_id}", seq_id=seq_id, prompt_token_ids=prompt,
-                   sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling),
-                   eos_token_ids=frozenset({EOS}), arrival_time=float(seq_id))
+    return Request(
+        request_id=f"r{seq_id}",
+        seq_id=seq_id,
+        prompt_token_ids=prompt,
+        sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling),
+        eos_token_ids=frozenset({EOS}),
+        arrival_time=float(seq_id),
+    )
 
 
 def run_to_completion(sched: Scheduler, fake: FakeExecutor, max_steps: int = 10_000, check=None):
@@ -159,17 +166,22 @@ def byte_tokenizer_dir(tmp_path: Path) -> Path:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<eos>"])
     tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<eos>",
-        "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant>{% endif %}",
-    }))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<eos>",
+                "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}",
+            }
+        )
+    )
     return tmp_path
 
 
 @pytest.fixture
 def fakes():
     """The helpers above, for tests (pytest's importlib mode does not import conftest by name)."""
+
     class _F:
         FakeExecutor = FakeExecutor
         make_scheduler = staticmethod(make_scheduler)
@@ -177,4 +189,5 @@ def fakes():
         run_to_completion = staticmethod(run_to_completion)
         EOS = EOS
         VOCAB = VOCAB
+
     return _F

@@ -1,4 +1,5 @@
 """Bearer token and TLS on the public API (tiny random model, real server)."""
+
 from __future__ import annotations
 
 import shutil
@@ -19,13 +20,34 @@ pytestmark = pytest.mark.slow  # starts real server processes: the full tier onl
 def test_bearer_token_and_tls(tiny_model_path, tmp_path, monkeypatch):
     if not shutil.which("openssl"):
         pytest.skip("openssl not installed")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-                    "-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(tmp_path / "key.pem"),
+            "-out",
+            str(tmp_path / "cert.pem"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     monkeypatch.setenv("CHUNKSERVE_API_KEY", "s3cret")  # through the environment, as documented
-    server = start_server(tmp_path, ["--model", str(tiny_model_path), "--dtype", "float32"],
-                          ["--tls-cert-file", str(tmp_path / "cert.pem"), "--tls-key-file", str(tmp_path / "key.pem")])
+    server = start_server(
+        tmp_path,
+        ["--model", str(tiny_model_path), "--dtype", "float32"],
+        ["--tls-cert-file", str(tmp_path / "cert.pem"), "--tls-key-file", str(tmp_path / "key.pem")],
+    )
     try:
         creds = grpc.ssl_channel_credentials((tmp_path / "cert.pem").read_bytes())
         channel = grpc.secure_channel(server.address, creds)
@@ -45,6 +67,7 @@ def test_bearer_token_and_tls(tiny_model_path, tmp_path, monkeypatch):
         assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == 1
         with pytest.raises(grpc.RpcError):  # plaintext to a TLS port fails
             pb_grpc.GenerationStub(grpc.insecure_channel(server.address)).GetInfo(
-                pb.GetInfoRequest(), metadata=good, timeout=3)
+                pb.GetInfoRequest(), metadata=good, timeout=3
+            )
     finally:
         server.stop()

@@ -7,6 +7,7 @@ outlive the engine they describe.
 
 No test depends on timing: they assert on order, counts and state.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -48,8 +49,16 @@ class FakeExecutorClient:
         self.handshakes += 1
         return epb.HandshakeResponse(
             model=epb.ModelConfig(vocab_size=257, max_position_embeddings=MAX_MODEL_LEN, eos_token_ids=[256]),
-            model_name="fake", model_path=str(self.tokenizer_dir), dtype="float32", device="cpu", block_size=4,
-            num_device_blocks=64, num_host_blocks=0, attention_backend="fake", max_num_batched_tokens=2048)
+            model_name="fake",
+            model_path=str(self.tokenizer_dir),
+            dtype="float32",
+            device="cpu",
+            block_size=4,
+            num_device_blocks=64,
+            num_host_blocks=0,
+            attention_backend="fake",
+            max_num_batched_tokens=2048,
+        )
 
     async def step(self, plan, timeout: float):
         self.steps += 1
@@ -108,6 +117,7 @@ async def refusal(call) -> grpc.aio.AioRpcError:
 
 # ---- 9: a prompt that cannot fit is refused before it is tokenized --------------------------
 
+
 def test_text_over_the_byte_bound_is_refused_without_encoding(fakes, byte_tokenizer_dir, monkeypatch):
     # The byte tokenizer's longest token is "<eos>", 5 bytes: a valid prompt (<= 99 tokens)
     # has at most 99 * 5 = 495 bytes.
@@ -115,10 +125,14 @@ def test_text_over_the_byte_bound_is_refused_without_encoding(fakes, byte_tokeni
         SpyTokenizer.encoded = []
         async with running_app(fakes, byte_tokenizer_dir, monkeypatch) as (app, client, channel):
             stub = pb_grpc.GenerationStub(channel)
-            for request, field in [(build_request("x" * 496), "prompt.text"),
-                                   (build_request("é" * 248), "prompt.text"),  # 248 characters, 496 bytes
-                                   (build_request([{"role": "user", "content": "y" * 300},
-                                                   {"role": "user", "content": "z" * 300}]), "prompt.chat")]:
+            for request, field in [
+                (build_request("x" * 496), "prompt.text"),
+                (build_request("é" * 248), "prompt.text"),  # 248 characters, 496 bytes
+                (
+                    build_request([{"role": "user", "content": "y" * 300}, {"role": "user", "content": "z" * 300}]),
+                    "prompt.chat",
+                ),
+            ]:
                 err = await refusal(stub.Generate(request))
                 assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
                 assert field in err.details() and "495" in err.details(), err.details()
@@ -157,7 +171,8 @@ def test_a_long_tokenization_does_not_block_the_event_loop(fakes, byte_tokenizer
             first = asyncio.ensure_future(slow.read())
             assert await asyncio.to_thread(entered.wait, FAILSAFE_S)
             health = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="chunkserve.v1.Generation"))
+                health_pb2.HealthCheckRequest(service="chunkserve.v1.Generation")
+            )
             assert health.status == health_pb2.HealthCheckResponse.SERVING
             order.append("health")
             assert (await stub.GetInfo(pb.GetInfoRequest())).max_model_len == MAX_MODEL_LEN
@@ -182,14 +197,23 @@ def test_token_bound_is_sound_and_refuses_only_unbounded_tokenizers():
     """For every pipeline the bound covers, no text has fewer tokens than
     ceil(bytes / max_bytes_per_token); pipelines where one token can cover unbounded text get
     no bound (None) rather than a wrong one."""
-    from tokenizers import Tokenizer as HF
     from tokenizers import AddedToken, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HF
 
     from scheduler_svc.tokenizer import max_bytes_per_token
 
     corpus = ["aaaaaaaaaaaaaaaaaaaaaaaa bbbbbbbbbbbb " * 50, "AAAAAAAAAAAA hello world " * 50, "日本語のテキスト " * 50]
-    samples = ["a" * 997, "A" * 500, "𝐀" * 300, "\u212a" * 300, "日本語のテキスト" * 40, "hello   world\n" * 30,
-               "e\u0301" * 200, "\u1100\u1161\u11a8" * 100, "aaaaaaaaaaaaaaaaaaaaaaaa" * 20 + "¿?" * 10]
+    samples = [
+        "a" * 997,
+        "A" * 500,
+        "𝐀" * 300,
+        "\u212a" * 300,
+        "日本語のテキスト" * 40,
+        "hello   world\n" * 30,
+        "e\u0301" * 200,
+        "\u1100\u1161\u11a8" * 100,
+        "aaaaaaaaaaaaaaaaaaaaaaaa" * 20 + "¿?" * 10,
+    ]
 
     def build(normalizer=None, pre=None, model="bpe"):
         if model == "bpe":
@@ -207,8 +231,10 @@ def test_token_bound_is_sound_and_refuses_only_unbounded_tokenizers():
     # normalizer's shrink factor: without it "𝐀" * 300 would break the inequality below.
     sound = {
         "byte-level": build(pre=pre_tokenizers.ByteLevel(add_prefix_space=False)),
-        "nfkc + lowercase + byte-level": build(normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()]),
-                                               pre_tokenizers.ByteLevel(add_prefix_space=False)),
+        "nfkc + lowercase + byte-level": build(
+            normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()]),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ),
         "metaspace": build(pre=pre_tokenizers.Metaspace()),
     }
     for name, tok in sound.items():
@@ -249,6 +275,7 @@ def test_token_bound_holds_for_the_default_models_tokenizer(tiny_model_path):
 
 # ---- 9: message size -------------------------------------------------------------------------
 
+
 def with_salt(size: int) -> pb.GenerateRequest:
     """A valid token-id request padded with cache_salt to exactly `size` serialized bytes."""
     request = build_request([1, 2, 3], max_tokens=2)
@@ -283,6 +310,7 @@ def test_a_request_larger_than_any_valid_one_is_refused_before_it_runs(fakes, by
 
 # ---- 10: client_request_id -------------------------------------------------------------------
 
+
 def test_client_request_id_is_capped_and_echoed_once(fakes, byte_tokenizer_dir, monkeypatch):
     async def main():
         async with running_app(fakes, byte_tokenizer_dir, monkeypatch) as (app, _, channel):
@@ -309,14 +337,17 @@ def test_client_request_id_is_capped_and_echoed_once(fakes, byte_tokenizer_dir, 
 
 # ---- 11: bytes that are not a valid message ---------------------------------------------------
 
+
 def test_invalid_utf8_is_invalid_argument_with_one_warning(fakes, byte_tokenizer_dir, monkeypatch, caplog):
     async def main():
         async with running_app(fakes, byte_tokenizer_dir, monkeypatch) as (app, _, channel):
             raw = dict(request_serializer=lambda b: b)
-            generate = channel.unary_stream("/chunkserve.v1.Generation/Generate", **raw,
-                                            response_deserializer=pb.GenerateResponse.FromString)
-            abort = channel.unary_unary("/chunkserve.v1.Generation/Abort", **raw,
-                                        response_deserializer=pb.AbortResponse.FromString)
+            generate = channel.unary_stream(
+                "/chunkserve.v1.Generation/Generate", **raw, response_deserializer=pb.GenerateResponse.FromString
+            )
+            abort = channel.unary_unary(
+                "/chunkserve.v1.Generation/Abort", **raw, response_deserializer=pb.AbortResponse.FromString
+            )
             caplog.clear()
             err = await refusal(generate(b"\x0a\x02\xff\xfe"))  # text = 0xff 0xfe
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in err.details(), err.details()
@@ -339,6 +370,7 @@ def test_invalid_utf8_is_invalid_argument_with_one_warning(fakes, byte_tokenizer
 
 # ---- 12: gauges after the executor is replaced ------------------------------------------------
 
+
 def test_load_gauges_are_reset_when_the_engine_is_replaced(fakes, byte_tokenizer_dir, monkeypatch):
     def gauges(app) -> dict[str, float]:
         names = ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc")
@@ -347,8 +379,9 @@ def test_load_gauges_are_reset_when_the_engine_is_replaced(fakes, byte_tokenizer
     async def main():
         async with running_app(fakes, byte_tokenizer_dir, monkeypatch) as (app, client, channel):
             client.hold_after = 1  # the second step waits, then fails as a dead executor does
-            call = pb_grpc.GenerationStub(channel).Generate(build_request([1, 2, 3, 4, 5], max_tokens=50,
-                                                                          ignore_eos=True))
+            call = pb_grpc.GenerationStub(channel).Generate(
+                build_request([1, 2, 3, 4, 5], max_tokens=50, ignore_eos=True)
+            )
             assert (await call.read()).token_ids
             before = gauges(app)
             assert before["num_requests_running"] == 1 and before["kv_cache_usage_perc"] > 0

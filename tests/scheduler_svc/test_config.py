@@ -3,6 +3,7 @@
 and when an operator sets it live, with the same message, and a refused live change moves
 nothing. The start-up side runs SchedulerApp.start() against a fake executor client, the live
 side the Admin service over real gRPC."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,8 @@ import dataclasses
 import grpc
 import pytest
 
-from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve.launch import free_port
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc import app as app_module
@@ -24,8 +25,13 @@ def handshake(model_path="", max_position_embeddings=2048, **kw) -> epb.Handshak
     values = dict(max_num_batched_tokens=2048, block_size=16, num_device_blocks=64, num_host_blocks=0) | kw
     return epb.HandshakeResponse(
         model=epb.ModelConfig(vocab_size=300, max_position_embeddings=max_position_embeddings, eos_token_ids=[256]),
-        model_name="fake", model_path=str(model_path), dtype="float32", device="cpu", attention_backend="fake",
-        **values)
+        model_name="fake",
+        model_path=str(model_path),
+        dtype="float32",
+        device="cpu",
+        attention_backend="fake",
+        **values,
+    )
 
 
 class HandshakeOnlyClient:
@@ -43,8 +49,11 @@ class HandshakeOnlyClient:
 
 async def start(config: SchedulerConfig, hs: epb.HandshakeResponse, monkeypatch) -> app_module.SchedulerApp:
     monkeypatch.setattr(app_module, "ExecutorClient", lambda *args, **kwargs: HandshakeOnlyClient(hs))
-    app = app_module.SchedulerApp(dataclasses.replace(config, host="127.0.0.1", port=0, metrics_port=0,
-                                                      admin_port=free_port(), startup_timeout_s=10))
+    app = app_module.SchedulerApp(
+        dataclasses.replace(
+            config, host="127.0.0.1", port=0, metrics_port=0, admin_port=free_port(), startup_timeout_s=10
+        )
+    )
     try:
         await app.start()
     except BaseException:
@@ -55,13 +64,21 @@ async def start(config: SchedulerConfig, hs: epb.HandshakeResponse, monkeypatch)
 
 # Each rule a live change can break: (settings the server starts with, the change, words of the refusal).
 LIVE_RULES = {
-    "budget over the executor's": (dict(max_num_batched_tokens=512, max_model_len=1024),
-                                   dict(max_num_batched_tokens=4096), "larger than the executor's 2048"),
-    "chunking off, budget under max_model_len": (dict(max_num_batched_tokens=512, max_model_len=1024),
-                                                 dict(enable_chunked_prefill=False), "with chunked prefill off"),
-    "budget under max_model_len, chunking off": (dict(max_num_batched_tokens=512, max_model_len=512,
-                                                      enable_chunked_prefill=False),
-                                                 dict(max_num_batched_tokens=256), "with chunked prefill off"),
+    "budget over the executor's": (
+        dict(max_num_batched_tokens=512, max_model_len=1024),
+        dict(max_num_batched_tokens=4096),
+        "larger than the executor's 2048",
+    ),
+    "chunking off, budget under max_model_len": (
+        dict(max_num_batched_tokens=512, max_model_len=1024),
+        dict(enable_chunked_prefill=False),
+        "with chunked prefill off",
+    ),
+    "budget under max_model_len, chunking off": (
+        dict(max_num_batched_tokens=512, max_model_len=512, enable_chunked_prefill=False),
+        dict(max_num_batched_tokens=256),
+        "with chunked prefill off",
+    ),
 }
 
 
@@ -92,26 +109,42 @@ def test_a_rule_refuses_alike_at_start_up_and_live(byte_tokenizer_dir, monkeypat
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("settings, hs, words", [
-    (dict(preemption_mode="swap"), {}, "--swap-space > 0"),
-    (dict(max_model_len=2000), {}, "the KV pool (64 blocks x 16 tokens) = 1024"),
-    (dict(max_model_len=1024), dict(max_position_embeddings=512), "max_position_embeddings) = 512"),
-    (dict(max_model_len=1024, max_num_batched_tokens=512, enable_chunked_prefill=False), {},
-     "with chunked prefill off (a prompt must fit one step) = 512"),
-], ids=["swap without host blocks", "over the pool", "over the context", "over the budget, chunking off"])
+@pytest.mark.parametrize(
+    "settings, hs, words",
+    [
+        (dict(preemption_mode="swap"), {}, "--swap-space > 0"),
+        (dict(max_model_len=2000), {}, "the KV pool (64 blocks x 16 tokens) = 1024"),
+        (dict(max_model_len=1024), dict(max_position_embeddings=512), "max_position_embeddings) = 512"),
+        (
+            dict(max_model_len=1024, max_num_batched_tokens=512, enable_chunked_prefill=False),
+            {},
+            "with chunked prefill off (a prompt must fit one step) = 512",
+        ),
+    ],
+    ids=["swap without host blocks", "over the pool", "over the context", "over the budget, chunking off"],
+)
 def test_start_up_only_rules(settings, hs, words):
     """Rules on settings no live change touches (preemption mode, max_model_len)."""
     with pytest.raises(ValueError) as err:
         validate_against_executor(SchedulerConfig(**settings), handshake(**hs))
     assert words in str(err.value)
-    assert validate_against_executor(SchedulerConfig(**settings), handshake(num_host_blocks=8, num_device_blocks=256,
-                                                                            max_position_embeddings=4096),
-                                     max_model_len=512) == 512  # fits once the executor has room
+    assert (
+        validate_against_executor(
+            SchedulerConfig(**settings),
+            handshake(num_host_blocks=8, num_device_blocks=256, max_position_embeddings=4096),
+            max_model_len=512,
+        )
+        == 512
+    )  # fits once the executor has room
 
 
 def test_max_model_len_is_the_largest_that_works():
     assert validate_against_executor(SchedulerConfig(), handshake()) == 1024  # the pool
     assert validate_against_executor(SchedulerConfig(), handshake(max_position_embeddings=512)) == 512
-    assert validate_against_executor(SchedulerConfig(max_num_batched_tokens=256, enable_chunked_prefill=False),
-                                     handshake()) == 256
+    assert (
+        validate_against_executor(
+            SchedulerConfig(max_num_batched_tokens=256, enable_chunked_prefill=False), handshake()
+        )
+        == 256
+    )
     assert validate_against_executor(SchedulerConfig(max_model_len=300), handshake()) == 300

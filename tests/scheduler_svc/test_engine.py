@@ -1,4 +1,5 @@
 """The step loop with a fake executor: streaming, stop strings, aborts, executor failure."""
+
 from __future__ import annotations
 
 import asyncio
@@ -62,7 +63,7 @@ def test_stop_string_finishes_and_frees(fakes, byte_tokenizer_dir):
     engine, text, stop, deltas = asyncio.run(main())
     final = deltas[-1]
     assert final.finish_reason is FinishReason.STOP_SEQUENCE and final.matched_stop == stop
-    assert "".join(d.text for d in deltas) == text[:text.index(stop)]
+    assert "".join(d.text for d in deltas) == text[: text.index(stop)]
     assert engine.scheduler.pool.num_free_blocks == 256
 
 
@@ -192,12 +193,14 @@ def test_a_refused_plan_is_resent_its_drops_and_fails_its_swap_victims(fakes, by
     prompts = [[(7 * i + j) % 200 for j in range(6 + 3 * i)] for i in range(10)]
 
     async def run(fake, **cfg):
-        sched = fakes.make_scheduler(num_blocks=fake.num_blocks, block_size=4, num_host_blocks=fake.num_host_blocks,
-                                     **cfg)
+        sched = fakes.make_scheduler(
+            num_blocks=fake.num_blocks, block_size=4, num_host_blocks=fake.num_host_blocks, **cfg
+        )
         engine = Engine(sched, fake, Tokenizer(byte_tokenizer_dir), frozenset({fakes.EOS}), 100, 5.0)
         engine.start()
-        streams = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-                   for p in prompts]
+        streams = [
+            engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)) for p in prompts
+        ]
         results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
         for _ in range(10_000):  # the last drops travel in one more plan: let it run
             if not sched.has_work() and not fake.seqs:

@@ -1,5 +1,6 @@
 """Metrics and step trace: the engine's observers against a fake executor, then a real
 server (tiny random model) on a scripted workload."""
+
 from __future__ import annotations
 
 import asyncio
@@ -60,8 +61,9 @@ def run_engine(fakes, tokenizer_dir, batches, observers, num_blocks=256, max_tok
 def test_observers_get_one_record_per_step_with_that_steps_counts(fakes, byte_tokenizer_dir):
     rec, metrics = Recorder(), Metrics("m")
     prompts = [list(range(10 + i, 35 + i)) for i in range(6)]
-    _, fake = run_engine(fakes, byte_tokenizer_dir, [prompts], (rec, metrics), num_blocks=20, max_tokens=30,
-                         max_num_batched_tokens=32)
+    _, fake = run_engine(
+        fakes, byte_tokenizer_dir, [prompts], (rec, metrics), num_blocks=20, max_tokens=30, max_num_batched_tokens=32
+    )
     assert len(rec.steps) == len(fake.plans) and all(r.plan is p for r, p in zip(rec.steps, fake.plans))
     assert len(rec.finished) == 6
     preempting = [i for i, r in enumerate(rec.steps) if r.plan.preempted]
@@ -69,10 +71,13 @@ def test_observers_get_one_record_per_step_with_that_steps_counts(fakes, byte_to
     for r in rec.steps:  # counts belong to their step: none without a preemption, none left over after
         assert r.stats.recomputed_tokens == 0 or r.plan.preempted
         assert len(r.stats.requests) == len(r.plan.seqs)
-    assert all(r.stats.recomputed_tokens == 0 for r in rec.steps[preempting[-1] + 1:])
+    assert all(r.stats.recomputed_tokens == 0 for r in rec.steps[preempting[-1] + 1 :])
     preemptions = sum(len(r.plan.preempted) for r in rec.steps)
     assert preemptions == sum(req.num_preemptions for req in rec.finished)
-    sample = lambda name: metrics.registry.get_sample_value(f"chunkserve_{name}", {"model_name": "m"})
+
+    def sample(name):
+        return metrics.registry.get_sample_value(f"chunkserve_{name}", {"model_name": "m"})
+
     assert sample("num_preemptions_total") == preemptions
     assert sample("num_recomputed_tokens_total") == sum(r.stats.recomputed_tokens for r in rec.steps) > 0
     assert sample("prefix_cache_queries_total") == sum(r.stats.prefix_queries for r in rec.steps) == 6 * 25
@@ -99,9 +104,10 @@ def test_trace_reports_prefix_cache_hits_of_the_admitting_step(fakes, byte_token
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path, launch):
-    return launch(["--model", str(tiny_model_path), "--dtype", "float32", "--block-size", "16",
-                   "--max-num-batched-tokens", "64"],
-                  ["--max-num-batched-tokens", "64"])
+    return launch(
+        ["--model", str(tiny_model_path), "--dtype", "float32", "--block-size", "16", "--max-num-batched-tokens", "64"],
+        ["--max-num-batched-tokens", "64"],
+    )
 
 
 def scrape(server) -> dict[str, float]:

@@ -1,19 +1,19 @@
 """Scheduling policies on the real scheduler with the fake executor; live reconfiguration."""
+
 from __future__ import annotations
 
 import sys
 import textwrap
 from collections import Counter
 
-import pytest
-
 import grpc
+import pytest
 
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.admin import Controls, apply_update
-from scheduler_svc.policy import FCFS, FairShare, PriorityPolicy, ShortestJobFirst, create_policy
+from scheduler_svc.policy import FCFS, PriorityPolicy, ShortestJobFirst, create_policy
 
 
 def reqs(fakes, specs):
@@ -36,8 +36,9 @@ def test_orderings_and_victims(fakes):
 
 
 def test_sjf_aging_bounds_the_wait_of_a_long_prompt(fakes):
-    sched = fakes.make_scheduler(num_blocks=4096, block_size=16, max_num_batched_tokens=256,
-                                 scheduling_policy="sjf", max_num_partial_prefills=1)
+    sched = fakes.make_scheduler(
+        num_blocks=4096, block_size=16, max_num_batched_tokens=256, scheduling_policy="sjf", max_num_partial_prefills=1
+    )
     fake = fakes.FakeExecutor(4096, 16)
     long = fakes.make_request(0, prompt_len=4000, max_tokens=1)
     sched.add_request(long)
@@ -58,8 +59,9 @@ def test_sjf_aging_bounds_the_wait_of_a_long_prompt(fakes):
 
 
 def test_fair_share_across_three_tenants(fakes):
-    sched = fakes.make_scheduler(num_blocks=8192, block_size=16, max_num_batched_tokens=128,
-                                 scheduling_policy="fair", max_num_seqs=4)
+    sched = fakes.make_scheduler(
+        num_blocks=8192, block_size=16, max_num_batched_tokens=128, scheduling_policy="fair", max_num_seqs=4
+    )
     fake = fakes.FakeExecutor(8192, 16)
     next_id = 0
     # Tenant a floods 3x as many requests as b and c.
@@ -81,7 +83,8 @@ def test_fair_share_across_three_tenants(fakes):
 
 
 def test_user_policy_loaded_by_dotted_path_from_outside_the_package(tmp_path, fakes, monkeypatch):
-    (tmp_path / "my_policies.py").write_text(textwrap.dedent('''
+    (tmp_path / "my_policies.py").write_text(
+        textwrap.dedent("""
         from scheduler_svc.policy import Policy
 
         class NotAPolicy:
@@ -98,7 +101,8 @@ def test_user_policy_loaded_by_dotted_path_from_outside_the_package(tmp_path, fa
                 return sorted(waiting, key=lambda r: -r.num_prompt_tokens)
             def pick_victim(self, candidates):
                 return min(candidates, key=lambda r: r.num_prompt_tokens)
-    '''))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("my_policies", None)
     policy = create_policy("my_policies:LongestFirst")
@@ -117,13 +121,22 @@ def test_user_policy_loaded_by_dotted_path_from_outside_the_package(tmp_path, fa
 
 def test_live_update_is_validated_whole_and_atomic(fakes):
     sched = fakes.make_scheduler(num_blocks=256, block_size=16, max_num_batched_tokens=512, max_model_len=1024)
-    controls = Controls(sched, epb.HandshakeResponse(max_num_batched_tokens=2048, block_size=16, num_device_blocks=256,
-                                                     model=epb.ModelConfig(max_position_embeddings=1024)))
+    controls = Controls(
+        sched,
+        epb.HandshakeResponse(
+            max_num_batched_tokens=2048,
+            block_size=16,
+            num_device_blocks=256,
+            model=epb.ModelConfig(max_position_embeddings=1024),
+        ),
+    )
     before = (sched.config, sched.policy)
-    for bad in (pb.SchedulingConfig(policy="sjf", max_num_batched_tokens=4096),  # over the executor's
-                pb.SchedulingConfig(policy="sjf", max_num_seqs=0),
-                pb.SchedulingConfig(enable_chunked_prefill=False),  # 512 < max_model_len 1024
-                pb.SchedulingConfig(max_num_batched_tokens=256, policy="no.such.Policy")):
+    for bad in (
+        pb.SchedulingConfig(policy="sjf", max_num_batched_tokens=4096),  # over the executor's
+        pb.SchedulingConfig(policy="sjf", max_num_seqs=0),
+        pb.SchedulingConfig(enable_chunked_prefill=False),  # 512 < max_model_len 1024
+        pb.SchedulingConfig(max_num_batched_tokens=256, policy="no.such.Policy"),
+    ):
         with pytest.raises(ValueError):
             apply_update(controls, bad)
         assert (sched.config, sched.policy) == before  # nothing moved
@@ -148,8 +161,11 @@ def test_documented_user_policy_serves_requests_end_to_end(tiny_model_path, tmp_
     assert len(source.strip().splitlines()) <= 30
     (tmp_path / "my_policies.py").write_text(source)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    server = start_server(tmp_path, ["--model", str(tiny_model_path), "--dtype", "float32"],
-                          ["--scheduling-policy", "my_policies:FewestOutputTokensLeft"])
+    server = start_server(
+        tmp_path,
+        ["--model", str(tiny_model_path), "--dtype", "float32"],
+        ["--scheduling-policy", "my_policies:FewestOutputTokensLeft"],
+    )
     try:
         stub = server.stub()
         for n in (3, 5):

@@ -1,18 +1,26 @@
 """Preemption by recompute and by swap, against the KV-simulating fake executor."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from scheduler_svc.block_pool import blocks_needed
 from scheduler_svc.request import RequestStatus
 
 
 def run(fakes, num_blocks, mode, num_host_blocks=0, n=6, prompt_len=25, max_tokens=30, budget=32, **cfg):
-    sched = fakes.make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
-                                 preemption_mode=mode, num_host_blocks=num_host_blocks, **cfg)
+    sched = fakes.make_scheduler(
+        num_blocks=num_blocks,
+        block_size=4,
+        max_num_batched_tokens=budget,
+        preemption_mode=mode,
+        num_host_blocks=num_host_blocks,
+        **cfg,
+    )
     fake = fakes.FakeExecutor(num_blocks, 4, num_host_blocks=num_host_blocks)
     for i in range(n):
         sched.add_request(fakes.make_request(i, prompt_len=prompt_len, max_tokens=max_tokens))
@@ -66,8 +74,9 @@ def test_forced_preemption_gives_the_same_tokens(fakes, mode):
 
 
 def test_swap_keeps_a_mid_prefill_cursor_exactly(fakes):
-    sched = fakes.make_scheduler(num_blocks=24, block_size=4, max_num_batched_tokens=8,
-                                 preemption_mode="swap", num_host_blocks=64)
+    sched = fakes.make_scheduler(
+        num_blocks=24, block_size=4, max_num_batched_tokens=8, preemption_mode="swap", num_host_blocks=64
+    )
     fake = fakes.FakeExecutor(24, 4, num_host_blocks=64)
     old = fakes.make_request(0, prompt_len=30, max_tokens=60)
     sched.add_request(old)
@@ -104,8 +113,13 @@ def test_livelock_workload_finishes_in_bounded_steps(fakes):
     """Each request needs 60% of the pool by its end: two cannot both finish resident, and a
     scheduler that always evicts the newcomer's rival thrashes forever."""
     for mode in ("recompute", "swap"):
-        sched = fakes.make_scheduler(num_blocks=40, block_size=4, max_num_batched_tokens=64,
-                                     preemption_mode=mode, num_host_blocks=200 if mode == "swap" else 0)
+        sched = fakes.make_scheduler(
+            num_blocks=40,
+            block_size=4,
+            max_num_batched_tokens=64,
+            preemption_mode=mode,
+            num_host_blocks=200 if mode == "swap" else 0,
+        )
         fake = fakes.FakeExecutor(40, 4, num_host_blocks=200)
         for i in range(4):
             sched.add_request(fakes.make_request(i, prompt_len=40, max_tokens=56))
@@ -117,27 +131,41 @@ def test_livelock_workload_finishes_in_bounded_steps(fakes):
         check_drained(sched)
 
 
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fakes is stateless
-@given(seed=st.integers(0, 10**6), mode=st.sampled_from(["recompute", "swap"]),
-       num_blocks=st.integers(12, 40), budget=st.sampled_from([4, 8, 16, 64]),
-       chunked=st.booleans(), host=st.sampled_from([0, 4, 64]))
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)  # fakes is stateless
+@given(
+    seed=st.integers(0, 10**6),
+    mode=st.sampled_from(["recompute", "swap"]),
+    num_blocks=st.integers(12, 40),
+    budget=st.sampled_from([4, 8, 16, 64]),
+    chunked=st.booleans(),
+    host=st.sampled_from([0, 4, 64]),
+)
 def test_random_workloads_keep_every_invariant(fakes, seed, mode, num_blocks, budget, chunked, host):
     """Random arrivals, aborts and steps on tiny pools; invariants after every step."""
     rng = random.Random(seed)
     block = 4
     max_len = min(num_blocks * block, budget if not chunked else 10**9)
-    sched = fakes.make_scheduler(num_blocks=num_blocks, block_size=block, max_model_len=max_len,
-                                 max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
-                                 preemption_mode=mode, num_host_blocks=host, max_num_seqs=6)
+    sched = fakes.make_scheduler(
+        num_blocks=num_blocks,
+        block_size=block,
+        max_model_len=max_len,
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=chunked,
+        preemption_mode=mode,
+        num_host_blocks=host,
+        max_num_seqs=6,
+    )
     fake = fakes.FakeExecutor(num_blocks, block, num_host_blocks=host, eos_after=rng.choice([None, 30]))
     next_id = 0
     for _ in range(300):
         action = rng.random()
         if action < 0.25:
             prompt = rng.randint(1, max(1, max_len - 2))
-            sched.add_request(fakes.make_request(next_id, prompt_len=prompt,
-                                                 max_tokens=rng.randint(1, max(1, max_len - prompt))))
+            sched.add_request(
+                fakes.make_request(next_id, prompt_len=prompt, max_tokens=rng.randint(1, max(1, max_len - prompt)))
+            )
             next_id += 1
         elif action < 0.32 and sched.requests:
             sched.abort(rng.choice(list(sched.requests)))

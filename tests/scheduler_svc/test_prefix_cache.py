@@ -1,10 +1,11 @@
 """Prefix caching: block manager rules, and scheduler behaviour with the KV-simulating fake."""
+
 from __future__ import annotations
 
 import random
 
-import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from scheduler_svc import block_pool
 from scheduler_svc.block_pool import BlockPool, hash_block
@@ -12,8 +13,9 @@ from scheduler_svc.request import Request, SamplingParams
 
 
 def req(rid: str, tokens: list[int], computed: int = 0) -> Request:
-    r = Request(request_id=rid, seq_id=hash(rid) % 10**6, prompt_token_ids=list(tokens),
-                sampling=SamplingParams(max_tokens=4))
+    r = Request(
+        request_id=rid, seq_id=hash(rid) % 10**6, prompt_token_ids=list(tokens), sampling=SamplingParams(max_tokens=4)
+    )
     r.num_computed_tokens = computed
     return r
 
@@ -72,9 +74,14 @@ def test_hash_hits_are_verified_against_token_ids():
 def test_block_hash_is_sha256_over_parent_salt_and_tokens():
     digest = hash_block(None, None, [1, 2, 3, 4])
     assert isinstance(digest, bytes) and len(digest) == 32
-    variants = {digest, hash_block(None, "", [1, 2, 3, 4]), hash_block(None, "t", [1, 2, 3, 4]),
-                hash_block(digest, None, [1, 2, 3, 4]), hash_block(None, None, [1, 2, 3, 5]),
-                hash_block(None, "\x00", [1, 2, 3, 4])}
+    variants = {
+        digest,
+        hash_block(None, "", [1, 2, 3, 4]),
+        hash_block(None, "t", [1, 2, 3, 4]),
+        hash_block(digest, None, [1, 2, 3, 4]),
+        hash_block(None, None, [1, 2, 3, 5]),
+        hash_block(None, "\x00", [1, 2, 3, 4]),
+    }
     assert len(variants) == 6  # each input part changes the key
     assert hash_block(None, "t", (1, 2, 3, 4)) == hash_block(None, "t", [1, 2, 3, 4])  # deterministic
 
@@ -112,8 +119,9 @@ def test_eviction_is_lru_tail_first_and_only_when_needed():
 
 def test_scheduler_hits_a_shared_prefix_and_outputs_match(fakes):
     def run(caching: bool, shared: int):
-        sched = fakes.make_scheduler(num_blocks=256, block_size=4, max_num_batched_tokens=16,
-                                     enable_prefix_caching=caching)
+        sched = fakes.make_scheduler(
+            num_blocks=256, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=caching
+        )
         fake = fakes.FakeExecutor(256, 4)
         system = list(range(30, 30 + shared))
         reqs = []
@@ -149,8 +157,9 @@ def test_recompute_preemption_recovers_cached_blocks(fakes):
     assert any(p.preempted for p in fake.plans) and any(c > 0 for c in recovered)
 
 
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(seed=st.integers(0, 10**6), mode=st.sampled_from(["recompute", "swap"]), num_blocks=st.integers(10, 30))
 def test_random_sharing_keeps_invariants_and_outputs(fakes, seed, mode, num_blocks):
     """Prompts over a 2-token vocabulary share blocks constantly; outputs must equal an
@@ -160,8 +169,14 @@ def test_random_sharing_keeps_invariants_and_outputs(fakes, seed, mode, num_bloc
     lengths = [rng.randint(1, 8) for _ in prompts]
 
     def run(caching, blocks):
-        sched = fakes.make_scheduler(num_blocks=blocks, block_size=4, max_num_batched_tokens=rng.choice([4, 8, 16]),
-                                     enable_prefix_caching=caching, preemption_mode=mode, num_host_blocks=16)
+        sched = fakes.make_scheduler(
+            num_blocks=blocks,
+            block_size=4,
+            max_num_batched_tokens=rng.choice([4, 8, 16]),
+            enable_prefix_caching=caching,
+            preemption_mode=mode,
+            num_host_blocks=16,
+        )
         fake = fakes.FakeExecutor(blocks, 4, num_host_blocks=16)
         reqs = []
         for i, (p, n) in enumerate(zip(prompts, lengths)):

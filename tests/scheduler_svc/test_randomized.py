@@ -46,8 +46,8 @@ scenarios a case, and does not shrink a failure: it prints the scenario as found
 
     CHUNKSERVE_RANDOMIZED_SHRINK=1 .venv/bin/python -m pytest tests/scheduler_svc/test_randomized.py
 
-(minutes per failing case). A longer, random run, N scenarios in all (about 25 ms each; it
-shrinks, and saves failures in .hypothesis/ to replay them first next time):
+(minutes per failing case). A longer, random run, N scenarios in all (12000 took 22 minutes
+on a busy 2-core machine; it shrinks, and saves failures in .hypothesis/ to replay first):
 
     CHUNKSERVE_RANDOMIZED_EXAMPLES=20000 .venv/bin/python -m pytest tests/scheduler_svc/test_randomized.py -q
 
@@ -57,6 +57,7 @@ hit the cache, preempted a pinned request. Replay a printed scenario with
 
 The `test_regression_*` tests are deterministic repros of scheduler bugs of issue #13.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,7 +68,8 @@ from dataclasses import dataclass, field
 import hypothesis
 import hypothesis.errors
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 from scheduler_svc.block_pool import BlockPool, blocks_needed
 from scheduler_svc.config import SchedulerConfig
@@ -83,15 +85,22 @@ _LONG_RUN = int(os.environ.get("CHUNKSERVE_RANDOMIZED_EXAMPLES", "0"))
 _SHRINK = os.environ.get("CHUNKSERVE_RANDOMIZED_SHRINK", "") not in ("", "0")
 _HEALTH = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large]
 if _LONG_RUN > 0:
-    RANDOMIZED = settings(max_examples=-(-_LONG_RUN // _CASES), deadline=None, print_blob=True,
-                          suppress_health_check=_HEALTH)
+    RANDOMIZED = settings(
+        max_examples=-(-_LONG_RUN // _CASES), deadline=None, print_blob=True, suppress_health_check=_HEALTH
+    )
 else:  # shrinking a failure takes minutes per case: only on request
-    RANDOMIZED = settings(max_examples=100, derandomize=True, database=None, deadline=None,
-                          suppress_health_check=_HEALTH,
-                          phases=tuple(Phase) if _SHRINK else tuple(p for p in Phase if p is not Phase.shrink))
+    RANDOMIZED = settings(
+        max_examples=100,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=_HEALTH,
+        phases=tuple(Phase) if _SHRINK else tuple(p for p in Phase if p is not Phase.shrink),
+    )
 
 
 # ---- scenarios ---------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -158,19 +167,26 @@ class Scenario:
 def settings_strategy(draw, max_model_len: int) -> Settings:
     chunked = draw(st.booleans())
     # Chunking off needs a budget that holds the longest request (the Admin service refuses less).
-    budget = draw((st.integers(1, max_model_len) | st.integers(1, 8)) if chunked
-                  else st.integers(max_model_len, max_model_len + 16))
+    budget = draw(
+        (st.integers(1, max_model_len) | st.integers(1, 8))
+        if chunked
+        else st.integers(max_model_len, max_model_len + 16)
+    )
     partial = draw(st.integers(1, 4))
     return Settings(
-        max_num_batched_tokens=budget, max_num_seqs=draw(st.sampled_from([128, 2, 3, 4, 8, 1])),
+        max_num_batched_tokens=budget,
+        max_num_seqs=draw(st.sampled_from([128, 2, 3, 4, 8, 1])),
         enable_chunked_prefill=chunked,
-        max_num_partial_prefills=partial, max_long_partial_prefills=draw(st.integers(1, partial)),
-        long_prefill_token_threshold=draw(st.just(0) | st.integers(1, 8) | st.integers(1, max_model_len)))
+        max_num_partial_prefills=partial,
+        max_long_partial_prefills=draw(st.integers(1, partial)),
+        long_prefill_token_threshold=draw(st.just(0) | st.integers(1, 8) | st.integers(1, max_model_len)),
+    )
 
 
 @st.composite
-def scenarios(draw, preemption_mode: str | None = None, enable_prefix_caching: bool | None = None,
-              churn: bool = False) -> Scenario:
+def scenarios(
+    draw, preemption_mode: str | None = None, enable_prefix_caching: bool | None = None, churn: bool = False
+) -> Scenario:
     """Any scenario; `churn` ones are all chunked, with small budgets and long-prefill
     thresholds, a pool and a host pool just over one request, a few long prompts among many
     short ones that decode for long: every step preempts, swaps and resumes something."""
@@ -181,8 +197,9 @@ def scenarios(draw, preemption_mode: str | None = None, enable_prefix_caching: b
     need = blocks_needed(max_model_len, block_size)
     num_blocks = need + draw(st.integers(0, 2 if churn else need // 2 + 1))
     mode = preemption_mode or draw(st.sampled_from(["recompute", "swap"]))
-    prefixes = draw(st.lists(st.lists(st.integers(0, 3), min_size=max_model_len, max_size=max_model_len),
-                             min_size=1, max_size=3))
+    prefixes = draw(
+        st.lists(st.lists(st.integers(0, 3), min_size=max_model_len, max_size=max_model_len), min_size=1, max_size=3)
+    )
     requests, arrival = [], 0
     for i in range(draw(st.integers(6 if churn else 2, 14))):
         arrival += draw(st.sampled_from([0, 0, 1, 2] if churn else [0, 0, 1, 2, 4]))
@@ -194,40 +211,78 @@ def scenarios(draw, preemption_mode: str | None = None, enable_prefix_caching: b
             length = draw(st.integers(1, block_size if churn else max(1, max_model_len // 4)))
         shared = draw(st.integers(0, length) | st.just(length))
         prefix = prefixes[draw(st.integers(0, len(prefixes) - 1))]
-        prompt = prefix[:shared] + draw(st.lists(st.integers(0, 255), min_size=length - shared,
-                                                 max_size=length - shared))
+        prompt = prefix[:shared] + draw(
+            st.lists(st.integers(0, 255), min_size=length - shared, max_size=length - shared)
+        )
         room = max_model_len - len(prompt)
-        requests.append(Req(
-            arrival_step=arrival, prompt=tuple(prompt),
-            max_tokens=draw(st.integers(1, room) | st.just(room)),
-            priority=draw(st.integers(0, 2)), tenant=draw(st.sampled_from(["a", "b", "c"])),
-            cache_salt=draw(st.sampled_from([None, None, None, "s"]))))
-    aborts = [draw(st.builds(Abort, st.integers(0, len(requests) - 1), st.sampled_from(ABORT_STATES),
-                             st.sampled_from([0, 1, 2, 4, 8]), st.booleans()))
-              for _ in range(draw(st.integers(0, 4)))]
+        requests.append(
+            Req(
+                arrival_step=arrival,
+                prompt=tuple(prompt),
+                max_tokens=draw(st.integers(1, room) | st.just(room)),
+                priority=draw(st.integers(0, 2)),
+                tenant=draw(st.sampled_from(["a", "b", "c"])),
+                cache_salt=draw(st.sampled_from([None, None, None, "s"])),
+            )
+        )
+    aborts = [
+        draw(
+            st.builds(
+                Abort,
+                st.integers(0, len(requests) - 1),
+                st.sampled_from(ABORT_STATES),
+                st.sampled_from([0, 1, 2, 4, 8]),
+                st.booleans(),
+            )
+        )
+        for _ in range(draw(st.integers(0, 4)))
+    ]
     if churn:
-        settings = Settings(max_num_batched_tokens=draw(st.integers(block_size, max_model_len // 2) | st.integers(1, 8)),
-                            long_prefill_token_threshold=draw(st.integers(1, 2 * block_size)))
+        settings = Settings(
+            max_num_batched_tokens=draw(st.integers(block_size, max_model_len // 2) | st.integers(1, 8)),
+            long_prefill_token_threshold=draw(st.integers(1, 2 * block_size)),
+        )
         reconfigs = []
     else:
         settings = draw(settings_strategy(max_model_len))
-        reconfigs = draw(st.lists(st.builds(Reconfig, st.integers(1, arrival + 12), settings_strategy(max_model_len),
-                                            st.none() | st.sampled_from(POLICIES)), max_size=3))
+        reconfigs = draw(
+            st.lists(
+                st.builds(
+                    Reconfig,
+                    st.integers(1, arrival + 12),
+                    settings_strategy(max_model_len),
+                    st.none() | st.sampled_from(POLICIES),
+                ),
+                max_size=3,
+            )
+        )
     return Scenario(
-        block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
-        settings=settings, policy=draw(st.sampled_from(POLICIES)), preemption_mode=mode,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        settings=settings,
+        policy=draw(st.sampled_from(POLICIES)),
+        preemption_mode=mode,
         # A host pool about one long request's size: swap-outs often find it nearly full.
-        num_host_blocks=(draw(st.integers(need // 2, need) if churn else
-                              st.integers(need // 2, need) | st.integers(0, 2 * num_blocks)) if mode == "swap" else 0),
+        num_host_blocks=(
+            draw(
+                st.integers(need // 2, need) if churn else st.integers(need // 2, need) | st.integers(0, 2 * num_blocks)
+            )
+            if mode == "swap"
+            else 0
+        ),
         lifo_host_pool=draw(st.booleans()),
         enable_prefix_caching=(draw(st.booleans()) if enable_prefix_caching is None else enable_prefix_caching),
         max_preemptions=draw(st.integers(1, 3)),
         eos_after=draw(st.integers(max_model_len // 2, max_model_len)) if draw(st.integers(0, 3)) == 0 else None,
         requests=tuple(requests),
-        aborts=tuple(aborts), reconfigs=tuple(reconfigs))
+        aborts=tuple(aborts),
+        reconfigs=tuple(reconfigs),
+    )
 
 
 # ---- the harness -------------------------------------------------------------------------
+
 
 class LifoPool(BlockPool):
     """A block pool that hands out the most recently freed blocks first. Any free block is
@@ -239,7 +294,7 @@ class LifoPool(BlockPool):
         if n > self.num_free_blocks:
             return super().take(n)  # raises
         free = super().take(self.num_free_blocks)  # least recently freed first
-        keep, give = free[:len(free) - n], free[len(free) - n:]
+        keep, give = free[: len(free) - n], free[len(free) - n :]
         self.release(keep[::-1])  # back, in the same order (release() goes last to first)
         return give[::-1]
 
@@ -254,16 +309,27 @@ def event(name: str) -> None:
 
 def make_request(i: int, spec: Req, eos: int) -> Request:
     """Request number i; arrival_time = i, so arrival order is number order."""
-    return Request(request_id=f"r{i}", seq_id=i, prompt_token_ids=list(spec.prompt),
-                   sampling=SamplingParams(temperature=0.0, max_tokens=spec.max_tokens),
-                   eos_token_ids=frozenset({eos}), arrival_time=float(i), priority=spec.priority,
-                   tenant=spec.tenant, cache_salt=spec.cache_salt)
+    return Request(
+        request_id=f"r{i}",
+        seq_id=i,
+        prompt_token_ids=list(spec.prompt),
+        sampling=SamplingParams(temperature=0.0, max_tokens=spec.max_tokens),
+        eos_token_ids=frozenset({eos}),
+        arrival_time=float(i),
+        priority=spec.priority,
+        tenant=spec.tenant,
+        cache_salt=spec.cache_salt,
+    )
 
 
 def scheduler_config(sc: Scenario, s: Settings, policy: str) -> SchedulerConfig:
-    return SchedulerConfig(**dataclasses.asdict(s), enable_prefix_caching=sc.enable_prefix_caching,
-                           scheduling_policy=policy, preemption_mode=sc.preemption_mode,
-                           max_preemptions=sc.max_preemptions)
+    return SchedulerConfig(
+        **dataclasses.asdict(s),
+        enable_prefix_caching=sc.enable_prefix_caching,
+        scheduling_policy=policy,
+        preemption_mode=sc.preemption_mode,
+        max_preemptions=sc.max_preemptions,
+    )
 
 
 def reference_outputs(fakes, sc: Scenario) -> dict[str, tuple[list[int], FinishReason]]:
@@ -271,8 +337,9 @@ def reference_outputs(fakes, sc: Scenario) -> dict[str, tuple[list[int], FinishR
     request at step 0, a pool that holds them all, chunking on, caching off, a huge budget."""
     bs = 16
     num_blocks = sum(blocks_needed(len(r.prompt) + r.max_tokens, bs) for r in sc.requests) + 1
-    config = SchedulerConfig(max_num_batched_tokens=1 << 20, max_num_seqs=1 << 20, enable_chunked_prefill=True,
-                             enable_prefix_caching=False)
+    config = SchedulerConfig(
+        max_num_batched_tokens=1 << 20, max_num_seqs=1 << 20, enable_chunked_prefill=True, enable_prefix_caching=False
+    )
     sched = Scheduler(config, BlockPool(num_blocks, bs), create_policy("fcfs"), sc.max_model_len)
     fake = fakes.FakeExecutor(num_blocks, bs, eos_after=sc.eos_after)
     reqs = [make_request(i, spec, fakes.EOS) for i, spec in enumerate(sc.requests, start=sc.first_id)]
@@ -337,8 +404,11 @@ def check_pools(sched: Scheduler, fake) -> None:
     live = sched.requests
     queued = [r.request_id for q in (sched.running, sched.waiting, sched.swapped) for r in q]
     assert sorted(queued) == sorted(live), f"queues {queued} are not the live requests {sorted(live)}"
-    for q, status in ((sched.running, RequestStatus.RUNNING), (sched.waiting, RequestStatus.WAITING),
-                      (sched.swapped, RequestStatus.SWAPPED)):
+    for q, status in (
+        (sched.running, RequestStatus.RUNNING),
+        (sched.waiting, RequestStatus.WAITING),
+        (sched.swapped, RequestStatus.SWAPPED),
+    ):
         for r in q:
             assert r.status is status, f"{r.request_id} is {r.status} in the {status.value} queue"
     pool, bs = sched.pool, sched.pool.block_size
@@ -352,31 +422,35 @@ def check_pools(sched: Scheduler, fake) -> None:
             assert r.num_computed_tokens == 0, f"waiting {r.request_id} has computed tokens"
         elif r.status is RequestStatus.SWAPPED:
             assert not r.block_ids, f"swapped {r.request_id} holds device blocks"
-            assert len(r.host_block_ids) == blocks_needed(r.num_computed_tokens, bs), \
+            assert len(r.host_block_ids) == blocks_needed(r.num_computed_tokens, bs), (
                 f"swapped {r.request_id}: {len(r.host_block_ids)} host blocks for {r.num_computed_tokens} tokens"
+            )
         else:
             assert not r.host_block_ids, f"running {r.request_id} holds host blocks"
         refs.update(r.block_ids)
         for i, b in enumerate(r.block_ids):
             holders.setdefault(b, []).append((r, i))
     for block in pool.blocks:
-        assert block.ref_count == refs[block.block_id], \
+        assert block.ref_count == refs[block.block_id], (
             f"device block {block.block_id}: ref count {block.ref_count}, held by {refs[block.block_id]} tables"
+        )
     referenced = sum(1 for b in pool.blocks if b.ref_count)
     assert pool.num_free_blocks + referenced == pool.num_blocks, "device: free + referenced != num_blocks"
     assert pool.num_used_references() == sum(len(r.block_ids) for r in live.values())
     for b, hs in holders.items():
         if len(hs) > 1:  # only a cached full prefix block is shared, at the same position
             assert pool.blocks[b].block_hash is not None, f"block {b} shared by {len(hs)} but not cached"
-            assert len({i for _, i in hs}) == 1 and all(i < len(r.block_hashes) for r, i in hs), \
+            assert len({i for _, i in hs}) == 1 and all(i < len(r.block_hashes) for r, i in hs), (
                 f"block {b} shared at positions {[(r.request_id, i) for r, i in hs]}"
+            )
     host = sched.host_pool
     if host is not None:
         host.check_invariants()
         host_refs = Counter(b for r in sched.swapped for b in r.host_block_ids)
         for block in host.blocks:
-            assert block.ref_count == host_refs[block.block_id] <= 1, \
+            assert block.ref_count == host_refs[block.block_id] <= 1, (
                 f"host block {block.block_id}: ref count {block.ref_count}, held {host_refs[block.block_id]} times"
+            )
         assert host.num_free_blocks + sum(1 for b in host.blocks if b.ref_count) == host.num_blocks
         assert host.num_used_references() == sum(len(r.host_block_ids) for r in sched.swapped)
     else:
@@ -399,13 +473,16 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
             trace.violations.append(message)
 
     policy_name = sc.policy
-    sched = Scheduler(scheduler_config(sc, sc.settings, policy_name),
-                      BlockPool(sc.num_blocks, sc.block_size, enable_caching=sc.enable_prefix_caching),
-                      create_policy(policy_name), sc.max_model_len,
-                      (LifoPool if sc.lifo_host_pool else BlockPool)(sc.num_host_blocks, sc.block_size)
-                      if sc.num_host_blocks else None)
-    fake = fakes.FakeExecutor(sc.num_blocks, sc.block_size, eos_after=sc.eos_after,
-                              num_host_blocks=sc.num_host_blocks)
+    sched = Scheduler(
+        scheduler_config(sc, sc.settings, policy_name),
+        BlockPool(sc.num_blocks, sc.block_size, enable_caching=sc.enable_prefix_caching),
+        create_policy(policy_name),
+        sc.max_model_len,
+        (LifoPool if sc.lifo_host_pool else BlockPool)(sc.num_host_blocks, sc.block_size)
+        if sc.num_host_blocks
+        else None,
+    )
+    fake = fakes.FakeExecutor(sc.num_blocks, sc.block_size, eos_after=sc.eos_after, num_host_blocks=sc.num_host_blocks)
     bs, pin = sc.block_size, sc.max_preemptions
     reqs = [make_request(i, spec, fakes.EOS) for i, spec in enumerate(sc.requests, start=sc.first_id)]
     arrival = {r.request_id: spec.arrival_step for r, spec in zip(reqs, sc.requests)}
@@ -416,9 +493,12 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
     def abort(step: int, in_flight: bool) -> None:
         for a in sc.aborts:
             victim = reqs[a.request]
-            if (a.in_flight == in_flight and victim.request_id in sched.requests
-                    and step >= sc.requests[a.request].arrival_step + a.not_before
-                    and a.state in ("any", _state(victim))):
+            if (
+                a.in_flight == in_flight
+                and victim.request_id in sched.requests
+                and step >= sc.requests[a.request].arrival_step + a.not_before
+                and a.state in ("any", _state(victim))
+            ):
                 event(f"abort {_state(victim)}{' in flight' if in_flight else ''}")
                 sched.abort(victim.request_id)
                 trace.aborted.add(victim.request_id)
@@ -448,8 +528,9 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
         plan = sched.schedule()
         trace.steps += 1
         where = f"step {plan.step_id}"
-        assert plan.num_tokens <= config.max_num_batched_tokens, \
+        assert plan.num_tokens <= config.max_num_batched_tokens, (
             f"{where}: {plan.num_tokens} tokens over the budget {config.max_num_batched_tokens}"
+        )
         assert len(plan.seqs) <= config.max_num_seqs, f"{where}: {len(plan.seqs)} seqs over {config.max_num_seqs}"
         assert len({e.seq_id for e in plan.seqs}) == len(plan.seqs), f"{where}: a sequence twice in a plan"
         check_pools(sched, fake)
@@ -463,27 +544,32 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
             assert e.num_new_tokens >= 1 and e.num_computed_tokens == r.num_computed_tokens
             assert e.num_computed_tokens + e.num_new_tokens <= r.num_tokens
             assert e.sample == (e.num_computed_tokens + e.num_new_tokens == r.num_tokens)
-            assert len(r.block_ids) == blocks_needed(e.num_computed_tokens + e.num_new_tokens, bs), \
+            assert len(r.block_ids) == blocks_needed(e.num_computed_tokens + e.num_new_tokens, bs), (
                 f"{where}: {r.request_id} holds {len(r.block_ids)} blocks for {e.num_computed_tokens}+{e.num_new_tokens}"
+            )
             if before[r.request_id][0] is RequestStatus.WAITING:
                 if e.num_computed_tokens:
                     trace.cache_hits += 1
                     event("prefix-cache hit")
                 if not config.enable_chunked_prefill:
-                    assert e.num_computed_tokens + e.num_new_tokens == r.num_tokens, \
+                    assert e.num_computed_tokens + e.num_new_tokens == r.num_tokens, (
                         f"{where}: chunking off but {r.request_id}'s prompt was admitted in part"
+                    )
         if not config.enable_chunked_prefill:
             admitted = [rid for rid in scheduled if before[rid][0] is RequestStatus.WAITING]
-            assert not admitted or len(admitted) == len(scheduled), \
+            assert not admitted or len(admitted) == len(scheduled), (
                 f"{where}: chunking off but admissions {admitted} share the step with running requests"
+            )
         for r in sched.running:
             if r.request_id not in scheduled:
-                assert len(r.block_ids) == blocks_needed(r.num_computed_tokens, bs), \
+                assert len(r.block_ids) == blocks_needed(r.num_computed_tokens, bs), (
                     f"{where}: unscheduled {r.request_id} holds {len(r.block_ids)} blocks for {r.num_computed_tokens}"
+                )
         # Cursors move back only through a recorded recompute preemption.
         preempted = set(plan.preempted)
-        assert len(preempted) == len(plan.preempted) and not preempted & set(scheduled), \
+        assert len(preempted) == len(plan.preempted) and not preempted & set(scheduled), (
             f"{where}: preempted {plan.preempted} twice or scheduled anyway"
+        )
         for rid, r in sched.requests.items():
             if rid not in before:
                 continue
@@ -497,8 +583,9 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
                 else:
                     event("recompute preemption")
             else:
-                assert r.num_computed_tokens >= computed, \
+                assert r.num_computed_tokens >= computed, (
                     f"{where}: {rid}'s cursor went back {computed} -> {r.num_computed_tokens} without a preemption"
+                )
         trace.preemptions += len(preempted)
         trace.preempted.update(preempted)
         for rid in plan.preempted:
@@ -507,9 +594,12 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
         ins, outs = [h for h, _ in plan.swap_in], [h for _, h in plan.swap_out]
         assert len(set(ins)) == len(ins) and len(set(outs)) == len(outs)
         assert len({d for _, d in plan.swap_in}) == len(plan.swap_in)
-        violation(not set(ins) & set(outs), HostBlockReused,
-                  f"{where}: host blocks {sorted(set(ins) & set(outs))} are read by a swap-in and written by "
-                  f"a swap-out of the same step (swap-outs run first: the swap-in reads the other KV)")
+        violation(
+            not set(ins) & set(outs),
+            HostBlockReused,
+            f"{where}: host blocks {sorted(set(ins) & set(outs))} are read by a swap-in and written by "
+            f"a swap-out of the same step (swap-outs run first: the swap-in reads the other KV)",
+        )
         trace.swap_ins += len(ins)
         trace.swap_outs += len(outs)
         if ins:
@@ -519,27 +609,37 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
         for rid in plan.preempted:
             if before[rid][2] >= pin:
                 event("pinned request preempted")
-                violation(not unpinned_running, NoForwardProgress,
-                          f"{where}: {rid}, pinned ({before[rid][2]} preemptions), was preempted while unpinned "
-                          f"{unpinned_running} kept running")
+                violation(
+                    not unpinned_running,
+                    NoForwardProgress,
+                    f"{where}: {rid}, pinned ({before[rid][2]} preemptions), was preempted while unpinned "
+                    f"{unpinned_running} kept running",
+                )
         if oldest is not None and before[oldest.request_id][2] >= pin:
             o = oldest.request_id
             others = [r.request_id for r in sched.running]
-            violation(o not in preempted or not others, NoForwardProgress,
-                      f"{where}: the oldest request {o}, pinned, was preempted while {others} kept running")
+            violation(
+                o not in preempted or not others,
+                NoForwardProgress,
+                f"{where}: the oldest request {o}, pinned, was preempted while {others} kept running",
+            )
             # With chunked prefill the oldest pinned request, if running, gains at least one token
             # every step, so it finishes within its remaining tokens' worth of steps.
             # (Chunking off, a step of whole-prompt admissions runs no running request.)
             if before[o][0] is RequestStatus.RUNNING and config.enable_chunked_prefill:
-                violation(o in scheduled, NoForwardProgress,
-                          f"{where}: the oldest request {o}, pinned and running, was not scheduled")
+                violation(
+                    o in scheduled,
+                    NoForwardProgress,
+                    f"{where}: the oldest request {o}, pinned and running, was not scheduled",
+                )
 
         # ---- execute and apply ----
         known = {r.seq_id for r in sched.requests.values() if r.known_to_executor}
         abort(step, in_flight=True)
         result = fake.execute(plan)
-        assert set(fake.seqs) == known, \
+        assert set(fake.seqs) == known, (
             f"{where}: the executor holds sequences {sorted(fake.seqs)}, the scheduler thinks {sorted(known)}"
+        )
         outputs = sched.update(plan, result)
         for out in outputs:
             if out.finish_reason is not None:
@@ -548,8 +648,9 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
             r = sched.requests.get(rid)
             if r is not None and r.status is RequestStatus.RUNNING:
                 assert r.num_computed_tokens == e.num_computed_tokens + e.num_new_tokens
-                assert fake.seqs[r.seq_id]["blocks"] == r.block_ids, \
+                assert fake.seqs[r.seq_id]["blocks"] == r.block_ids, (
                     f"{where}: the executor's table for {rid} is {fake.seqs[r.seq_id]['blocks']}, not {r.block_ids}"
+                )
         for r in sched.running:
             assert len(r.block_ids) == blocks_needed(r.num_computed_tokens, bs)
         check_pools(sched, fake)
@@ -569,11 +670,17 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
         tokens, reason = expected[r.request_id]
         if r.request_id in trace.aborted:
             assert r.finish_reason is FinishReason.ABORTED
-            violation(r.output_token_ids == tokens[:len(r.output_token_ids)], WrongTokens,
-                      f"aborted {r.request_id}: {r.output_token_ids} is not a prefix of the reference {tokens}")
+            violation(
+                r.output_token_ids == tokens[: len(r.output_token_ids)],
+                WrongTokens,
+                f"aborted {r.request_id}: {r.output_token_ids} is not a prefix of the reference {tokens}",
+            )
         else:
-            violation((r.output_token_ids, r.finish_reason) == (tokens, reason), WrongTokens,
-                      f"{r.request_id}: {r.output_token_ids} ({r.finish_reason}) != reference {tokens} ({reason})")
+            violation(
+                (r.output_token_ids, r.finish_reason) == (tokens, reason),
+                WrongTokens,
+                f"{r.request_id}: {r.output_token_ids} ({r.finish_reason}) != reference {tokens} ({reason})",
+            )
     if trace.preemptions:
         event("preempted")
     return trace
@@ -581,10 +688,12 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
 
 # ---- the randomized test -----------------------------------------------------------------
 
+
 # One run per preemption mode and prefix caching on/off, so that each is covered whatever
 # the derandomized draws happen to be; everything else is drawn.
-@pytest.mark.parametrize("mode,churn", [("recompute", False), ("swap", False), ("swap", True)],
-                         ids=["recompute", "swap", "swap-churn"])
+@pytest.mark.parametrize(
+    "mode,churn", [("recompute", False), ("swap", False), ("swap", True)], ids=["recompute", "swap", "swap-churn"]
+)
 @pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
 @RANDOMIZED
 @given(data=st.data())
@@ -596,6 +705,7 @@ def test_random_scenarios_keep_every_invariant(fakes, mode, churn, caching, data
 
 # ---- regression tests (issue #13) ----------------------------------------------------------
 
+
 def _prompt(fakes, seq_id: int, n: int) -> tuple[int, ...]:
     return tuple(fakes.make_request(seq_id, prompt_len=n).prompt_token_ids)
 
@@ -605,11 +715,18 @@ def test_regression_swap_in_reads_a_host_block_the_same_steps_swap_out_overwrote
     is swapped back in (host 0 -> device) and host 0 is released at once; later in the same
     schedule() r2 finds no free block, swaps itself out and is given host 0. The executor
     copies swap-outs first, so r3 reads r2's KV: r3's tokens are wrong, with no error."""
-    sc = Scenario(block_size=4, num_blocks=7, num_host_blocks=5, max_model_len=4096,
-                  settings=Settings(max_num_batched_tokens=16, long_prefill_token_threshold=4),
-                  preemption_mode="swap", enable_prefix_caching=False, policy="fcfs", first_id=1,
-                  requests=(Req(0, _prompt(fakes, 1, 4), 3), Req(0, _prompt(fakes, 2, 26), 1),
-                            Req(0, _prompt(fakes, 3, 4), 12)))
+    sc = Scenario(
+        block_size=4,
+        num_blocks=7,
+        num_host_blocks=5,
+        max_model_len=4096,
+        settings=Settings(max_num_batched_tokens=16, long_prefill_token_threshold=4),
+        preemption_mode="swap",
+        enable_prefix_caching=False,
+        policy="fcfs",
+        first_id=1,
+        requests=(Req(0, _prompt(fakes, 1, 4), 3), Req(0, _prompt(fakes, 2, 26), 1), Req(0, _prompt(fakes, 3, 4), 12)),
+    )
     trace = simulate(fakes, sc, strict=False)
     assert trace.swap_outs and trace.swap_ins, "the scenario no longer swaps: make it tighter"
     assert not trace.violations, "\n".join(trace.violations)
@@ -624,9 +741,18 @@ def _stream(fakes) -> Scenario:
     max_preemptions 2. r1: 44 prompt tokens, 2 output tokens; its last step holds KV for 45
     tokens, all 12 blocks. Newer requests of 4 + 16 tokens arrive every 2 steps, steps 1..399."""
     newer = tuple(Req(step, _prompt(fakes, i, 4), 16) for i, step in enumerate(range(1, STREAM_STEPS, 2), start=2))
-    return Scenario(block_size=4, num_blocks=12, max_model_len=48, settings=Settings(max_num_batched_tokens=16),
-                    enable_prefix_caching=False, preemption_mode="recompute", policy="fcfs", max_preemptions=2,
-                    first_id=1, requests=(Req(0, _prompt(fakes, 1, 44), 2),) + newer)
+    return Scenario(
+        block_size=4,
+        num_blocks=12,
+        max_model_len=48,
+        settings=Settings(max_num_batched_tokens=16),
+        enable_prefix_caching=False,
+        preemption_mode="recompute",
+        policy="fcfs",
+        max_preemptions=2,
+        first_id=1,
+        requests=(Req(0, _prompt(fakes, 1, 44), 2),) + newer,
+    )
 
 
 def test_regression_the_pinned_oldest_request_is_not_preempted_again_and_finishes(fakes):
@@ -648,9 +774,11 @@ def test_regression_the_pinned_oldest_request_is_not_preempted_again_and_finishe
     trace = simulate(fakes, sc, strict=False)
     done = trace.finish_step
     newer_first = sum(1 for rid, s in done.items() if rid != "r1" and s < done["r1"])
-    summary = (f"r1 was preempted {trace.preempted['r1']} times (steps {trace.preempted_at.get('r1', [])[:6]}...), "
-               f"first ran pinned at step {trace.first_pinned_step.get('r1')}, finished at step {done['r1']} "
-               f"after {newer_first} newer requests; violations: {trace.violations[:3]}")
+    summary = (
+        f"r1 was preempted {trace.preempted['r1']} times (steps {trace.preempted_at.get('r1', [])[:6]}...), "
+        f"first ran pinned at step {trace.first_pinned_step.get('r1')}, finished at step {done['r1']} "
+        f"after {newer_first} newer requests; violations: {trace.violations[:3]}"
+    )
     assert trace.preempted["r1"] <= sc.max_preemptions, summary
     assert not trace.violations, summary
     if "r1" in trace.first_pinned_step:

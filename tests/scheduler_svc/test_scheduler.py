@@ -1,4 +1,5 @@
 """The step scheduler against a fake executor that checks every plan (no model)."""
+
 from __future__ import annotations
 
 import pytest
@@ -66,8 +67,9 @@ def test_only_the_chunk_reaching_the_last_token_samples(fakes):
 @pytest.mark.parametrize("budget", [1, 4, 7, 64, 4096])
 def test_outputs_do_not_depend_on_chunk_size(fakes, budget):
     def run(budget, chunked=True):
-        sched = fakes.make_scheduler(num_blocks=1024, block_size=4, max_num_batched_tokens=budget,
-                                     enable_chunked_prefill=chunked)
+        sched = fakes.make_scheduler(
+            num_blocks=1024, block_size=4, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+        )
         fake = fakes.FakeExecutor(1024, 4)
         for i in range(6):
             sched.add_request(fakes.make_request(i, prompt_len=1 + 19 * i, max_tokens=10))
@@ -77,8 +79,9 @@ def test_outputs_do_not_depend_on_chunk_size(fakes, budget):
 
 
 def test_chunking_off_prefill_steps_carry_no_decodes(fakes):
-    sched = fakes.make_scheduler(num_blocks=1024, block_size=4, max_num_batched_tokens=256,
-                                 enable_chunked_prefill=False)
+    sched = fakes.make_scheduler(
+        num_blocks=1024, block_size=4, max_num_batched_tokens=256, enable_chunked_prefill=False
+    )
     fake = fakes.FakeExecutor(1024, 4)
     sched.add_request(fakes.make_request(0, prompt_len=30, max_tokens=20))
     sched.update(plan := sched.schedule(), fake.execute(plan))
@@ -164,9 +167,14 @@ def test_late_result_of_an_aborted_request_is_dropped(fakes):
 
 
 def test_partial_prefill_caps_hold_in_every_step(fakes):
-    sched = fakes.make_scheduler(num_blocks=8192, block_size=16, max_num_batched_tokens=512,
-                                 max_num_partial_prefills=3, max_long_partial_prefills=1,
-                                 long_prefill_token_threshold=256)
+    sched = fakes.make_scheduler(
+        num_blocks=8192,
+        block_size=16,
+        max_num_batched_tokens=512,
+        max_num_partial_prefills=3,
+        max_long_partial_prefills=1,
+        long_prefill_token_threshold=256,
+    )
     fake = fakes.FakeExecutor(8192, 16)
     for i in range(12):  # alternating long (3000) and short (100) prompts
         sched.add_request(fakes.make_request(i, prompt_len=3000 if i % 2 == 0 else 100, max_tokens=4))

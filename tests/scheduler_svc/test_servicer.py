@@ -1,5 +1,6 @@
 """The public servicer in-process over real gRPC, with the fake executor: every bad input
 gets INVALID_ARGUMENT and queues nothing; cancellation in every request state frees all."""
+
 from __future__ import annotations
 
 import asyncio
@@ -104,10 +105,12 @@ def test_cancel_in_every_state_frees_every_block(fakes, byte_tokenizer_dir, stat
                     req = next((r for r in sched.requests.values() if r.num_prompt_tokens == 40), None)
                     if req is None:
                         continue
-                    if (state == "waiting" or
-                            (state == "prefilling" and 0 < req.num_computed_tokens < 40) or
-                            (state == "decoding" and req.num_output_tokens >= 2) or
-                            (state == "swapped" and req.status is RequestStatus.SWAPPED)):
+                    if (
+                        state == "waiting"
+                        or (state == "prefilling" and 0 < req.num_computed_tokens < 40)
+                        or (state == "decoding" and req.num_output_tokens >= 2)
+                        or (state == "swapped" and req.status is RequestStatus.SWAPPED)
+                    ):
                         break
                 else:
                     raise AssertionError(f"never reached {state}")
@@ -132,9 +135,16 @@ def test_cancel_in_every_state_frees_every_block(fakes, byte_tokenizer_dir, stat
 def test_snapshot_counts_what_requests_hold_and_get_info_reports_it(fakes, byte_tokenizer_dir):
     """Step by step through swap preemption, Scheduler.snapshot() agrees with what the requests
     themselves hold; GetInfo over gRPC and the Admin service's answer report those numbers."""
+
     async def main():
-        engine, limits = make(fakes, byte_tokenizer_dir, num_blocks=24, max_num_batched_tokens=8,
-                              preemption_mode="swap", num_host_blocks=64)  # the engine never steps on its own
+        engine, limits = make(
+            fakes,
+            byte_tokenizer_dir,
+            num_blocks=24,
+            max_num_batched_tokens=8,
+            preemption_mode="swap",
+            num_host_blocks=64,
+        )  # the engine never steps on its own
         sched, fake = engine.scheduler, engine.executor
         for i in range(6):
             sched.add_request(fakes.make_request(i, prompt_len=12, max_tokens=40))
@@ -145,8 +155,10 @@ def test_snapshot_counts_what_requests_hold_and_get_info_reports_it(fakes, byte_
                 for step in range(1000):
                     s = sched.snapshot()
                     live = list(sched.requests.values())
-                    statuses = [sum(r.status is st for r in live) for st in
-                                (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED)]
+                    statuses = [
+                        sum(r.status is st for r in live)
+                        for st in (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED)
+                    ]
                     assert [s.num_running, s.num_waiting, s.num_swapped] == statuses, f"step {step}"
                     held = len({b for r in live for b in r.block_ids})
                     assert (s.num_free_device_blocks, s.kv_cache_usage) == (24 - held, pytest.approx(held / 24))
@@ -154,13 +166,21 @@ def test_snapshot_counts_what_requests_hold_and_get_info_reports_it(fakes, byte_
                     if all(statuses) and asked < 3:  # running, waiting and swapped requests at once
                         asked += 1
                         info = await pb_grpc.GenerationStub(channel).GetInfo(pb.GetInfoRequest())
-                        assert (info.num_requests_running, info.num_requests_waiting, info.num_free_device_blocks,
-                                info.max_num_batched_tokens, info.model_name) == (
-                            s.num_running, s.num_waiting + s.num_swapped, s.num_free_device_blocks, 8, "fake")
+                        assert (
+                            info.num_requests_running,
+                            info.num_requests_waiting,
+                            info.num_free_device_blocks,
+                            info.max_num_batched_tokens,
+                            info.model_name,
+                        ) == (s.num_running, s.num_waiting + s.num_swapped, s.num_free_device_blocks, 8, "fake")
                         config = describe(s)
-                        assert (config.num_running, config.num_waiting, config.effective_step, config.policy,
-                                config.max_num_batched_tokens) == (s.num_running, info.num_requests_waiting,
-                                                                   step, "fcfs", 8)
+                        assert (
+                            config.num_running,
+                            config.num_waiting,
+                            config.effective_step,
+                            config.policy,
+                            config.max_num_batched_tokens,
+                        ) == (s.num_running, info.num_requests_waiting, step, "fcfs", 8)
                     if not sched.has_work():
                         break
                     plan = sched.schedule()

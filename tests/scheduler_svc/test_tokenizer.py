@@ -1,4 +1,5 @@
 """Tokenizer, chat template and incremental detokenizer (byte-level toy tokenizer)."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,8 +26,9 @@ def test_multibyte_characters_are_never_split(byte_tokenizer_dir):
     assert sum(1 for d in deltas if d) == len(text)  # each character exactly once
 
 
-@pytest.mark.parametrize("stop, expected", [("wor", "hello "), ("o", "hell"), ("界", "hello world 世"),
-                                            ("zzz", "hello world 世界")])
+@pytest.mark.parametrize(
+    "stop, expected", [("wor", "hello "), ("o", "hell"), ("界", "hello world 世"), ("zzz", "hello world 世界")]
+)
 def test_stop_strings_cut_the_text_and_never_leak(byte_tokenizer_dir, stop, expected):
     tok = Tokenizer(byte_tokenizer_dir)
     detok = IncrementalDetokenizer(tok, [], (stop, "another"))
