@@ -124,3 +124,16 @@ class Request:
         if start >= len(p):
             return out[start - len(p) : end - len(p)]
         return p[start:] + out[: end - len(p)]
+
+    def stop_reason(self, token_id: int, max_model_len: int) -> FinishReason | None:
+        """Why the request ends with token_id just appended (token-based conditions only: stop
+        strings need text and are checked by the engine), or None."""
+        params = self.sampling
+        if self.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return FinishReason.STOP
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,22 +1,13 @@
 """The step scheduler: builds each step's plan under the token budget. Never touches a tensor.
 
-There is no prefill or decode phase (docs/architecture.md): every request has `num_computed_tokens`
-catching up with `num_tokens`, and a step hands out the budget in this order:
-
-  1. running requests that decode (one token each) — never stalled by a prefill;
-  2. running requests in the middle of their prefill (the next chunk);
-  3. waiting requests in policy order (their first chunk).
-
-Each gets `min(remaining known tokens, remaining budget)` tokens and exactly the KV blocks
-those tokens need. Running out of blocks preempts (recompute: the victim's blocks are freed
-and its prompt plus generated tokens are prefilled again later) instead of failing.
-With `enable_chunked_prefill=False` a step is either whole-prompt prefills or decodes.
-
-Forward progress: a request preempted `max_preemptions` times is *pinned*. Pinned running
-requests are placed before everyone else, oldest first, and may preempt any request not yet
-placed in the step, never themselves while another candidate exists; so the oldest pinned
-request gains at least a block's worth of tokens every step until it finishes. (Placed
-last, as a long partial prefill is, it could only ever preempt itself, and starved.)
+There is no prefill or decode phase: every request has `num_computed_tokens` catching up with
+`num_tokens`. A step hands out the budget to pinned requests, then decodes (never stalled by
+a prefill), short partial prefills, swapped-out requests, waiting requests in policy order,
+and long partial prefills last; each gets `min(remaining known tokens, remaining budget)`
+tokens and exactly the KV blocks those tokens need. Running out of blocks preempts a victim
+(recompute or swap) instead of failing; a request preempted `max_preemptions` times is
+pinned: placed first, oldest first, and never its own victim while another exists, so it
+always progresses. docs/architecture.md ("Building a step") has the whole order and why.
 """
 
 from __future__ import annotations
@@ -393,19 +384,8 @@ class Scheduler:
                 continue
             request.output_token_ids.append(sampled.token_id)
             request.executor_has_last_token = True
-            reason = self._check_stop(request, sampled.token_id)
+            reason = request.stop_reason(sampled.token_id, self.max_model_len)
             outputs.append(TokenOutput(request, sampled, reason))
             if reason is not None:
                 self.finish(request, reason)
         return outputs
-
-    def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
-        params = request.sampling
-        if request.num_output_tokens >= params.min_tokens:
-            if token_id in params.stop_token_ids:
-                return FinishReason.STOP
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return FinishReason.STOP
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
