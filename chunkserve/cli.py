@@ -138,6 +138,8 @@ async def _serve_async(scheduler_config: object, executor_config: object) -> int
             return 1
         starting.result()
         print(f"chunkserve: serving on {scheduler_config.host}:{app.port}", flush=True)  # type: ignore[attr-defined]
+        if app.http is not None:
+            print(f"chunkserve: OpenAI-compatible HTTP API on {scheduler_config.http_host}:{app.http_port}", flush=True)  # type: ignore[attr-defined]
         stopping = asyncio.create_task(stop.wait())
         while True:
             done, _ = await asyncio.wait({stopping, child_exit}, return_when=asyncio.FIRST_COMPLETED)

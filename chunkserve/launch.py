@@ -40,6 +40,12 @@ class Server:
     log: Path
     token: str = field(default="", repr=False)  # this pair's executor token (in both environments)
     executor_env: dict[str, str] | None = field(default=None, repr=False)  # to start the executor again
+    http_port: int = 0  # the OpenAI-compatible HTTP API (0 = off)
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the OpenAI-compatible API (`openai.OpenAI(base_url=server.http_url)`)."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
 
     @property
     def address(self) -> str:
@@ -93,6 +99,9 @@ def start_server(tmp_dir: Path, executor_args: list[str], scheduler_args: list[s
     Like `chunkserve serve`: a fresh executor token shared by the two through their
     environment (never on a command line), and two children that exit when this process dies."""
     eport, port, mport, aport = free_port(), free_port(), free_port(), free_port()
+    # The HTTP front gets a free port too, unless the caller chose one (0 = off).
+    given = [scheduler_args[i + 1] for i, a in enumerate(scheduler_args[:-1]) if a == "--http-port"]
+    hport = int(given[-1]) if given else free_port()
     log = tmp_dir / f"server-{port}.log"
     out = open(log, "w")
     token = new_token()
@@ -119,13 +128,15 @@ def start_server(tmp_dir: Path, executor_args: list[str], scheduler_args: list[s
             str(mport),
             "--admin-port",
             str(aport),
+            "--http-port",
+            str(hport),
             *scheduler_args,
         ],
         stdout=out,
         stderr=subprocess.STDOUT,
         env=executor_child_env(token, env),
     )
-    server = Server(port, mport, aport, scheduler, executor, log, token, executor_env)
+    server = Server(port, mport, aport, scheduler, executor, log, token, executor_env, hport)
     deadline = time.time() + timeout
     while True:
         for proc in (scheduler, executor):

@@ -27,6 +27,7 @@ from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.config import SchedulerConfig, validate_against_executor
 from scheduler_svc.engine import Engine
 from scheduler_svc.executor_client import MAX_MESSAGE_BYTES, ExecutorClient
+from scheduler_svc.http_api import HttpFront
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.policy import Policy, create_policy
 from scheduler_svc.scheduler import Scheduler
@@ -85,6 +86,9 @@ class SchedulerApp:
             lambda: None if self.ready is None else (self.ready.engine, self.ready.limits, self.ready.info)
         )
         add_generation_servicer(servicer, self.server)
+        # The OpenAI-compatible HTTP API: the same servicer's admission path, engine and loop.
+        self.http = HttpFront(servicer, config.api_key) if config.http_port else None
+        self.http_port = 0
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -110,6 +114,11 @@ class SchedulerApp:
         else:
             self.port = self.server.add_insecure_port(address)
         await self.server.start()
+        if self.http is not None:
+            self.http_port = await self.http.start(
+                self.config.http_host, self.config.http_port, self.config.tls_cert_file, self.config.tls_key_file
+            )
+            log.info("OpenAI-compatible HTTP API on %s:%d", self.config.http_host, self.http_port)
         if self.admin is not None:
             self.admin.add_insecure_port(f"{self.config.admin_host}:{self.config.admin_port}")
             await self.admin.start()
@@ -236,7 +245,7 @@ class SchedulerApp:
 
     async def stop(self, grace: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        await asyncio.gather(self.server.stop(grace), self.http.stop(grace) if self.http else asyncio.sleep(0))
         if self.admin is not None:
             await self.admin.stop(None)
         self.tracer.close()

@@ -93,6 +93,14 @@ class SchedulerConfig:
         default=None, metadata={"help": "PEM certificate chain: serve the public API over TLS (with --tls-key-file)"}
     )
     tls_key_file: str | None = field(default=None, metadata={"help": "PEM private key for --tls-cert-file"})
+    http_host: str = field(default="0.0.0.0", metadata={"help": "address the OpenAI-compatible HTTP API listens on"})
+    http_port: int = field(
+        default=8000,
+        metadata={
+            "help": "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+            "/v1/models, /health, /version), beside the gRPC one; 0 = off"
+        },
+    )
     metrics_host: str = field(default="0.0.0.0", metadata={"help": "address of the Prometheus /metrics HTTP server"})
     metrics_port: int = field(default=9400, metadata={"help": "port of the Prometheus /metrics server; 0 = off"})
     admin_host: str = field(

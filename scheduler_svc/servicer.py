@@ -85,26 +85,42 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise UnavailableError("the executor is unavailable")
         return state
 
+    async def submit(self, request: pb.GenerateRequest) -> tuple[Engine, RequestStream]:
+        """Validates a request, tokenizes it off the event loop and queues it.
+
+        The one admission path of both public fronts (Generate here, the OpenAI-compatible
+        HTTP API in http_api.py builds a GenerateRequest and calls this), so the two refuse
+        and admit exactly the same requests, tokenize on the same worker in arrival order,
+        and share one engine. Raises ServingError; the caller aborts the returned stream's
+        request when it stops reading before the final delta.
+        """
+        engine, limits, _ = self._ready()
+        check_client_request_id(request)
+        if needs_tokenizer(request):
+            prompt = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, tokenize_prompt, request, engine.tokenizer, limits
+            )
+        else:  # token ids: bounded by max_model_len, cheap
+            prompt = tokenize_prompt(request, engine.tokenizer, limits)
+        params = sampling_params(request, len(prompt), limits)
+        stream = engine.add_request(prompt, params, request.cache_salt or None, request.priority, request.tenant)
+        return engine, stream
+
+    def ready_state(self) -> tuple[Engine, Limits, pb.GetInfoResponse]:
+        """The engine, limits and static info while serving; UnavailableError otherwise."""
+        return self._ready()
+
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            engine, limits, _ = self._ready()
-            check_client_request_id(request)
-            if needs_tokenizer(request):
-                prompt = await asyncio.get_running_loop().run_in_executor(
-                    self._tokenize_pool, tokenize_prompt, request, engine.tokenizer, limits
-                )
-            else:  # token ids: bounded by max_model_len, cheap
-                prompt = tokenize_prompt(request, engine.tokenizer, limits)
-            params = sampling_params(request, len(prompt), limits)
-            stream = engine.add_request(prompt, params, request.cache_salt or None, request.priority, request.tenant)
+            engine, stream = await self.submit(request)
         except ServingError as exc:
             await context.abort(exc.code, str(exc))
             return
         try:
             client_id = request.client_request_id  # echoed once, in the first message
-            async for delta in _deltas(stream):
+            async for delta in stream_deltas(stream):
                 if delta.error is not None:
                     await context.abort(delta.error.code, str(delta.error))
                 yield delta_to_proto(stream.request_id, client_id, delta)
@@ -136,8 +152,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return info
 
 
-async def _deltas(stream: RequestStream) -> AsyncIterator[StreamDelta]:
-    """Yields merged deltas until the final one."""
+async def stream_deltas(stream: RequestStream) -> AsyncIterator[StreamDelta]:
+    """Yields merged deltas until the final one (both public fronts read streams this way)."""
     while True:
         delta = await stream.queue.get()
         while not stream.queue.empty() and not (delta.finished or delta.error):

@@ -99,7 +99,9 @@ async def running_app(fakes, tokenizer_dir, monkeypatch, tokenizer_cls=SpyTokeni
     client = FakeExecutorClient(fakes.FakeExecutor(64, 4), tokenizer_dir)
     monkeypatch.setattr(app_module, "ExecutorClient", lambda *args, **kwargs: client)
     monkeypatch.setattr(app_module, "Tokenizer", tokenizer_cls)
-    app = app_module.SchedulerApp(SchedulerConfig(host="127.0.0.1", port=0, metrics_port=0, startup_timeout_s=10))
+    app = app_module.SchedulerApp(
+        SchedulerConfig(host="127.0.0.1", port=0, metrics_port=0, http_port=0, startup_timeout_s=10)
+    )
     await app.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:

@@ -51,7 +51,7 @@ async def start(config: SchedulerConfig, hs: epb.HandshakeResponse, monkeypatch)
     monkeypatch.setattr(app_module, "ExecutorClient", lambda *args, **kwargs: HandshakeOnlyClient(hs))
     app = app_module.SchedulerApp(
         dataclasses.replace(
-            config, host="127.0.0.1", port=0, metrics_port=0, admin_port=free_port(), startup_timeout_s=10
+            config, host="127.0.0.1", port=0, metrics_port=0, http_port=0, admin_port=free_port(), startup_timeout_s=10
         )
     )
     try:

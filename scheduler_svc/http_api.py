@@ -1,0 +1,233 @@
+"""The OpenAI-compatible HTTP API, beside the gRPC one, on the same engine and event loop.
+
+A thin translation layer: a JSON body becomes a chunkserve.v1 GenerateRequest and goes
+through `GenerationServicer.submit`, the gRPC front's own admission path (validation,
+limits, tokenizing off the loop), so both fronts accept and refuse the same requests and
+share one scheduler, KV cache and metrics registry. Errors are OpenAI-style bodies
+({"error": {"message", "type", "param", "code"}}) with the status the gRPC code maps to.
+Starlette routes and streams; uvicorn serves it as one task on the scheduler's loop, with
+signals left to the process (see HttpFront). A stream the client closes aborts its request,
+and so does a client that disconnects while waiting for a non-streamed answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from chunkserve_contracts import __version__
+from chunkserve_contracts.auth import token_matches
+from scheduler_svc.engine import Engine, RequestStream, StreamDelta
+from scheduler_svc.errors import ServingError
+from scheduler_svc.openai_protocol import Choice, HttpError, build_request, error_response, get, usage
+from scheduler_svc.servicer import GenerationServicer, stream_deltas
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 16 * 1024 * 1024  # the gRPC front's transport limit (app.MAX_PUBLIC_REQUEST_BYTES)
+
+
+class HttpFront:
+    """The Starlette app and the uvicorn server that runs it on the current event loop."""
+
+    def __init__(self, servicer: GenerationServicer, api_key: str | None) -> None:
+        self.servicer = servicer
+        self._expected = f"Bearer {api_key}".encode() if api_key else None
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", functools.partial(self._generate, chat=False), methods=["POST"]),
+                Route("/v1/chat/completions", functools.partial(self._generate, chat=True), methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/version", self.version, methods=["GET"]),
+            ]
+        )
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.port = 0
+
+    # ---- routes ------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        """200 while requests can be served, 503 while loading or without an executor."""
+        try:
+            self.servicer.ready_state()
+        except ServingError as exc:
+            return Response(str(exc), 503)
+        return Response(status_code=200)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": __version__})
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            _, limits, info = self.servicer.ready_state()
+        except ServingError as exc:
+            return error_response(exc)
+        model = {"id": info.model_name, "object": "model", "created": 0, "owned_by": "chunkserve"}
+        return JSONResponse({"object": "list", "data": [{**model, "max_model_len": limits.max_model_len}]})
+
+    # ---- generation --------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        if self._expected is not None and not token_matches(request.headers.items(), self._expected):
+            raise HttpError("missing or wrong API key (Authorization: Bearer <key>)", 401, "authentication_error")
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        """The JSON object, read no further than MAX_BODY_BYTES."""
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise HttpError(f"the request body is over {MAX_BODY_BYTES} bytes", 413, "invalid_request_error")
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except ValueError as exc:  # also bad UTF-8
+            raise HttpError(f"the body is not valid JSON: {exc}", 400, "invalid_request_error") from None
+        if not isinstance(body, dict):
+            raise HttpError("the body must be a JSON object", 400, "invalid_request_error")
+        return body
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        try:
+            self._authorize(request)
+            body = await self._body(request)
+            _, _, info = self.servicer.ready_state()
+            model = get(body, "model", (str,), "a string")
+            if model not in (None, info.model_name):
+                raise HttpError(f"the model `{model}` does not exist", 404, "not_found_error", "model")
+            stream_opts = get(body, "stream_options", (dict,), "an object")
+            streaming = bool(get(body, "stream", (bool,), "a boolean"))
+            if stream_opts is not None and not streaming:
+                raise HttpError("stream_options needs stream: true", 400, "invalid_request_error", "stream_options")
+            engine, stream = await self.servicer.submit(build_request(body, chat))
+        except ServingError as exc:
+            return error_response(exc, chat)
+        choice = Choice(engine, chat, bool(body.get("logprobs")) if chat else body.get("logprobs") is not None)
+        head = {
+            "id": ("chatcmpl-" if chat else "cmpl-") + stream.request_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": info.model_name,
+        }
+        if streaming:
+            include_usage = bool((stream_opts or {}).get("include_usage"))
+            events = self._events(engine, stream, choice, head, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        collect = asyncio.ensure_future(self._collect(stream))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():
+                collect.cancel()
+                engine.abort(stream.request_id)  # the client left: free the request
+        if gone.done() and not collect.done():
+            return Response(status_code=499)
+        final = collect.result()
+        if final.error is not None:
+            return error_response(final.error, chat)
+        return JSONResponse({**head, "choices": [choice.body(final, stream=False)], "usage": usage(final)})
+
+    @staticmethod
+    async def _collect(stream: RequestStream) -> StreamDelta:
+        """All deltas folded into the final one."""
+        whole = StreamDelta()
+        async for d in stream_deltas(stream):
+            whole.token_ids += d.token_ids
+            whole.text += d.text
+            whole.logprobs += d.logprobs
+            if d.finished or d.error is not None:
+                d.token_ids, d.text, d.logprobs = whole.token_ids, whole.text, whole.logprobs
+                return d
+        raise AssertionError("unreachable: stream_deltas ends with a final delta")
+
+    async def _events(
+        self, engine: Engine, stream: RequestStream, choice: Choice, head: dict[str, Any], include_usage: bool
+    ) -> AsyncIterator[str]:
+        """Server-sent events ending in `data: [DONE]`; the request is aborted when the
+        response is cancelled (client gone) or closed before its final delta."""
+        head = {**head, "object": "chat.completion.chunk" if choice.chat else "text_completion"}
+        extra = {"usage": None} if include_usage else {}
+        try:
+            if choice.chat:  # OpenAI's first chunk carries the role
+                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+                yield _sse({**head, "choices": [{**first, "finish_reason": None}], **extra})
+            async for d in stream_deltas(stream):
+                if d.error is not None:
+                    yield _sse(json.loads(error_response(d.error, choice.chat).body))
+                    break
+                yield _sse({**head, "choices": [choice.body(d, stream=True)], **extra})
+                if d.finished and include_usage:
+                    yield _sse({**head, "choices": [], "usage": usage(d)})
+            yield "data: [DONE]\n\n"
+        finally:
+            if not stream.finished:
+                engine.abort(stream.request_id)
+
+    # ---- serving -----------------------------------------------------------------------
+
+    async def start(self, host: str, port: int, cert_file: str | None = None, key_file: str | None = None) -> int:
+        """Listens (ValueError when the port is taken) and serves as a task on this loop."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            sock = socket.create_server((host, port), family=family)
+        except OSError as exc:
+            raise ValueError(f"--http-port {port}: cannot listen on {host}:{port} ({exc.strerror})") from None
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app,
+            lifespan="off",
+            log_config=None,  # the process's logging stays as configured
+            access_log=False,
+            ws="none",
+            ssl_certfile=cert_file,
+            ssl_keyfile=key_file,
+            timeout_graceful_shutdown=5,
+        )
+        self._server = _Server(config)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]), name="http-api")
+        return self.port
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stops listening, lets open responses finish for `grace` s, then cancels them."""
+        if self._server is None or self._task is None:
+            return
+        self._server.config.timeout_graceful_shutdown = grace
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(self._task, grace + 2)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the scheduler process owns SIGINT/SIGTERM and
+    stops this server through HttpFront.stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
