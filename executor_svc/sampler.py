@@ -107,7 +107,8 @@ def _draw(probs: torch.Tensor, specs: list[SamplingSpec], positions: list[int]) 
 
 
 def sample(logits: torch.Tensor, params: list[SamplingSpec], positions: list[int]) -> SampleOutput:
-    """Pick one token per row of float32 `logits` [N, V].
+    """Pick one token per row of float32 `logits` [N, V] (any strides: greedy rows take the
+    argmax in place; rows that sample or report logprobs are copied out contiguous first).
 
     `positions[i]` is the absolute position the sampled token will occupy in its sequence;
     with the request seed it keys the row's random stream.
@@ -122,7 +123,7 @@ def sample(logits: torch.Tensor, params: list[SamplingSpec], positions: list[int
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
         specs = [params[i] for i in random_rows]
-        probs = _filtered_probs(logits.index_select(0, rows), specs)
+        probs = _filtered_probs(logits.index_select(0, rows).contiguous(), specs)
         drawn = _draw(probs, specs, [positions[i] for i in random_rows])
         token_ids = token_ids.index_copy(0, rows, drawn)
     ids = token_ids.tolist()
@@ -131,7 +132,7 @@ def sample(logits: torch.Tensor, params: list[SamplingSpec], positions: list[int
     wanted = [i for i, s in enumerate(params) if s.num_logprobs >= 0]
     if wanted:
         rows = torch.tensor(wanted, device=logits.device)
-        lp = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+        lp = torch.log_softmax(logits.index_select(0, rows).float().contiguous(), dim=-1)
         chosen = lp.gather(1, token_ids.index_select(0, rows)[:, None]).squeeze(1).tolist()
         k = min(max(params[i].num_logprobs for i in wanted), lp.shape[1])
         top_vals = top_ids = [[] for _ in wanted]

@@ -101,9 +101,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T] positions -> cos, sin of shape [T, 1, head_dim / 2] in `dtype`."""
+        """[T] positions -> `cos`, `sin` of shape [T, 1, head_dim] in `dtype`, the half-width
+        tables doubled to full width as `apply_rotary` wants them: [cos, cos], [-sin, sin]
+        (built once per step and shared by every layer, so a layer pays 4 ops, not 8)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
+        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -121,9 +124,13 @@ def _llama3_scale(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tenso
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on [T, H, D]; bitwise equal to HF's `x*cos + rotate_half(x)*sin`."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate-half RoPE on [T, H, D] with RotaryEmbedding's full-width `cos` = [cos, cos] and
+    `sin` = [-sin, sin]; bitwise equal to HF's `x*cos + rotate_half(x)*sin`: rotate_half(x) *
+    sin = [-x2, x1] * [sin, sin] = [x2, x1] * [-sin, sin] (negation is exact), and [x2, x1] is
+    x rolled by D/2. One roll, two multiplies and an add, the last two in place."""
+    rotated = x.roll(x.shape[-1] // 2, dims=-1)
+    rotated.mul_(sin)
+    return (x * cos).add_(rotated)
 
 
 class PagedAttention(nn.Module):

@@ -139,9 +139,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the given rows only (the vocab projection is the
-        single most expensive matmul per row, so callers pass just the rows that sample)."""
+        single most expensive matmul per row, so callers pass just the rows that sample).
+
+        Not necessarily contiguous: on CPU it is the transposed view `linear` returns, and
+        copying it (6 MB at 32 rows) only to take a greedy argmax would cost more than the
+        argmax; the sampler makes contiguous copies of just the rows that need more."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float().contiguous()
+        return linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors into the (fused) parameters; see weights.py."""

@@ -111,3 +111,22 @@ def test_sliding_window_caps_max_model_len(tiny_configs):
     config.sliding_window = 64
     config.architectures = ["MistralForCausalLM"]
     assert get_model_class(config)(config).max_model_len == 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_is_bitwise_hf(dtype):
+    """apply_rotary with the full-width tables RotaryEmbedding builds once per step (issue 18)
+    equals HF's `q*cos + rotate_half(q)*sin` bit for bit, on a strided q/k slice like the model's."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    from executor_svc.models.layers import RotaryEmbedding, apply_rotary
+
+    head_dim, positions = 64, torch.tensor([0, 5, 130, 4095])
+    rot = RotaryEmbedding(head_dim, {"rope_type": "default", "rope_theta": 10000.0}, "cpu")
+    qkv = torch.randn(4, 15, head_dim, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x = qkv[:, :12]
+    cos, sin = rot(positions, dtype)
+    freqs = positions.float()[:, None] * rot.inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    hf_cos, hf_sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    assert torch.equal(apply_rotary(x, cos, sin), x * hf_cos + rotate_half(x) * hf_sin)

@@ -116,3 +116,23 @@ def test_invalid_specs_are_refused(kwargs, message):
 def test_shape_mismatch_is_refused():
     with pytest.raises(ValueError, match="one SamplingSpec and one position per row"):
         sample(_logits(2), [SamplingSpec()], [0, 1])
+
+
+def test_transposed_logits_sample_like_contiguous_ones():
+    """compute_logits hands the sampler the transposed view its CPU matmul returns (issue 18):
+    greedy, seeded and logprob rows must come out exactly as from a contiguous copy."""
+    contiguous = _logits(6, vocab=64, seed=3)
+    strided = contiguous.t().contiguous().t()
+    assert not strided.is_contiguous() and torch.equal(strided, contiguous)
+    specs = [
+        SamplingSpec(temperature=0),
+        SamplingSpec(temperature=0, num_logprobs=3),
+        SamplingSpec(temperature=0.8, seed=7, num_logprobs=0),
+        SamplingSpec(temperature=1.2, top_k=5, top_p=0.9, seed=8),
+        SamplingSpec(temperature=0.5, min_p=0.1, seed=9, num_logprobs=2),
+        SamplingSpec(temperature=0),
+    ]
+    a = sample(contiguous, specs, list(range(6)))
+    b = sample(strided, specs, list(range(6)))
+    assert a.token_ids == b.token_ids and a.top == b.top
+    assert [x for x in a.logprobs if not math.isnan(x)] == [x for x in b.logprobs if not math.isnan(x)]
