@@ -120,6 +120,14 @@ def scrape(server) -> dict[str, float]:
     return samples, text
 
 
+def until(condition, timeout: float = 120.0) -> None:
+    """Polls condition; the timeout only turns a hang into a failure."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met"
+        time.sleep(0.05)
+
+
 def test_metrics_and_trace_match_a_scripted_workload(server, tmp_path):
     traces: list[pb.StepTrace] = []
     admin = pb_grpc.AdminStub(grpc.insecure_channel(server.admin_address))
@@ -133,9 +141,15 @@ def test_metrics_and_trace_match_a_scripted_workload(server, tmp_path):
             pass  # cancelled at the end of the test
 
     threading.Thread(target=collect, daemon=True).start()
-    time.sleep(0.5)  # the subscription is registered
     stub = server.stub()
+    # The subscription is live once a warm-up request's steps arrive (no sleep to guess it).
+    until(lambda: list(stub.Generate(build_request([7, 8], temperature=0.0, max_tokens=1))) and traces)
+    server.assert_idle_and_no_leaks()
+    start_step = admin.GetConfig(pb.GetConfigRequest(), timeout=10).effective_step  # the workload's first step
     before, _ = scrape(server)
+
+    def workload_traces() -> list[pb.StepTrace]:
+        return [t for t in list(traces) if t.step_id >= start_step]
 
     # 150-token prompt, budget 64: chunks 64, 64, 22 (samples), then 4 decodes.
     a = list(stub.Generate(build_request(list(range(1000, 1150)), temperature=0.0, max_tokens=5, ignore_eos=True)))
@@ -145,8 +159,17 @@ def test_metrics_and_trace_match_a_scripted_workload(server, tmp_path):
     assert stub.Abort(pb.AbortRequest(request_id=first.request_id)).found
     c = list(call)
     server.assert_idle_and_no_leaks()
-    time.sleep(0.2)
+    # Every step is both traced and counted before the numbers are compared.
+    until(
+        lambda: (
+            scrape(server)[0].get("chunkserve_iteration_tokens_count", 0)
+            - before.get("chunkserve_iteration_tokens_count", 0)
+            == len(workload_traces())
+            > 0
+        )
+    )
     after, text = scrape(server)
+    watched = workload_traces()  # a new name: collect() still appends to `traces`
     watch.cancel()
 
     def delta(key):
@@ -161,14 +184,14 @@ def test_metrics_and_trace_match_a_scripted_workload(server, tmp_path):
     assert delta("chunkserve_time_to_first_token_seconds_count") == 3
     assert delta("chunkserve_e2e_request_latency_seconds_count") == 3
     assert delta("chunkserve_inter_token_latency_seconds_count") == generated - 3
-    assert delta("chunkserve_iteration_tokens_sum") == sum(t.num_tokens for t in traces)
+    assert delta("chunkserve_iteration_tokens_sum") == sum(t.num_tokens for t in watched)
     assert after["chunkserve_kv_cache_usage_perc"] == 0.0 and after["chunkserve_num_requests_running"] == 0
 
-    first_request = [t for t in traces if any(s.request_id == a[0].request_id for s in t.seqs)]
+    first_request = [t for t in watched if any(s.request_id == a[0].request_id for s in t.seqs)]
     assert [t.num_tokens for t in first_request] == [64, 64, 22, 1, 1, 1, 1]
     assert [t.num_prefill_tokens for t in first_request] == [64, 64, 22, 0, 0, 0, 0]
     assert [t.seqs[0].num_computed_tokens for t in first_request] == [0, 64, 128, 150, 151, 152, 153]
-    assert all(t.token_budget == 64 and t.executor_ns > 0 for t in traces)
+    assert all(t.token_budget == 64 and t.executor_ns > 0 for t in watched)
 
 
 @pytest.mark.skipif(not shutil.which("promtool"), reason="promtool not installed (apt-get install prometheus)")
