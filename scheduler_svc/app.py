@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from chunkserve_contracts import __version__
 from chunkserve_contracts.auth import BearerTokenInterceptor
@@ -30,6 +30,7 @@ from scheduler_svc.executor_client import MAX_MESSAGE_BYTES, ExecutorClient
 from scheduler_svc.http_api import HttpFront
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.policy import Policy, create_policy
+from scheduler_svc.reflection import enable_reflection
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.servicer import GenerationServicer, add_generation_servicer
 from scheduler_svc.tokenizer import Tokenizer
@@ -53,6 +54,18 @@ def refused_message(address: str) -> str:
         "server (another `chunkserve serve` on the same --executor-port?) or CHUNKSERVE_EXECUTOR_TOKEN "
         "differs between the scheduler and the executor"
     )
+
+
+def _listen(add_port: Callable[[], int], flag: str, address: str) -> int:
+    """gRPC's add_*_port, with its RuntimeError (a port taken since start-up checked it, an
+    address not of this host) as a ValueError of one line naming the flag."""
+    try:
+        return add_port()
+    except RuntimeError:
+        port = address.rsplit(":", 1)[-1]
+        raise ValueError(
+            f"{flag} {port}: cannot listen on {address} (the port is in use, or the address is not one of this host)"
+        ) from None
 
 
 @dataclass
@@ -90,10 +103,7 @@ class SchedulerApp:
         self.http = HttpFront(servicer, config.api_key) if config.http_port else None
         self.http_port = 0
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server,
-        )
+        enable_reflection(self.server, SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
         self.port = 0
         self.metrics: Metrics | None = None
         self._supervisor: asyncio.Task[None] | None = None
@@ -103,6 +113,7 @@ class SchedulerApp:
             self.admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             servicer = AdminServicer(self.tracer, lambda: None if self.ready is None else self.ready.controls)
             pb_grpc.add_AdminServicer_to_server(servicer, self.admin)
+            enable_reflection(self.admin, pb.DESCRIPTOR.services_by_name["Admin"].full_name)  # v1 + v1alpha, as above
 
     async def start(self) -> None:
         """Listens, then connects to the executor; returns when requests can be served."""
@@ -110,9 +121,9 @@ class SchedulerApp:
         if self.config.tls_cert_file:
             with open(self.config.tls_cert_file, "rb") as cert, open(self.config.tls_key_file, "rb") as key:
                 credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
-            self.port = self.server.add_secure_port(address, credentials)
+            self.port = _listen(lambda: self.server.add_secure_port(address, credentials), "--port", address)
         else:
-            self.port = self.server.add_insecure_port(address)
+            self.port = _listen(lambda: self.server.add_insecure_port(address), "--port", address)
         await self.server.start()
         if self.http is not None:
             self.http_port = await self.http.start(
@@ -120,7 +131,8 @@ class SchedulerApp:
             )
             log.info("OpenAI-compatible HTTP API on %s:%d", self.config.http_host, self.http_port)
         if self.admin is not None:
-            self.admin.add_insecure_port(f"{self.config.admin_host}:{self.config.admin_port}")
+            admin_address = f"{self.config.admin_host}:{self.config.admin_port}"
+            _listen(lambda: self.admin.add_insecure_port(admin_address), "--admin-port", admin_address)
             await self.admin.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -172,8 +184,9 @@ class SchedulerApp:
         pool = BlockPool(hs.num_device_blocks, hs.block_size, enable_caching=config.enable_prefix_caching)
         scheduler = Scheduler(config, pool, policy, max_model_len, host_pool)
         eos = frozenset(hs.model.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
+        model_name = self.config.served_model_name or hs.model_name  # API, GetInfo and metrics label
         if self.metrics is None:
-            self.metrics = Metrics(hs.model_name)
+            self.metrics = Metrics(model_name, max_model_len)
             if config.metrics_port:
                 self.metrics.serve(config.metrics_host, config.metrics_port)
         engine = Engine(
@@ -187,7 +200,7 @@ class SchedulerApp:
         )
         engine.start()
         info = pb.GetInfoResponse(
-            model_name=hs.model_name,
+            model_name=model_name,
             max_model_len=max_model_len,
             vocab_size=hs.model.vocab_size,
             dtype=hs.dtype,

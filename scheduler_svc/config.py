@@ -107,7 +107,13 @@ class SchedulerConfig:
         default="127.0.0.1",
         metadata={"help": "address of the Admin gRPC service (operators only: keep it on loopback)"},
     )
-    admin_port: int = field(default=0, metadata={"help": "port of the Admin gRPC service; 0 = off"})
+    admin_port: int = field(
+        default=50052,
+        metadata={
+            "help": "port of the Admin gRPC service (`chunkserve admin`; on loopback unless --admin-host says "
+            "otherwise); 0 = off"
+        },
+    )
     step_trace_file: str | None = field(
         default=None, metadata={"help": "append every step's plan summary to this file as JSON lines"}
     )
@@ -125,6 +131,13 @@ class SchedulerConfig:
     )
     tokenizer: str | None = field(
         default=None, metadata={"help": "folder with tokenizer.json (default: the model folder the executor reports)"}
+    )
+    served_model_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "the model's name to clients and dashboards: the OpenAI API's `model`, GetInfo's model_name "
+            "and the metrics' model_name label (default: the executor's --model)"
+        },
     )
     startup_timeout_s: float = field(
         default=600.0, metadata={"help": "how long to wait for the executor's handshake at start-up"}

@@ -4,9 +4,11 @@ Dashboards built for vLLM carry over by replacing `vllm:` with `chunkserve_`: sa
 suffixes, buckets and `model_name` label. Two deliberate differences, because the output
 must pass `promtool check metrics`: the prefix ends in `_`, not `:` (colons are reserved
 for recording rules), and the tokens-per-step histogram is `iteration_tokens`, not
-`iteration_tokens_total` (`_total` is for counters). All
-intervals are measured on this process's monotonic clock (the executor only reports its
-own step time), so no multiprocess registry is needed. Served over plain HTTP on
+`iteration_tokens_total` (`_total` is for counters). `finished_reason` takes vLLM's values:
+`stop` (EOS, a stop string or a stop token id), `length`, `abort` (aborted or failed). Every
+series vLLM's Grafana dashboard reads is here; docs/grafana/chunkserve-dashboard.json is that
+dashboard adapted. All intervals are measured on this process's monotonic clock (the executor
+only reports its own step time), so no multiprocess registry is needed. Served over plain HTTP on
 `--metrics-port` by prometheus_client's threaded server.
 """
 
@@ -86,18 +88,31 @@ REQUEST_BUCKETS = (
     7680.0,
 )
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# vLLM's finished_reason values: a stop string or stop token id is `stop` like EOS.
 FINISH_LABELS = {
     FinishReason.STOP: "stop",
     FinishReason.LENGTH: "length",
-    FinishReason.STOP_SEQUENCE: "stop_sequence",
+    FinishReason.STOP_SEQUENCE: "stop",
     FinishReason.ABORTED: "abort",
 }
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to max_value."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return tuple(buckets)
+            buckets.append(value)
+        exponent += 1
 
 
 class Metrics(Observer):
     """Every metric the scheduler exports; `registry` is private to this instance."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 8192) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         reg = self.registry
@@ -112,7 +127,11 @@ class Metrics(Observer):
             return Histogram(f"chunkserve_{name}", doc, labels, buckets=buckets, registry=reg).labels(model_name)
 
         self.running = gauge("num_requests_running", "Requests being computed (prefilling or decoding).")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting for admission, preempted ones included.")
+        self.waiting = gauge(
+            "num_requests_waiting",
+            "Requests waiting for admission, recompute-preempted ones included; swapped ones are in "
+            "num_requests_swapped.",
+        )
         self.swapped = gauge("num_requests_swapped", "Requests whose KV is swapped out to host memory.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of device KV blocks in use, 0 to 1.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (counted at the first token).")
@@ -130,10 +149,22 @@ class Metrics(Observer):
             registry=reg,
         )
         self._model_name = model_name
-        for label in FINISH_LABELS.values():
+        for label in dict.fromkeys(FINISH_LABELS.values()):
             self._success.labels(model_name, label)  # export zeros so rate() works from the start
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS)
+        # vLLM's older name for the same per-token observations, still read by its dashboard.
+        self.tpot = histogram(
+            "time_per_output_token_seconds", "Time between consecutive tokens (= inter_token_latency).", ITL_BUCKETS
+        )
+        self.request_tpot = histogram(
+            "request_time_per_output_token_seconds", "Per request: decode time / (generated tokens - 1).", ITL_BUCKETS
+        )
+        length_buckets = buckets_1_2_5(max_model_len)
+        self.request_prompt = histogram("request_prompt_tokens", "Prompt tokens per finished request.", length_buckets)
+        self.request_generation = histogram(
+            "request_generation_tokens", "Generated tokens per finished request.", length_buckets
+        )
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
         self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.", REQUEST_BUCKETS)
@@ -181,6 +212,7 @@ class Metrics(Observer):
                 self.prefill.observe(now - request.first_scheduled_time)
         elif request.last_token_time is not None:
             self.itl.observe(now - request.last_token_time)
+            self.tpot.observe(now - request.last_token_time)
 
     def on_finish(self, request: Request, reason: FinishReason, now: float) -> None:
         self._success.labels(self._model_name, FINISH_LABELS[reason]).inc()
@@ -189,3 +221,7 @@ class Metrics(Observer):
             self.queue.observe(request.first_scheduled_time - request.arrival_time)
         if request.first_token_time is not None:
             self.decode.observe(now - request.first_token_time)
+            if request.num_output_tokens > 1:
+                self.request_tpot.observe((now - request.first_token_time) / (request.num_output_tokens - 1))
+        self.request_prompt.observe(request.num_prompt_tokens)
+        self.request_generation.observe(request.num_output_tokens)

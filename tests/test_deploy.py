@@ -164,19 +164,29 @@ def test_services_networks_and_ports():
     assert "ports" not in executor
     assert list(executor["networks"]) == ["internal"]
     assert executor["environment"]["CHUNKSERVE_EXECUTOR_HOST"] == "0.0.0.0"
-    # The scheduler: on the internal network and a normal one, publishing exactly 50051 and 9400.
+    # The scheduler: on the internal network and a normal one, publishing exactly the gRPC API
+    # (50051), the OpenAI-compatible HTTP API (8000, --http-port's default) and metrics (9400).
     assert "internal" in scheduler["networks"] and len(scheduler["networks"]) == 2
     published = {}
     for port in scheduler["ports"]:
         host, _, target = str(port).rpartition(":")
         published[int(target)] = host
-    assert published == {50051: "50051", 9400: "9400"}
+    assert published == {50051: "50051", 8000: "8000", 9400: "9400"}
     env = scheduler["environment"]
-    assert (env["CHUNKSERVE_PORT"], env["CHUNKSERVE_METRICS_PORT"]) == ("50051", "9400")
+    assert (env["CHUNKSERVE_PORT"], env["CHUNKSERVE_HTTP_PORT"], env["CHUNKSERVE_METRICS_PORT"]) == (
+        "50051",
+        "8000",
+        "9400",
+    )
+    assert env["CHUNKSERVE_HOST"] == env["CHUNKSERVE_HTTP_HOST"] == env["CHUNKSERVE_METRICS_HOST"] == "0.0.0.0"
+    assert str(SchedulerConfig().http_port) == env["CHUNKSERVE_HTTP_PORT"]  # what vLLM users expect
     assert env["CHUNKSERVE_EXECUTOR_ADDRESS"] == f"executor:{executor['environment']['CHUNKSERVE_EXECUTOR_PORT']}"
     # Compose's host-port variables move the published side only.
-    moved = load(COMPOSE, {"CHUNKSERVE_PORT": "8001", "CHUNKSERVE_METRICS_PORT": "8002"})
-    assert moved["services"]["scheduler"]["ports"] == ["8001:50051", "8002:9400"]
+    moved = load(
+        COMPOSE, {"CHUNKSERVE_PORT": "8001", "CHUNKSERVE_METRICS_PORT": "8002", "CHUNKSERVE_HTTP_PORT": "8003"}
+    )
+    assert moved["services"]["scheduler"]["ports"] == ["8001:50051", "8003:8000", "8002:9400"]
+    assert moved["services"]["scheduler"]["environment"]["CHUNKSERVE_HTTP_PORT"] == "8000"
 
 
 def test_health_checks_start_order_and_shutdown():
@@ -190,6 +200,8 @@ def test_health_checks_start_order_and_shutdown():
         assert "entrypoint" not in service
         assert service["init"] is True
     assert seconds(doc["services"]["executor"]["healthcheck"]["start_period"]) >= 300  # first conversion
+    # Ready means the gRPC Generation service is SERVING, whatever else the scheduler publishes.
+    assert doc["services"]["scheduler"]["healthcheck"]["test"] == ["CMD", *PROBE, "--target", "scheduler"]
     assert doc["services"]["scheduler"]["depends_on"] == {"executor": {"condition": "service_healthy"}}
     assert "shm_size" in doc["services"]["executor"]
 
@@ -208,6 +220,8 @@ def test_environment_names_real_flags_with_their_defaults():
         "CHUNKSERVE_PORT",
         "CHUNKSERVE_METRICS_HOST",
         "CHUNKSERVE_METRICS_PORT",
+        "CHUNKSERVE_HTTP_HOST",
+        "CHUNKSERVE_HTTP_PORT",
         "CHUNKSERVE_EXECUTOR_ADDRESS",
     }
     for name, service in raw["services"].items():
@@ -251,6 +265,11 @@ def test_model_cache_volume_is_shared_read_only_with_the_scheduler():
     assert scheduler["volumes"] == [f"model-cache:{cache}:ro"]  # same path: the executor reports it
     assert "model-cache" in doc["volumes"]
     assert scheduler["environment"]["CHUNKSERVE_TOKENIZER"] == ""
+    # One cache per Docker host on purpose (every project shares the converted models), unless
+    # a project names its own.
+    assert doc["volumes"]["model-cache"]["name"] == "chunkserve-model-cache"
+    own = load(COMPOSE, {"CHUNKSERVE_MODEL_CACHE_VOLUME": "project-b-cache"})
+    assert own["volumes"]["model-cache"]["name"] == "project-b-cache"
 
 
 def test_gpu_overlay_reserves_one_nvidia_gpu():
@@ -263,6 +282,16 @@ def test_gpu_overlay_reserves_one_nvidia_gpu():
     assert executor["environment"]["CHUNKSERVE_DEVICE"] == "cuda"
     assert "download.pytorch.org/whl/cpu" not in executor["build"]["args"]["TORCH_INDEX_URL"]
     assert executor["image"] != load(COMPOSE)["services"]["executor"]["image"]  # never the CPU image
+    # The GPU image runs the Triton kernel (no flash-attn in it), named so that an image without
+    # Triton fails at start-up; its blocks of 16 are ones flash-attn 2 could not page anyway.
+    assert executor["environment"]["CHUNKSERVE_ATTENTION_BACKEND"] == "triton"
+    assert int(executor["environment"]["CHUNKSERVE_BLOCK_SIZE"]) % 256 != 0
+    changed = merge(load(COMPOSE), load(GPU_OVERLAY, {"CHUNKSERVE_ATTENTION_BACKEND": "auto"}))
+    assert changed["services"]["executor"]["environment"]["CHUNKSERVE_ATTENTION_BACKEND"] == "auto"
+    dockerfile = (REPO / "docker/Dockerfile.executor").read_text()
+    assert not any("flash" in line for line in re.findall(r"^(?!#).*pip install.*$", dockerfile, re.M))
+    # Triton compiles its kernel launchers with a C compiler at run time; the slim base has none.
+    assert "find_spec('triton')" in dockerfile and "apt-get install -y --no-install-recommends gcc" in dockerfile
 
 
 def test_dockerfiles():
@@ -491,7 +520,7 @@ class _Service:
 
 def test_compose_services_start_serve_and_stop_without_docker(tiny_model_path, tmp_path):
     doc = load(COMPOSE)
-    eport, port, mport = free_port(), free_port(), free_port()
+    eport, port, mport, hport = free_port(), free_port(), free_port(), free_port()
     cache = tmp_path / "cache"
     cache.mkdir()
     token = "compose-executor-token"  # as a `.env` would set it, for both services
@@ -515,6 +544,8 @@ def test_compose_services_start_serve_and_stop_without_docker(tiny_model_path, t
             "CHUNKSERVE_PORT": str(port),
             "CHUNKSERVE_METRICS_HOST": "127.0.0.1",
             "CHUNKSERVE_METRICS_PORT": str(mport),
+            "CHUNKSERVE_HTTP_HOST": "127.0.0.1",
+            "CHUNKSERVE_HTTP_PORT": str(hport),
             "CHUNKSERVE_EXECUTOR_ADDRESS": f"127.0.0.1:{eport}",
             "CHUNKSERVE_EXECUTOR_TOKEN": token,
         },
@@ -535,6 +566,11 @@ def test_compose_services_start_serve_and_stop_without_docker(tiny_model_path, t
         assert out.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
         with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10) as reply:
             assert reply.status == 200
+        # The OpenAI-compatible HTTP API, on the port the compose file publishes.
+        with urllib.request.urlopen(f"http://127.0.0.1:{hport}/health", timeout=10) as reply:
+            assert reply.status == 200
+        with urllib.request.urlopen(f"http://127.0.0.1:{hport}/v1/models", timeout=10) as reply:
+            assert reply.status == 200 and json.loads(reply.read())["data"]
         # Anything else on the internal network is refused by the executor.
         with pytest.raises(grpc.RpcError) as err:
             epb_grpc.ExecutorStub(grpc.insecure_channel(f"127.0.0.1:{eport}")).Handshake(

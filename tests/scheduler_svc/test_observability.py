@@ -4,21 +4,25 @@ server (tiny random model) on a scripted workload."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import shutil
 import subprocess
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from chunkserve.client import build_request
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.engine import Engine, Observer
-from scheduler_svc.metrics import Metrics
+from scheduler_svc.metrics import Metrics, buckets_1_2_5
 from scheduler_svc.request import SamplingParams
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.trace import StepTracer
@@ -35,8 +39,10 @@ class Recorder(Observer):
         self.finished.append(request)
 
 
-def run_engine(fakes, tokenizer_dir, batches, observers, num_blocks=256, max_tokens=8, **cfg):
-    """Runs each batch of prompts to the end before the next; returns [(request id, final delta)]."""
+def run_engine(fakes, tokenizer_dir, batches, observers, num_blocks=256, max_tokens=8, sampling=None, **cfg):
+    """Runs each batch of prompts to the end before the next; returns [(request id, final delta)].
+    `sampling` replaces the default SamplingParams(max_tokens=max_tokens, ignore_eos=True)."""
+    sampling = sampling or SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     sched = fakes.make_scheduler(num_blocks=num_blocks, block_size=4, **cfg)
     fake = fakes.FakeExecutor(num_blocks, 4)
     engine = Engine(sched, fake, Tokenizer(tokenizer_dir), frozenset({fakes.EOS}), 100, 5.0, observers)
@@ -50,7 +56,7 @@ def run_engine(fakes, tokenizer_dir, batches, observers, num_blocks=256, max_tok
         engine.start()
         finals = []
         for prompts in batches:
-            streams = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+            streams = [engine.add_request(p, sampling) for p in prompts]
             finals += await asyncio.gather(*(last(s) for s in streams))
         await engine.stop()
         return finals
@@ -100,6 +106,96 @@ def test_trace_reports_prefix_cache_hits_of_the_admitting_step(fakes, byte_token
     assert admitted[0].seqs[0].request_id == b and admitted[0].seqs[0].num_computed_tokens == 40
     first = [s for t in traces for s in t.seqs if s.request_id == a]
     assert [s.is_prefill for s in first] == [True] + [False] * 7 and first[0].num_prompt_tokens == 40
+
+
+def test_finish_reasons_use_vllms_labels_and_request_histograms_add_up(fakes, byte_tokenizer_dir):
+    """A stop string and a stop token id finish as `stop` (vLLM's label), not `stop_sequence`;
+    the per-request token histograms agree with the token counters."""
+    metrics = Metrics("m", max_model_len=100)
+    prompt = list(range(40, 52))
+
+    def run(**sampling):
+        [(_, final)], _ = run_engine(
+            fakes, byte_tokenizer_dir, [[prompt]], (metrics,), sampling=SamplingParams(**sampling)
+        )
+        return final
+
+    assert run(max_tokens=6, ignore_eos=True).finish_reason.name == "LENGTH"
+    tokens = []  # what the fake executor samples: a pure function of the history
+    for _ in range(6):
+        tokens.append(fakes.FakeExecutor(1, 4).next_token(prompt + tokens))
+    text = bytes(tokens).decode()  # letters: one byte-level token each
+    stopped = run(max_tokens=6, ignore_eos=True, stop=(text[2],))
+    assert stopped.finish_reason.name == "STOP_SEQUENCE"
+    by_id = run(max_tokens=6, ignore_eos=True, stop_token_ids=(ord(text[1]),))
+    assert by_id.finish_reason.name == "STOP" and by_id.matched_stop_token_id == ord(text[1])
+
+    def sample(name, **labels):
+        return metrics.registry.get_sample_value(f"chunkserve_{name}", {"model_name": "m", **labels})
+
+    assert sample("request_success_total", finished_reason="length") == 1
+    assert sample("request_success_total", finished_reason="stop") == 2
+    assert sample("request_success_total", finished_reason="abort") == 0
+    assert "stop_sequence" not in generate_latest(metrics.registry).decode()
+    assert sample("request_prompt_tokens_count") == 3
+    assert sample("request_prompt_tokens_sum") == 3 * len(prompt) == sample("prompt_tokens_total")
+    assert sample("request_generation_tokens_sum") == sample("generation_tokens_total") > 6
+    assert sample("request_generation_tokens_bucket", le="+Inf") == 3
+    assert buckets_1_2_5(100) == (1, 2, 5, 10, 20, 50, 100) and buckets_1_2_5(8192)[-1] == 5000
+    assert sample("request_prompt_tokens_bucket", le="10.0") == 0 < sample("request_prompt_tokens_bucket", le="20.0")
+    # vLLM's time_per_output_token_seconds: the same per-token observations as inter_token_latency
+    assert sample("time_per_output_token_seconds_count") == sample("inter_token_latency_seconds_count") > 0
+    assert sample("time_per_output_token_seconds_sum") == sample("inter_token_latency_seconds_sum")
+    assert sample("request_time_per_output_token_seconds_count") == 3  # each generated more than one token
+
+
+DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana" / "chunkserve-dashboard.json"
+# Every series vLLM's Grafana dashboard (examples/online_serving/prometheus_grafana/grafana.json)
+# queries, in chunkserve's names (gpu_cache_usage_perc is vLLM's old name for kv_cache_usage_perc;
+# request_max_num_generation_tokens equals request_generation_tokens with one sequence per request).
+VLLM_DASHBOARD_SERIES = [
+    "e2e_request_latency_seconds_bucket",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "time_per_output_token_seconds_bucket",
+    "num_requests_running",
+    "num_requests_waiting",
+    "num_requests_swapped",
+    "time_to_first_token_seconds_bucket",
+    "kv_cache_usage_perc",
+    "request_prompt_tokens_bucket",
+    "request_generation_tokens_bucket",
+    "request_success_total",
+    "request_queue_time_seconds_sum",
+    "request_prefill_time_seconds_sum",
+    "request_decode_time_seconds_sum",
+]
+
+
+def test_dashboard_queries_only_series_the_registry_exports(fakes, byte_tokenizer_dir):
+    metrics = Metrics("m", max_model_len=100)
+    run_engine(fakes, byte_tokenizer_dir, [[list(range(40, 60))]], (metrics,), max_tokens=4)
+    text = generate_latest(metrics.registry).decode()
+    exported = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    assert (
+        metrics.registry.get_sample_value(
+            "chunkserve_request_success_total", {"model_name": "m", "finished_reason": "length"}
+        )
+        == 1
+    )
+
+    dashboard = json.loads(DASHBOARD.read_text())  # valid JSON
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(exprs) >= len(dashboard["panels"]) >= 12
+    assert all('model_name="$model_name"' in e for e in exprs)
+    variables = [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    referenced = {name for e in exprs + variables for name in re.findall(r"\b[a-zA-Z_:][a-zA-Z0-9_:]*\b", e)}
+    referenced = {n for n in referenced if n.startswith(("chunkserve", "vllm"))}
+    assert referenced and referenced <= exported, sorted(referenced - exported)
+    assert {f"chunkserve_{name}" for name in VLLM_DASHBOARD_SERIES} <= referenced
+    if shutil.which("promtool"):  # the repository's other promtool check runs against a live server
+        out = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +251,7 @@ def test_metrics_and_trace_match_a_scripted_workload(server, tmp_path):
     a = list(stub.Generate(build_request(list(range(1000, 1150)), temperature=0.0, max_tokens=5, ignore_eos=True)))
     b = list(stub.Generate(build_request(list(range(2000, 2010)), temperature=0.0, max_tokens=3, ignore_eos=True)))
     call = stub.Generate(build_request(list(range(3000, 3020)), temperature=0.0, max_tokens=1000, ignore_eos=True))
-    first = next(call)
+    first = next(m for m in call if m.token_ids)  # it has a first token (counted in TTFT)
     assert stub.Abort(pb.AbortRequest(request_id=first.request_id)).found
     c = list(call)
     server.assert_idle_and_no_leaks()
