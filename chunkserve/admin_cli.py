@@ -23,10 +23,31 @@ _SETTINGS = {  # flag -> (SchedulingConfig field, type)
 }
 
 
+DEFAULT_ADMIN_PORT = 50052  # scheduler_svc.config.SchedulerConfig.admin_port (not imported: this side stays light)
+
+
+def _error_line(exc: grpc.RpcError, address: str) -> str:
+    code = exc.code()
+    if code == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or "").lower():
+        return f"no Admin service at {address} (start the server with --admin-port {address.rpartition(':')[2]})"
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return (
+            f"the server at {address} does not serve chunkserve.v1.Admin: that is another port (the public "
+            f"API's or the executor's?); the Admin service is on `chunkserve serve --admin-port` (default "
+            f"{DEFAULT_ADMIN_PORT})"
+        )
+    return f"{code.name}: {exc.details()}"
+
+
 def add_admin_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("admin", help="inspect or reconfigure a running server (Admin service)")
-    default = f"127.0.0.1:{os.environ.get(env_name('admin_port'), '50052')}"
-    p.add_argument("--address", default=default, help=f"Admin service address (default {default})")
+    port = os.environ.get(env_name("admin_port"), "")  # the server's, when this shell started it
+    default = f"127.0.0.1:{port if port not in ('', '0') else DEFAULT_ADMIN_PORT}"
+    p.add_argument(
+        "--address",
+        default=default,
+        help=f"host:port of the Admin service, the server's --admin-port (default {default}; on by default)",
+    )
     actions = p.add_subparsers(dest="action", required=True)
     actions.add_parser("config", help="print the live scheduling configuration and state")
     setp = actions.add_parser("set", help="change settings at the next step boundary (validated, atomic)")
@@ -57,7 +78,7 @@ def run_admin(args: argparse.Namespace) -> int:
             for trace in stub.WatchSteps(pb.WatchStepsRequest()):
                 print(json_format.MessageToJson(trace, indent=None), flush=True)
     except grpc.RpcError as exc:
-        sys.stderr.write(f"chunkserve admin: {exc.code().name}: {exc.details()}\n")
+        sys.stderr.write(f"chunkserve admin: {_error_line(exc, args.address)}\n")
         return 1
     except KeyboardInterrupt:
         pass

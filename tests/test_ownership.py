@@ -111,7 +111,13 @@ def _kill(pid: int) -> None:
 def _serve(tmp_path: Path, name: str, model: Path, port: int, eport: int) -> tuple[subprocess.Popen, Path]:
     """`chunkserve serve` on the tiny model, output in tmp_path/name.log."""
     log = tmp_path / f"{name}.log"
-    env = _clean_env(CHUNKSERVE_PORT=str(port), CHUNKSERVE_EXECUTOR_PORT=str(eport), CHUNKSERVE_METRICS_PORT="0")
+    env = _clean_env(
+        CHUNKSERVE_PORT=str(port),
+        CHUNKSERVE_EXECUTOR_PORT=str(eport),
+        CHUNKSERVE_METRICS_PORT="0",
+        CHUNKSERVE_ADMIN_PORT="0",
+        CHUNKSERVE_HTTP_PORT="0",
+    )
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -220,6 +226,8 @@ def test_executor_rpcs_need_the_token_and_a_wrong_scheduler_stops_in_one_line(ti
                     "--port",
                     str(free_port()),
                     "--metrics-port",
+                    "0",
+                    "--admin-port",
                     "0",
                     "--executor-address",
                     f"127.0.0.1:{eport}",
