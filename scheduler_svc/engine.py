@@ -82,8 +82,9 @@ class StreamDelta:
 class RequestStream:
     """The consumer side of one request: an unbounded queue of deltas."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, num_prompt_tokens: int = 0) -> None:
         self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
         self.queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
         self.finished = False
 
@@ -152,7 +153,7 @@ class Engine:
             priority=priority,
             tenant=tenant,
         )
-        stream = RequestStream(request.request_id)
+        stream = RequestStream(request.request_id, len(prompt_ids))
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop)
         self._live[request.request_id] = _Live(request, stream, detok)
         self.scheduler.add_request(request)

@@ -43,10 +43,8 @@ def merge(into: StreamDelta, delta: StreamDelta) -> StreamDelta:
     return into
 
 
-def delta_to_proto(request_id: str, client_id: str, d: StreamDelta) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(
-        request_id=request_id, token_ids=d.token_ids, text=d.text, finished=d.finished, client_request_id=client_id
-    )
+def delta_to_proto(request_id: str, d: StreamDelta) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=request_id, token_ids=d.token_ids, text=d.text, finished=d.finished)
     for lp in d.logprobs:
         msg.logprobs.append(
             pb.Logprobs(logprob=lp.logprob, top=[pb.TokenLogprob(token_id=t, logprob=v, text=s) for t, v, s in lp.top])
@@ -119,12 +117,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(exc.code, str(exc))
             return
         try:
-            client_id = request.client_request_id  # echoed once, in the first message
+            # The first message goes out on admission, before the request is scheduled, so a
+            # client can abort a request still queued or prefilling by its id. The prefix-cache
+            # hit is known only once a step admits it: usage.cached_tokens, on the last message.
+            yield pb.GenerateResponse(
+                request_id=stream.request_id,
+                client_request_id=request.client_request_id,  # echoed once, here
+                prompt_tokens=stream.num_prompt_tokens,
+            )
             async for delta in stream_deltas(stream):
                 if delta.error is not None:
                     await context.abort(delta.error.code, str(delta.error))
-                yield delta_to_proto(stream.request_id, client_id, delta)
-                client_id = ""
+                yield delta_to_proto(stream.request_id, delta)
         finally:
             if not stream.finished:
                 engine.abort(stream.request_id)

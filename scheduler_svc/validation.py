@@ -25,6 +25,11 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_CLIENT_REQUEST_ID_BYTES = 256
+# An unset sampling.max_tokens with a text or token_ids prompt: vLLM's and OpenAI's
+# completions default. A chat prompt runs to the rest of max_model_len (their chat default).
+# Not max_model_len for all: a client whose protobuf loader silently drops the field (a
+# Node proto-loader without keepCase) would otherwise run a short request to the context.
+DEFAULT_MAX_TOKENS = 16
 # Room in a request for everything but the prompt: sampling parameters (16 stop strings of
 # 256 characters take at most 16.5 KiB), client_request_id, cache_salt, tenant,
 # stop_token_ids, and the protobuf framing of chat messages.
@@ -151,7 +156,12 @@ def sampling_params(request: pb.GenerateRequest, num_prompt_tokens: int, limits:
     min_p = s.min_p if s.HasField("min_p") else 0.0
     if not (0 <= min_p <= 1):
         _fail(f"sampling.min_p must be in [0, 1], got {min_p}")
-    max_tokens = s.max_tokens if s.HasField("max_tokens") else room
+    if s.HasField("max_tokens"):
+        max_tokens = s.max_tokens
+    elif request.WhichOneof("prompt") == "chat":
+        max_tokens = room
+    else:  # never more than fits: an unset field must not turn a valid prompt into an error
+        max_tokens = min(DEFAULT_MAX_TOKENS, room)
     if max_tokens < 1:
         _fail("sampling.max_tokens must be >= 1")
     if num_prompt_tokens + max_tokens > limits.max_model_len:

@@ -211,7 +211,7 @@ def test_bad_input_is_invalid_argument(server, request_fn, field):
 def test_cancelled_stream_frees_its_blocks(server, prompts):
     stub = server.stub()
     call = stub.Generate(build_request(prompts[7], temperature=0.0, max_tokens=500, ignore_eos=True))
-    next(call)  # the first token: the request holds blocks now
+    next(m for m in call if m.token_ids)  # the first token: the request holds blocks now
     assert server.info().num_free_device_blocks < server.info().num_device_blocks
     call.cancel()
     # no_leaks checks the pool after the test
@@ -249,6 +249,8 @@ def test_chunkserve_serve_and_generate_cli(default_model_path, tmp_path):
         CHUNKSERVE_PORT=str(ports[0]),
         CHUNKSERVE_EXECUTOR_PORT=str(ports[1]),
         CHUNKSERVE_METRICS_PORT=str(ports[2]),
+        CHUNKSERVE_ADMIN_PORT="0",
+        CHUNKSERVE_HTTP_PORT="0",
         CHUNKSERVE_KV_CACHE_MEMORY_GIB="0.1",
     )
     cli = [sys.executable, "-m", "chunkserve.cli"]
@@ -502,7 +504,7 @@ def test_executor_killed_under_load_then_restarted(tiny_model_path, tmp_path):
             stub.Generate(build_request([5, 6, 7], temperature=0.0, max_tokens=3000, ignore_eos=True)) for _ in range(6)
         ]
         for call in calls:
-            next(call)
+            next(m for m in call if m.token_ids)  # running
         executor_argv = server.executor.args
         os.kill(server.executor.pid, signal.SIGKILL)
         killed = time.time()

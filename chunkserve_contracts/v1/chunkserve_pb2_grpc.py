@@ -57,8 +57,11 @@ class GenerationServicer:
     """
 
     def Generate(self, request, context):
-        """Generates a completion and streams it: one message per step that produced output, the
-        last one (and only the last) carrying `finished`. Cancelling the call aborts the request.
+        """Generates a completion and streams it. The first message is sent as soon as the request is
+        admitted, before it is scheduled: it carries request_id (abort by it while the request is
+        still queued or prefilling), client_request_id and prompt_tokens, and no tokens. Then one
+        message per step that produced output, the last one (and only the last) carrying
+        `finished`. Cancelling the call aborts the request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

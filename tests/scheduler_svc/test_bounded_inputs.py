@@ -100,7 +100,7 @@ async def running_app(fakes, tokenizer_dir, monkeypatch, tokenizer_cls=SpyTokeni
     monkeypatch.setattr(app_module, "ExecutorClient", lambda *args, **kwargs: client)
     monkeypatch.setattr(app_module, "Tokenizer", tokenizer_cls)
     app = app_module.SchedulerApp(
-        SchedulerConfig(host="127.0.0.1", port=0, metrics_port=0, http_port=0, startup_timeout_s=10)
+        SchedulerConfig(host="127.0.0.1", port=0, metrics_port=0, http_port=0, admin_port=0, startup_timeout_s=10)
     )
     await app.start()
     try:
@@ -384,6 +384,7 @@ def test_load_gauges_are_reset_when_the_engine_is_replaced(fakes, byte_tokenizer
             call = pb_grpc.GenerationStub(channel).Generate(
                 build_request([1, 2, 3, 4, 5], max_tokens=50, ignore_eos=True)
             )
+            assert not (await call.read()).token_ids  # the first message, on admission
             assert (await call.read()).token_ids
             before = gauges(app)
             assert before["num_requests_running"] == 1 and before["kv_cache_usage_perc"] > 0

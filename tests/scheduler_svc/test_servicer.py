@@ -16,7 +16,7 @@ from scheduler_svc.engine import Engine
 from scheduler_svc.request import RequestStatus
 from scheduler_svc.servicer import GenerationServicer, add_generation_servicer
 from scheduler_svc.tokenizer import Tokenizer
-from scheduler_svc.validation import Limits
+from scheduler_svc.validation import Limits, sampling_params, tokenize_prompt
 
 BAD = {
     "empty text": (pb.GenerateRequest(text=""), "prompt"),
@@ -96,7 +96,8 @@ def test_cancel_in_every_state_frees_every_block(fakes, byte_tokenizer_dir, stat
                 if state == "swapped":  # an older request that will grow and push ours out
                     engine.start()
                     others.append(stub.Generate(build_request(list(range(30)), max_tokens=60, ignore_eos=True)))
-                    await others[0].read()  # it is running before ours arrives
+                    while not (await others[0].read()).token_ids:  # it is running before ours arrives
+                        pass
                 call = stub.Generate(build_request(list(range(40, 80)), max_tokens=50, ignore_eos=True))
                 if state not in ("waiting", "swapped"):
                     engine.start()
@@ -190,3 +191,96 @@ def test_snapshot_counts_what_requests_hold_and_get_info_reports_it(fakes, byte_
             await server.stop(None)
 
     asyncio.run(main())
+
+
+def test_first_message_comes_on_admission_and_its_id_aborts_a_queued_or_prefilling_request(fakes, byte_tokenizer_dir):
+    """Generate's first message carries the id before any step has run: a request still
+    queued behind a step the executor never answers, or prefilling in that step, is aborted
+    by it, its stream ends ABORTED and every block comes back."""
+
+    class HeldExecutor(fakes.FakeExecutor):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.gate = asyncio.Event()
+
+        async def step(self, plan, timeout):
+            await self.gate.wait()  # the step does not answer until the test says so
+            return self.execute(plan)
+
+    async def rest(call) -> list[pb.GenerateResponse]:
+        out = []
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            out.append(msg)
+        return out
+
+    async def main():
+        sched = fakes.make_scheduler(num_blocks=64, block_size=4, max_model_len=100, max_num_batched_tokens=8)
+        held = HeldExecutor(sched.pool.num_blocks, 4)
+        engine = Engine(sched, held, Tokenizer(byte_tokenizer_dir), frozenset({fakes.EOS}), 100, 5.0)
+        limits = Limits.for_tokenizer(100, 257, engine.tokenizer.max_bytes_per_token)
+        server, port = await serve(engine, limits)
+        engine.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.GenerationStub(channel)
+                prefilling = build_request(list(range(40)), max_tokens=5, ignore_eos=True)
+                prefilling.client_request_id = "a"
+                call_a = stub.Generate(prefilling, timeout=30)  # fails, not hangs, without it
+                first_a = await call_a.read()
+                assert (first_a.client_request_id, first_a.prompt_tokens) == ("a", 40)
+                assert first_a.request_id and not first_a.token_ids and not first_a.finished
+                assert not first_a.HasField("usage")  # usage (cached_tokens with it) comes last
+                for _ in range(5000):  # its first chunk is in the step the executor holds
+                    if sched.pool.num_free_blocks < sched.pool.num_blocks:
+                        break
+                    await asyncio.sleep(0.001)
+                else:
+                    raise AssertionError("the first request was never scheduled")
+
+                queued = build_request([1, 2, 3], max_tokens=5, ignore_eos=True)
+                queued.client_request_id = "b"
+                call_b = stub.Generate(queued, timeout=30)
+                first_b = await call_b.read()
+                assert (first_b.client_request_id, first_b.prompt_tokens) == ("b", 3)
+                assert sched.requests[first_b.request_id].status is RequestStatus.WAITING
+                assert (await stub.Abort(pb.AbortRequest(request_id=first_b.request_id))).found
+                out_b = await rest(call_b)
+                assert [m.finished for m in out_b] == [True] and not out_b[0].token_ids
+                assert out_b[0].finish_reason == pb.FINISH_REASON_ABORTED and out_b[0].client_request_id == ""
+
+                assert sched.requests[first_a.request_id].num_computed_tokens < 40  # still prefilling
+                assert (await stub.Abort(pb.AbortRequest(request_id=first_a.request_id))).found
+                out_a = await rest(call_a)
+                assert out_a[-1].finished and out_a[-1].finish_reason == pb.FINISH_REASON_ABORTED
+                assert not sched.requests and sched.pool.num_free_blocks == sched.pool.num_blocks
+                assert not (await stub.Abort(pb.AbortRequest(request_id=first_a.request_id))).found
+                held.gate.set()  # the held step ends; the engine keeps serving
+                done = [m async for m in stub.Generate(build_request([5, 6], max_tokens=3, ignore_eos=True))]
+                assert sum(len(m.token_ids) for m in done) == 3 and done[-1].usage.prompt_tokens == 2
+            assert not sched.requests and sched.pool.num_free_blocks == sched.pool.num_blocks
+        finally:
+            held.gate.set()
+            await engine.stop()
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "request_, expected",
+    [
+        (build_request("hello"), 16),  # as vLLM's completions
+        (build_request([1, 2, 3]), 16),
+        (build_request("x" * 90), 10),  # never more than fits
+        (build_request([{"role": "user", "content": "hi"}]), 100 - len("<user>hi<assistant>")),  # as chat
+        (build_request("hello", max_tokens=50), 50),
+        (build_request([{"role": "user", "content": "hi"}], max_tokens=3), 3),
+    ],
+)
+def test_unset_max_tokens_is_16_for_text_and_token_ids_and_the_rest_of_the_context_for_chat(
+    byte_tokenizer_dir, request_, expected
+):
+    tokenizer = Tokenizer(byte_tokenizer_dir)
+    limits = Limits.for_tokenizer(100, 257, tokenizer.max_bytes_per_token)
+    prompt = tokenize_prompt(request_, tokenizer, limits)
+    assert sampling_params(request_, len(prompt), limits).max_tokens == expected
