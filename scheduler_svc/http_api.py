@@ -112,12 +112,14 @@ class HttpFront:
                 raise HttpError(f"the model `{model}` does not exist", 404, "not_found_error", "model")
             stream_opts = get(body, "stream_options", (dict,), "an object")
             streaming = bool(get(body, "stream", (bool,), "a boolean"))
+            return_token_ids = bool(get(body, "return_token_ids", (bool,), "a boolean"))
             if stream_opts is not None and not streaming:
                 raise HttpError("stream_options needs stream: true", 400, "invalid_request_error", "stream_options")
             engine, stream = await self.servicer.submit(build_request(body, chat))
         except ServingError as exc:
             return error_response(exc, chat)
-        choice = Choice(engine, chat, bool(body.get("logprobs")) if chat else body.get("logprobs") is not None)
+        want_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
+        choice = Choice(engine, chat, want_logprobs, return_token_ids)
         head = {
             "id": ("chatcmpl-" if chat else "cmpl-") + stream.request_id,
             "object": "chat.completion" if chat else "text_completion",

@@ -19,8 +19,9 @@ from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from scheduler_svc.engine import Engine, StreamDelta
 from scheduler_svc.errors import InvalidRequestError, ServingError
 from scheduler_svc.request import FinishReason
+from scheduler_svc.validation import DEFAULT_MAX_TOKENS
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's and OpenAI's default; chat runs to the context
+COMPLETIONS_DEFAULT_MAX_TOKENS = DEFAULT_MAX_TOKENS  # vLLM's and OpenAI's 16, as on gRPC; chat runs to the context
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
@@ -180,8 +181,10 @@ def usage(final: StreamDelta) -> dict[str, Any]:
 class Choice:
     """One choice being built: text and logprobs in the shape of chat or completions."""
 
-    def __init__(self, engine: Engine, chat: bool, want_logprobs: bool) -> None:
+    def __init__(self, engine: Engine, chat: bool, want_logprobs: bool, return_token_ids: bool = False) -> None:
         self.engine, self.chat, self.want_logprobs, self.offset = engine, chat, want_logprobs, 0
+        # vLLM's extra parameter: each choice (each streamed chunk) also names its token ids.
+        self.return_token_ids = return_token_ids
 
     def logprobs(self, d: StreamDelta) -> dict[str, Any] | None:
         if not self.want_logprobs:
@@ -217,4 +220,6 @@ class Choice:
             choice["delta"] = {"content": d.text} if d.text or not d.finished else {}
         else:
             choice["message"] = {"role": "assistant", "content": d.text}
+        if self.return_token_ids:
+            choice["token_ids"] = list(d.token_ids)
         return choice

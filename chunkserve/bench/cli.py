@@ -50,6 +50,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     t = p.add_argument_group("target")
     t.add_argument("--address", help="host:port of a running server (default: start one with --server-args)")
     t.add_argument(
+        "--backend",
+        choices=("grpc", "openai"),
+        default="grpc",
+        help="grpc: chunkserve.v1.Generate; openai: POST /v1/completions streamed over HTTP (then --address is "
+        "the HTTP API's host:port or http://host:port, e.g. 127.0.0.1:8000)",
+    )
+    t.add_argument(
         "--admin-address",
         help="host:port of the running server's Admin service: record its step "
         "trace (tokens-per-step plot, measured queue delay) and empty its prefix cache before each run",
@@ -166,6 +173,8 @@ def _quote_configs(args: list[str] | None, parser: argparse.ArgumentParser) -> l
 
 def run_bench(args: argparse.Namespace) -> int:
     """Runs the mode the flags ask for; prints tables, writes JSON and plots; exit code."""
+    import grpc
+
     from chunkserve.bench.runner import StalledError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -178,6 +187,17 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     except StalledError as exc:
         print(f"chunkserve bench: {exc}", file=sys.stderr)
+        return 1
+    except grpc.RpcError as exc:  # e.g. no server at --address: one line, not a traceback
+        from chunkserve.client import rpc_error_line
+
+        line = rpc_error_line(exc, args.address or "the server", "chunkserve.v1.Generation")
+        print(f"chunkserve bench: {line}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # the HTTP backend's connection errors, as one line too
+        if not type(exc).__module__.startswith("httpx"):
+            raise
+        print(f"chunkserve bench: {args.address or 'the server'}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # servers the bench started are stopped on the way out
         print("chunkserve bench: interrupted", file=sys.stderr)
@@ -211,11 +231,12 @@ def _run(args: argparse.Namespace) -> int:
             args.stall_timeout,
             trace=args.step_trace or bool(args.admin_address),
             reset_prefix_cache=args.reset_prefix_cache,
+            backend=args.backend,
         ),
         _percentiles(args.percentiles),
         parse_slos(args.goodput),
         args.server_args,
-        args.address,
+        _target_address(args),
         args.admin_address,
         args.log_dir,
         args.seed,
@@ -253,6 +274,8 @@ def _check(args: argparse.Namespace) -> None:
     """Flag combinations that cannot work, refused before anything starts."""
     if args.compare and args.address:
         raise ValueError("--compare starts its own servers: drop --address")
+    if args.backend == "grpc" and args.address and args.address.startswith(("http://", "https://")):
+        raise ValueError(f"--address {args.address} is an HTTP URL: add --backend openai (gRPC takes host:port)")
     if args.admin_address and not args.address:
         raise ValueError("--admin-address goes with --address (for servers the bench starts, use --step-trace)")
     if args.capacity and (args.slo_p99_tbt_ms is None or args.max_median_queue_ms is None):
@@ -261,6 +284,15 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--capacity searches one server: drop --compare / --hf-baseline")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
+
+
+def _target_address(args: argparse.Namespace) -> str | None:
+    """--address as the runner takes it: `host:port` for gRPC, `http://host:port` for openai."""
+    if args.address is None or args.backend == "grpc":
+        return args.address
+    if args.address.startswith(("http://", "https://")):
+        return args.address.rstrip("/").removesuffix("/v1")
+    return f"http://{args.address}"
 
 
 def _percentiles(text: str) -> list[float]:
@@ -327,7 +359,7 @@ def _settings(args: argparse.Namespace, plan, tokenizer_dir: Path, started: floa
     out = {k: getattr(args, k) for k in keep}
     out.update(
         date=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
-        backend="chunkserve",
+        backend="chunkserve" if args.backend == "grpc" else "openai",  # vLLM's key: the API measured
         num_requests=len(plan.requests),
         percentiles=plan.percentiles,
         goodput_slos=plan.slos,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chunkserve.bench.servers import launch
-from chunkserve.bench.session import Run, RunOptions, run_once
+from chunkserve.bench.session import Run, RunOptions, run_once, server_target
 from chunkserve.bench.workloads import BenchRequest
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def run_compare(
             try:
                 runs[cfg.name].append(
                     run_fn(
-                        server.address,
+                        server_target(server, opts.backend),
                         requests,
                         arrivals,
                         opts,

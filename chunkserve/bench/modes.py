@@ -53,11 +53,12 @@ def target(plan: Plan) -> Iterator[tuple[str, str | None]]:
         yield plan.address, plan.admin_address
         return
     from chunkserve.bench.servers import launch
+    from chunkserve.bench.session import server_target
 
     log.warning("starting a server: %s", plan.server_args or "(default flags)")
     server, admin = launch(_log_dir(plan) / "server", plan.server_args)
     try:
-        yield server.address, admin
+        yield server_target(server, plan.opts.backend), admin
     finally:
         server.stop()
 

@@ -1,9 +1,14 @@
-"""Sends a workload to a running server over gRPC and records every request's timeline.
+"""Sends a workload to a running server and records every request's timeline.
 
-One grpc.aio channel, one task per request: the task sleeps until the request's arrival
-offset, waits for a --max-concurrency slot if there is a limit, then streams
-`Generation.Generate` with the prompt as token ids, greedy, `max_tokens` = the request's
-output length and `ignore_eos`, so output lengths are exact. Times are
+Two backends send the same requests. `grpc` (an address `host:port`): one grpc.aio channel,
+each request streams `Generation.Generate`. `openai` (an address `http://host:port`): one
+HTTP/1.1 client (httpx), each request streams `POST /v1/completions` as server-sent events
+with `return_token_ids` (vLLM's extra parameter: every event names the tokens it carries, so
+token counts and inter-token gaps are exact, not re-tokenized text) and
+`stream_options.include_usage`. One task per request: the task sleeps until the request's
+arrival offset, waits for a --max-concurrency slot if there is a limit, then sends the
+prompt as token ids, greedy, `max_tokens` = the request's output length and `ignore_eos`,
+so output lengths are exact. Times are
 `time.perf_counter()` seconds from the start of the run, all taken in this process:
 
     arrival  scheduled send time (from arrivals.py)
@@ -11,14 +16,17 @@ output length and `ignore_eos`, so output lengths are exact. Times are
     chunks   arrival time of every stream message that carried tokens, and how many
     end      when the last message (the one with `finished`) arrived
 
-The server sends one message per step that produced output, so a message normally holds
-one token; when it holds more (several steps' tokens coalesced in the stream), the gap
-before it counts as one inter-token latency, as `vllm bench serve` counts a chunk.
+The server sends one message (gRPC) or event (HTTP) per step that produced output, so a
+message normally holds one token; when it holds more (several steps' tokens coalesced in the
+stream), the gap before it counts as one inter-token latency, as `vllm bench serve` counts a
+chunk. Messages without tokens (a first message, the usage event) are not chunks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -127,6 +135,79 @@ async def _one(
             slots.release()
 
 
+def is_http(address: str) -> bool:
+    """An `http(s)://` address is the OpenAI-compatible HTTP API; anything else is gRPC."""
+    return address.startswith(("http://", "https://"))
+
+
+async def _one_openai(
+    client,  # httpx.AsyncClient
+    base: str,
+    req: BenchRequest,
+    rec: RequestRecord,
+    t0: float,
+    slots: asyncio.Semaphore | None,
+    timeout: float | None,
+) -> None:
+    """Like _one, over POST /v1/completions streamed as server-sent events."""
+    import httpx
+
+    await asyncio.sleep(max(0.0, t0 + rec.arrival - time.perf_counter()))
+    if slots is not None:
+        await slots.acquire()
+    body = {
+        "prompt": list(req.prompt_ids),
+        "max_tokens": req.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
+    try:
+        rec.send = time.perf_counter() - t0
+        async with client.stream("POST", f"{base}/v1/completions", json=body, timeout=timeout) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                try:
+                    text = json.loads(text)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    pass
+                rec.error_code, rec.error = f"HTTP_{resp.status_code}", text
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter() - t0
+                event = json.loads(data)
+                if "error" in event:
+                    rec.error_code, rec.error = f"HTTP_{event['error'].get('code')}", event["error"].get("message", "")
+                    return
+                rec.request_id = event.get("id", "").removeprefix("cmpl-")
+                if event.get("usage"):
+                    rec.prompt_tokens = event["usage"]["prompt_tokens"]
+                    rec.cached_tokens = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                for choice in event.get("choices") or ():
+                    if choice.get("token_ids"):
+                        rec.chunk_times.append(now)
+                        rec.chunk_tokens.append(len(choice["token_ids"]))
+                    if choice.get("finish_reason"):
+                        rec.end = now
+                        rec.finish_reason = choice["finish_reason"].upper()
+        if rec.end is None and not rec.error_code:
+            rec.error_code, rec.error = "INCOMPLETE", "the stream ended without a finish_reason"
+    except httpx.TimeoutException as exc:
+        rec.error_code, rec.error = "DEADLINE_EXCEEDED", str(exc) or type(exc).__name__
+    except httpx.HTTPError as exc:
+        rec.error_code, rec.error = "UNAVAILABLE", str(exc) or type(exc).__name__
+    finally:
+        if slots is not None:
+            slots.release()
+
+
 class StalledError(RuntimeError):
     """Requests are in flight but nothing has been sent or received for too long."""
 
@@ -160,17 +241,29 @@ async def run_requests(
     desc: str = "requests",
     stall_timeout: float = 600.0,
 ) -> RunResult:
-    """Sends `requests` at their `arrivals` offsets and waits for all of them to finish."""
+    """Sends `requests` at their `arrivals` offsets and waits for all of them to finish
+    (over HTTP when `address` is an `http://` URL, see the module docstring)."""
     records = [RequestRecord(r.index, r.cls, len(r.prompt_ids), r.output_len, a) for r, a in zip(requests, arrivals)]
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = progress_bar(len(records), desc, progress)
-    async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
-        stub = pb_grpc.GenerationStub(channel)
+    async with contextlib.AsyncExitStack() as stack:
+        if is_http(address):
+            import httpx
+
+            # No pool limit: --max-concurrency is the only cap, as on the gRPC channel.
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            client = await stack.enter_async_context(httpx.AsyncClient(limits=limits, timeout=None))
+            base = address.rstrip("/")
+            send = lambda req, rec: _one_openai(client, base, req, rec, t0, slots, timeout)  # noqa: E731
+        else:
+            channel = await stack.enter_async_context(grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS))
+            stub = pb_grpc.GenerationStub(channel)
+            send = lambda req, rec: _one(stub, req, rec, t0, slots, timeout)  # noqa: E731
         start_wall, t0 = time.time(), time.perf_counter()
 
         async def tracked(req: BenchRequest, rec: RequestRecord) -> None:
             try:
-                await _one(stub, req, rec, t0, slots, timeout)
+                await send(req, rec)
             finally:
                 bar.update(1)
 
@@ -193,6 +286,17 @@ async def run_requests(
 
 
 async def get_info(address: str, timeout: float = 10.0) -> pb.GetInfoResponse:
-    """The server's GetInfo (model, limits), to check a workload before sending it."""
+    """The server's GetInfo (model, limits), to check a workload before sending it.
+
+    Over HTTP only `GET /v1/models` is there: the model name and max_model_len are filled in,
+    the rest stays unset (0 / empty)."""
+    if is_http(address):
+        import httpx
+
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            resp = await client.get(f"{address.rstrip('/')}/v1/models")
+            resp.raise_for_status()
+            model = resp.json()["data"][0]
+        return pb.GetInfoResponse(model_name=model["id"], max_model_len=model.get("max_model_len", 0))
     async with grpc.aio.insecure_channel(address) as channel:
         return await pb_grpc.GenerationStub(channel).GetInfo(pb.GetInfoRequest(), timeout=timeout)

@@ -30,6 +30,13 @@ class RunOptions:
     stall_timeout: float = 600.0
     trace: bool = False  # subscribe to the step trace (needs an admin address)
     reset_prefix_cache: bool = True  # before each measured run (needs an admin address)
+    backend: str = "grpc"  # or "openai": the HTTP API of the servers the bench starts
+
+
+def server_target(server, backend: str) -> str:
+    """The address the runner sends to for a started server: its gRPC `host:port`, or its
+    OpenAI-compatible HTTP API as `http://host:port`."""
+    return f"http://127.0.0.1:{server.http_port}" if backend == "openai" else server.address
 
 
 @dataclass

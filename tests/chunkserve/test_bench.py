@@ -26,6 +26,7 @@ from chunkserve.bench.cli import add_bench_parser
 from chunkserve.bench.metrics import compute_metrics, parse_slos, per_request_lists, percentile
 from chunkserve.bench.runner import RequestRecord, StalledError, run_requests
 from chunkserve.bench.servers import split_server_args
+from chunkserve.bench.session import RunOptions
 from chunkserve.bench.workloads import BenchRequest, WorkloadSpec, build_workload, corpus_ids
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
@@ -184,6 +185,8 @@ class FakeGeneration(pb_grpc.GenerationServicer):
         if n == 99:
             time.sleep(2)
             return
+        # As the real server: a first message at once, no tokens (TTFT must not count it).
+        yield pb.GenerateResponse(request_id=f"id{n}", client_request_id=request.client_request_id, prompt_tokens=n)
         for i in range(request.sampling.max_tokens):
             time.sleep(0.05)
             last = i == request.sampling.max_tokens - 1
@@ -350,12 +353,12 @@ def test_compare_rounds_alternate_the_order_and_stop_every_server(tmp_path):
         return address
 
     configs = configs_from("--dtype float32", ["--enable-prefix-caching", "--no-enable-prefix-caching"])
-    runs = run_compare(configs, 3, [], [], None, tmp_path, launch_fn=launch_fn, run_fn=run_fn)
+    runs = run_compare(configs, 3, [], [], RunOptions(), tmp_path, launch_fn=launch_fn, run_fn=run_fn)
     assert [n for e, n in events if e == "start"] == ["A", "B", "B", "A", "A", "B"]
     assert events.count(("stop", "A")) == 3 and events.count(("stop", "B")) == 3
     assert runs == {"A": ["addr-A"] * 3, "B": ["addr-B"] * 3}
     with pytest.raises(ValueError):
-        run_compare(configs, 0, [], [], None, tmp_path, launch_fn=launch_fn, run_fn=run_fn)
+        run_compare(configs, 0, [], [], RunOptions(), tmp_path, launch_fn=launch_fn, run_fn=run_fn)
 
 
 # ---------------------------------------------------------------- end to end
@@ -472,6 +475,30 @@ def test_bench_against_a_running_server(tiny_model_path, launch, tmp_path):
     assert json.loads((tmp_path / "cached.json").read_text())["prefix_cache_hit_rate"] > 0.5
     run_bench_cli(again + ["--admin-address", server.admin_address, "--result-json", str(tmp_path / "reset.json")])
     assert json.loads((tmp_path / "reset.json").read_text())["prefix_cache_hit_rate"] == 0.0
+    server.assert_idle_and_no_leaks()
+
+
+@pytest.mark.slow  # a real server pair
+def test_bench_over_the_openai_http_api_measures_the_same_workload(tiny_model_path, launch, tmp_path):
+    """--backend openai sends the same requests through /v1/completions: every token counted
+    (return_token_ids), the same prompts and output lengths as over gRPC, nothing left running."""
+    server = launch(["--model", str(tiny_model_path)], [])
+    common = ["--tokenizer", str(tiny_model_path), *WORKLOAD, "--request-rate", "40"]
+    common += ["--admin-address", server.admin_address]  # empties the prefix cache before each run
+    run_bench_cli(["--address", server.address, *common, "--result-json", str(tmp_path / "grpc.json")])
+    http = ["--backend", "openai", "--address", f"127.0.0.1:{server.http_port}", *common]
+    run_bench_cli(http + ["--result-json", str(tmp_path / "http.json")])
+    grpc_rep = json.loads((tmp_path / "grpc.json").read_text())
+    http_rep = json.loads((tmp_path / "http.json").read_text())
+    check_report(http_rep)
+    assert http_rep["bench"]["backend"] == "openai" and grpc_rep["bench"]["backend"] == "chunkserve"
+    for key in ("input_lens", "output_lens", "total_input_tokens", "total_output_tokens"):
+        assert http_rep[key] == grpc_rep[key], key
+    assert http_rep["server_info"]["max_model_len"] == grpc_rep["server_info"]["max_model_len"]
+    # A full URL works too; a URL without --backend openai is refused before anything runs.
+    run_bench_cli(["--backend", "openai", "--address", server.http_url, *common, "--num-warmups", "0"])
+    with pytest.raises(AssertionError):
+        run_bench_cli(["--address", server.http_url, *common])
     server.assert_idle_and_no_leaks()
 
 

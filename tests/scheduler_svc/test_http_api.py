@@ -78,7 +78,7 @@ async def running(fakes, tokenizer_dir, monkeypatch, wait_ready=True, **cfg):
     client = FakeClient(fakes.FakeExecutor(64, 4), tokenizer_dir)
     monkeypatch.setattr(app_module, "ExecutorClient", lambda *args, **kwargs: client)
     config = SchedulerConfig(
-        host="127.0.0.1", port=0, metrics_port=0, http_host="127.0.0.1", http_port=free_port(), **cfg
+        host="127.0.0.1", port=0, metrics_port=0, admin_port=0, http_host="127.0.0.1", http_port=free_port(), **cfg
     )
     app = app_module.SchedulerApp(config)
     if not wait_ready:
@@ -184,7 +184,30 @@ def test_raw_sse_stream_ends_with_done(fakes, byte_tokenizer_dir, monkeypatch):
     asyncio.run(main())
 
 
+def test_return_token_ids_names_every_token_once(fakes, byte_tokenizer_dir, monkeypatch):
+    """vLLM's `return_token_ids`: what `chunkserve bench --backend openai` counts tokens by."""
+
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch) as (app, _, base):
+            body = {"prompt": "hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                whole = (await http.post(base + "/v1/completions", json={**body, "return_token_ids": True})).json()
+                plain = (await http.post(base + "/v1/completions", json=body)).json()
+                streamed = {**body, "return_token_ids": True, "stream": True}
+                async with http.stream("POST", base + "/v1/completions", json=streamed) as response:
+                    lines = [line async for line in response.aiter_lines() if line.startswith("data: {")]
+            ids = whole["choices"][0]["token_ids"]
+            assert len(ids) == 5 == whole["usage"]["completion_tokens"]
+            assert "token_ids" not in plain["choices"][0] and plain["choices"][0]["text"] == whole["choices"][0]["text"]
+            chunks = [json.loads(line[6:])["choices"][0]["token_ids"] for line in lines]
+            assert [t for chunk in chunks for t in chunk] == ids  # each token in exactly one event
+            assert_idle(app)
+
+    asyncio.run(main())
+
+
 BAD = [  # (endpoint, body, status, param)
+    ("completions", {"prompt": "hi", "return_token_ids": "yes"}, 400, "return_token_ids"),
     ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("completions", {"prompt": "hi", "n": 2}, 400, "n"),
@@ -324,11 +347,46 @@ def test_a_taken_http_port_stops_start_up_with_one_message(fakes, byte_tokenizer
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             port = taken.getsockname()[1]
-            config = SchedulerConfig(host="127.0.0.1", port=0, metrics_port=0, http_host="127.0.0.1", http_port=port)
+            config = SchedulerConfig(
+                host="127.0.0.1", port=0, metrics_port=0, admin_port=0, http_host="127.0.0.1", http_port=port
+            )
             app = app_module.SchedulerApp(config)
             with pytest.raises(ValueError, match=f"--http-port {port}: cannot listen"):
                 await app.start()
             await app.stop(grace=0)
+
+    asyncio.run(main())
+
+
+def test_served_model_name_is_the_api_model_the_getinfo_name_and_the_metrics_label(
+    fakes, byte_tokenizer_dir, monkeypatch
+):
+    from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch, served_model_name="team/chat-v2") as (app, _, base):
+            client = sdk(base)
+            assert [m.id for m in (await client.models.list()).data] == ["team/chat-v2"]
+            out = await client.completions.create(model="team/chat-v2", prompt="hello", max_tokens=4, temperature=0)
+            assert out.model == "team/chat-v2" and out.choices[0].finish_reason == "length"
+            with pytest.raises(openai.NotFoundError):  # the executor's name is no longer the API's
+                await client.completions.create(model="fake", prompt="hello", max_tokens=4)
+            text = out.choices[0].text
+            stopped = await client.completions.create(
+                model="team/chat-v2", prompt="hello", max_tokens=4, temperature=0, stop=[text[1]]
+            )
+            assert stopped.choices[0].finish_reason == "stop"
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+                info = await pb_grpc.GenerationStub(channel).GetInfo(pb.GetInfoRequest())
+            assert info.model_name == "team/chat-v2"
+
+            def sample(name, model="team/chat-v2", **labels):
+                return app.metrics.registry.get_sample_value(f"chunkserve_{name}", {"model_name": model, **labels})
+
+            assert sample("num_requests_running") is not None and sample("num_requests_running", model="fake") is None
+            assert sample("request_success_total", finished_reason="length") == 1
+            assert sample("request_success_total", finished_reason="stop") == 1  # a stop string, as vLLM labels it
+            assert sample("request_prompt_tokens_count") == 2
 
     asyncio.run(main())
 
