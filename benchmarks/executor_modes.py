@@ -1,0 +1,186 @@
+"""Executor speed per weight mode against this machine's floor (issue 18), in one run.
+
+Measures, in this order and in one process:
+- the floor: read bandwidth (sum over a 1 GiB float32 tensor, best of 5) and the float32 GEMM
+  peak (2048^3 `torch.mm`, best of 5);
+- per mode (`float32`, `int4` = `--quantization int4`): the default model loaded exactly as the
+  server loads it (`executor_svc.server.load`), B greedy sequences prefilled to CTX tokens, then
+  the median wall time of a whole decode step `ModelRunner.execute(plan)` (validation, metadata,
+  forward, logits, sampling, reply proto) at each batch size, and a 512-token prefill chunk;
+- the weight bytes a batch-1 decode step reads in each mode, and so the memory floor of that
+  step (bytes / measured bandwidth) and the step as a multiple of it.
+
+    timeout 1800 .venv/bin/python benchmarks/executor_modes.py [--batch 1 8 32] [--modes float32 int4]
+
+Modes run in the order given, then again reversed (A B B A), and the figures are medians of
+both passes, so drift on a shared machine falls on both alike. Greedy tokens of each mode's
+batch-1 run are printed as agreement with float32's (same prompt ids, same positions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from executor_svc.config import ExecutorConfig, default_cache_dir
+from executor_svc.models.layers import Linear
+from executor_svc.server import load
+
+
+def read_bandwidth_gbs() -> float:
+    x = torch.ones(256 * 1024 * 1024)  # 1 GiB
+    best = min(_timed(lambda: x.sum()) for _ in range(5))
+    return x.numel() * 4 / best / 1e9
+
+
+def gemm_peak_gflops(n: int = 2048) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(5))
+    return 2 * n**3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def build(mode: str, threads: int):
+    return load(
+        ExecutorConfig(
+            model="default",
+            dtype="float32",
+            device="cpu",
+            kv_cache_memory_gib=1.0,
+            swap_space=0.0,
+            max_num_batched_tokens=2048,
+            cache_dir=default_cache_dir(),
+            num_threads=threads,
+            quantization="none" if mode == "float32" else mode,
+        )
+    ).runner
+
+
+def decode_bytes(model, mode: str) -> int:
+    """Weight bytes one batch-1 decode step reads (the embedding row is negligible); the default
+    model ties its head to the embedding."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            q = module.int4
+            if q is not None and mode == "int4":
+                total += q.packed.numel() * q.packed.element_size()
+                total += q.scales_and_zeros.numel() * q.scales_and_zeros.element_size()
+            else:
+                total += module.weight.numel() * module.weight.element_size()
+    if getattr(model, "lm_head", None) is None:  # tied head: the embedding is read whole
+        # (int4 mode: its bfloat16 copy at one row)
+        total += model.model.embed_tokens.weight.numel() * (2 if mode == "int4" else 4)
+    return total
+
+
+def run_mode(runner, batches: list[int], ctx: int, steps: int) -> dict:
+    greedy = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1)
+    out: dict = {"decode_ms": {}, "tokens": None}
+    for batch in batches:
+        runner.reset()
+        nb = -(-(ctx + steps + 8) // runner.block_size)
+        ids = list(range(1, batch + 1))
+        for k, sid in enumerate(ids):
+            plan = epb.StepRequest(step_id=k)
+            plan.new_seqs.add(seq_id=sid, sampling=greedy)
+            prompt = [(sid * 7 + i) % 49000 + 10 for i in range(ctx)]
+            plan.seqs.add(
+                seq_id=sid,
+                num_computed_tokens=0,
+                num_new_tokens=ctx,
+                token_ids=prompt,
+                block_ids=list(range(k * nb, (k + 1) * nb)),
+                sample=True,
+            )
+            runner.execute(plan)
+        times, tokens = [], []
+        for k in range(steps + 3):
+            seqs = [
+                epb.ScheduledSequence(seq_id=s, num_computed_tokens=ctx + k, num_new_tokens=1, sample=True) for s in ids
+            ]
+            t = time.perf_counter()
+            resp = runner.execute(epb.StepRequest(step_id=1000 + k, seqs=seqs))
+            if k >= 3:
+                times.append((time.perf_counter() - t) * 1000)
+            tokens.append(resp.sampled[0].token_id)
+        out["decode_ms"][batch] = statistics.median(times)
+        if batch == 1:
+            out["tokens"] = tokens
+    runner.reset()
+    plan = epb.StepRequest(step_id=1)
+    plan.new_seqs.add(seq_id=1, sampling=greedy)
+    plan.seqs.add(
+        seq_id=1,
+        num_computed_tokens=0,
+        num_new_tokens=512,
+        token_ids=[(7 * i) % 49000 + 10 for i in range(512)],
+        block_ids=list(range(512 // runner.block_size + 1)),
+        sample=True,
+    )
+    t = time.perf_counter()
+    runner.execute(plan)
+    out["prefill_512_ms"] = (time.perf_counter() - t) * 1000
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--modes", nargs="+", default=["float32", "int4"])
+    ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    bw, peak = read_bandwidth_gbs(), gemm_peak_gflops()
+    print(f"read bandwidth {bw:.1f} GB/s, float32 GEMM peak {peak:.0f} GFLOP/s ({args.threads} threads)", flush=True)
+    results: dict[str, list[dict]] = {m: [] for m in args.modes}
+    weight_bytes: dict[str, int] = {}
+    for mode in args.modes + args.modes[::-1]:
+        runner = build(mode, args.threads)
+        weight_bytes[mode] = decode_bytes(runner.model, mode)
+        linear_params = sum(m.weight.numel() for m in runner.model.modules() if isinstance(m, Linear))
+        with torch.inference_mode():
+            results[mode].append(run_mode(runner, args.batch, args.ctx, args.steps))
+        r = results[mode][-1]
+        print(f"{mode}: " + ", ".join(f"B={b} {ms:.1f} ms" for b, ms in r["decode_ms"].items()), flush=True)
+        del runner
+    base = args.modes[0]
+    print(f"\nmedian of {2} passes; decode steps at context {args.ctx}")
+    head = f"{'mode':10}" + "".join(f"{'B=' + str(b) + ' ms':>11}" for b in args.batch)
+    print(head + f"{'floor ms':>10}{'B=1/floor':>11}{'prefill 512':>13}{'top-1 = ' + base:>14}")
+    for mode, runs in results.items():
+        ms = {b: statistics.median(r["decode_ms"][b] for r in runs) for b in args.batch}
+        floor = weight_bytes[mode] / (bw * 1e9) * 1000
+        prefill = statistics.median(r["prefill_512_ms"] for r in runs)
+        agree = statistics.mean(a == b for a, b in zip(runs[0]["tokens"], results[base][0]["tokens"]))
+        row = f"{mode:10}" + "".join(f"{ms[b]:11.1f}" for b in args.batch)
+        print(row + f"{floor:10.1f}{ms[1] / floor:11.2f}{prefill:13.0f}{agree:14.2f}")
+    for mode, runs in results.items():
+        if mode != base:
+            ratios = [
+                statistics.median(r["decode_ms"][b] for r in results[base])
+                / statistics.median(r["decode_ms"][b] for r in runs)
+                for b in args.batch
+            ]
+            print(f"{mode} speed-up over {base}: " + ", ".join(f"B={b} {x:.2f}x" for b, x in zip(args.batch, ratios)))
+    flops = 2 * linear_params * 512  # the decoder's linears; the head runs on one row
+    for mode, runs in results.items():
+        ms = statistics.median(r["prefill_512_ms"] for r in runs)
+        print(
+            f"{mode}: 512-token prefill at {flops / (ms / 1000) / 1e9:.0f} GFLOP/s = {flops / (ms / 1000) / 1e9 / peak:.0%} of the GEMM peak"
+        )
+
+
+if __name__ == "__main__":
+    main()
