@@ -241,19 +241,32 @@ class SchedulerApp:
             await ready.engine.stop()
             if self.metrics is not None:  # its requests all failed: nothing runs, waits or holds KV now
                 self.metrics.clear_load()
-            refused = False
+            refused, unusable = False, ""
+            sched = ready.engine.scheduler
             while True:
                 try:
                     hs = await ready.client.handshake(timeout=5.0)
                     await ready.client.reset()
+                    # An executor restarted with other settings (fewer blocks, a smaller budget)
+                    # may not fit the live settings: say why once, stay NOT_SERVING and keep
+                    # asking, rather than end this task and never serve again.
+                    self.ready = self._build(ready.client, hs, sched.config, sched.policy)
                     break
                 except grpc.RpcError as exc:
                     if exc.code() == grpc.StatusCode.UNAUTHENTICATED and not refused:
                         refused = True  # said once per outage; keep waiting for our own executor
                         log.error("%s", refused_message(self.config.executor_address))
                     await asyncio.sleep(0.5)
-            sched = ready.engine.scheduler
-            self.ready = self._build(ready.client, hs, sched.config, sched.policy)
+                except (ValueError, OSError) as exc:
+                    if str(exc) != unusable:
+                        unusable = str(exc)
+                        log.error(
+                            "the executor came back with settings the live scheduler settings do not fit (%s); "
+                            "not serving until an executor that fits answers at %s",
+                            exc,
+                            self.config.executor_address,
+                        )
+                    await asyncio.sleep(2.0)
             await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, grace: float = 5.0) -> None:

@@ -148,3 +148,50 @@ def test_max_model_len_is_the_largest_that_works():
         == 256
     )
     assert validate_against_executor(SchedulerConfig(max_model_len=300), handshake()) == 300
+
+
+def test_an_executor_back_with_settings_that_do_not_fit_is_waited_out(byte_tokenizer_dir, monkeypatch, caplog):
+    """The executor restarts with a smaller step budget than the live settings: the scheduler
+    says why once, stays NOT_SERVING without giving up, and serves again when an executor
+    that fits answers (it used to end its supervisor task and never serve again)."""
+    from grpc_health.v1 import health_pb2
+
+    good = handshake(byte_tokenizer_dir)
+    small = handshake(byte_tokenizer_dir, max_num_batched_tokens=256)
+
+    async def reset() -> None:
+        pass
+
+    async def until(predicate) -> None:
+        for _ in range(600):  # a failsafe, not a timing assumption: the state is polled
+            if await predicate():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("state not reached")
+
+    async def main():
+        app = await start(SchedulerConfig(max_num_batched_tokens=512, max_model_len=1024), good, monkeypatch)
+
+        async def serving() -> bool:
+            request = health_pb2.HealthCheckRequest(service=app_module.SERVICE_NAME)
+            return (await app.health.Check(request, None)).status == health_pb2.HealthCheckResponse.SERVING
+
+        async def refused() -> bool:
+            return "larger than the executor's 256" in caplog.text
+
+        try:
+            client, first = app.ready.client, app.ready
+            client.reset = reset
+            client.hs = small
+            first.engine.fail("executor unavailable: restarted")
+            await until(refused)
+            assert not await serving()
+            assert not app._supervisor.done() and app.ready is first
+            client.hs = good
+            await until(serving)
+            assert app.ready is not first
+            assert caplog.text.count("do not fit") == 1
+        finally:
+            await app.stop(grace=0)
+
+    asyncio.run(main())
