@@ -24,7 +24,8 @@ from scheduler_svc.tokenizer import Tokenizer
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
-MAX_CLIENT_REQUEST_ID_BYTES = 256
+MAX_CLIENT_REQUEST_ID_BYTES = 256  # also tenant
+MAX_STOP_TOKEN_IDS = 64  # checked against every sampled token
 # An unset sampling.max_tokens with a text or token_ids prompt: vLLM's and OpenAI's
 # completions default. A chat prompt runs to the rest of max_model_len (their chat default).
 # Not max_model_len for all: a client whose protobuf loader silently drops the field (a
@@ -74,10 +75,13 @@ def _fail(message: str) -> None:
 
 
 def check_client_request_id(request: pb.GenerateRequest) -> None:
-    """client_request_id is echoed to the client: at most MAX_CLIENT_REQUEST_ID_BYTES."""
-    label = request.client_request_id
-    if len(label) > MAX_CLIENT_REQUEST_ID_BYTES or len(label.encode()) > MAX_CLIENT_REQUEST_ID_BYTES:
-        _fail(f"client_request_id has {len(label.encode())} UTF-8 bytes; at most {MAX_CLIENT_REQUEST_ID_BYTES}")
+    """The request's labels, at most MAX_CLIENT_REQUEST_ID_BYTES each: client_request_id is
+    echoed to the client and tenant is kept as a key of the fair policy's accounts for as long
+    as the server runs (cache_salt is bounded only by the request's byte bound)."""
+    for name in ("client_request_id", "tenant"):
+        label = getattr(request, name)
+        if len(label) > MAX_CLIENT_REQUEST_ID_BYTES or len(label.encode()) > MAX_CLIENT_REQUEST_ID_BYTES:
+            _fail(f"{name} has {len(label.encode())} UTF-8 bytes; at most {MAX_CLIENT_REQUEST_ID_BYTES}")
 
 
 def needs_tokenizer(request: pb.GenerateRequest) -> bool:
@@ -179,6 +183,8 @@ def sampling_params(request: pb.GenerateRequest, num_prompt_tokens: int, limits:
             _fail("sampling.stop contains an empty string")
         if len(stop) > MAX_STOP_STRING_LEN:
             _fail(f"sampling.stop strings must be at most {MAX_STOP_STRING_LEN} characters")
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        _fail(f"sampling.stop_token_ids has {len(s.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
     bad = next((t for t in s.stop_token_ids if t >= limits.vocab_size), None)
     if bad is not None:
         _fail(f"sampling.stop_token_ids: id {bad} is outside the vocabulary (size {limits.vocab_size})")

@@ -328,7 +328,17 @@ def test_client_request_id_is_capped_and_echoed_once(fakes, byte_tokenizer_dir, 
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert not app.ready.engine.executor.fake.plans
 
+            for name in ("tenant", "stop_token_ids"):  # kept per tenant / checked per token: capped too
+                request = build_request([1, 2, 3], max_tokens=4)
+                if name == "tenant":
+                    request.tenant = "t" * 257
+                else:
+                    request.sampling.stop_token_ids.extend([5] * 65)
+                err = await refusal(stub.Generate(request))
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and name in err.details(), err.details()
             request = build_request([1, 2, 3], max_tokens=16, ignore_eos=True)
+            request.sampling.stop_token_ids.extend([250] * 64)
+            request.tenant = "t" * 256
             request.client_request_id = "é" * 128  # 256 bytes: the most allowed
             messages = [m async for m in stub.Generate(request)]
             assert len(messages) > 1 and messages[-1].finished
