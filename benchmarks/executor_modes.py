@@ -3,6 +3,7 @@
 Measures, in this order and in one process:
 - the floor: read bandwidth (sum over a 1 GiB float32 tensor, best of 5) and the float32 GEMM
   peak (2048^3 `torch.mm`, best of 5);
+- Hugging Face transformers `generate` on the same float32 weights, batch 1, ms per token;
 - per mode (`float32`, `int4` = `--quantization int4`): the default model loaded exactly as the
   server loads it (`executor_svc.server.load`), B greedy sequences prefilled to CTX tokens, then
   the median wall time of a whole decode step `ModelRunner.execute(plan)` (validation, metadata,
@@ -47,6 +48,25 @@ def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def hf_decode_ms(ctx: int, new_tokens: int = 33) -> float:
+    """Hugging Face `generate` on the same float32 weights, batch 1: ms per decoded token, from
+    (time of max_new_tokens=N) - (time of 1), over N - 1 tokens, median of 3."""
+    from transformers import AutoModelForCausalLM
+
+    from executor_svc.model_loader import resolve_model
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("default", default_cache_dir()), dtype=torch.float32)
+    ids = torch.tensor([[(7 * i) % 49000 + 10 for i in range(ctx)]])
+
+    def gen(n: int) -> float:
+        kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return _timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **kw))
+
+    with torch.inference_mode():
+        gen(2)
+        return statistics.median((gen(new_tokens) - gen(1)) / (new_tokens - 1) * 1000 for _ in range(3))
 
 
 def build(mode: str, threads: int):
@@ -144,6 +164,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     bw, peak = read_bandwidth_gbs(), gemm_peak_gflops()
     print(f"read bandwidth {bw:.1f} GB/s, float32 GEMM peak {peak:.0f} GFLOP/s ({args.threads} threads)", flush=True)
+    hf_ms = hf_decode_ms(args.ctx)
+    print(f"HF transformers generate, float32, batch 1: {hf_ms:.1f} ms per decoded token", flush=True)
     results: dict[str, list[dict]] = {m: [] for m in args.modes}
     weight_bytes: dict[str, int] = {}
     for mode in args.modes + args.modes[::-1]:
@@ -166,6 +188,9 @@ def main() -> None:
         agree = statistics.mean(a == b for a, b in zip(runs[0]["tokens"], results[base][0]["tokens"]))
         row = f"{mode:10}" + "".join(f"{ms[b]:11.1f}" for b in args.batch)
         print(row + f"{floor:10.1f}{ms[1] / floor:11.2f}{prefill:13.0f}{agree:14.2f}")
+    for mode, runs in results.items():
+        one = statistics.median(r["decode_ms"][1] for r in runs) if 1 in args.batch else float("nan")
+        print(f"{mode}: batch-1 decode step {one:.1f} ms = {hf_ms / one:.2f}x HF generate's speed ({hf_ms:.1f} ms)")
     for mode, runs in results.items():
         if mode != base:
             ratios = [
