@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -30,7 +31,9 @@ def main(argv: list[str] | None = None) -> None:
     tie_to_parent(stop)
     try:
         # Before torch is imported or anything loads: a taken port is said in one line, now.
-        ensure_port_free(config.executor_host, config.executor_port)
+        # Tensor-parallel ranks other than 0 (RANK set by rank 0 or torchrun) do not listen.
+        if config.tensor_parallel_size == 1 or os.environ.get("RANK", "0") == "0":
+            ensure_port_free(config.executor_host, config.executor_port)
         from executor_svc.server import serve  # imports torch: after the flags are parsed
 
         serve(config, stop)

@@ -98,6 +98,21 @@ class ExecutorConfig:
     quantized_max_rows: int = field(
         default=8, metadata={"help": "--quantization int4: steps with at most this many tokens use the int4 kernel"}
     )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "ranks in the executor's tensor-parallel group (Megatron sharding over torch.distributed: gloo on "
+            "CPU, NCCL on CUDA); must divide the model's attention and KV heads. Rank 0 serves gRPC and starts "
+            "ranks 1..N-1 on this host, unless started by torchrun (RANK/WORLD_SIZE in the environment)"
+        },
+    )
+    tensor_parallel_timeout_s: float = field(
+        default=120.0,
+        metadata={
+            "help": "timeout of the tensor-parallel group's rendezvous and collectives: a rank that dies or hangs "
+            "ends the group within it"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -116,6 +131,15 @@ class ExecutorConfig:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quantized_max_rows < 1:
             raise ValueError(f"--quantized-max-rows must be >= 1, got {self.quantized_max_rows}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_timeout_s <= 0:
+            raise ValueError(f"--tensor-parallel-timeout-s must be > 0, got {self.tensor_parallel_timeout_s}")
+        if self.tensor_parallel_size > 1 and self.quantization != "none":
+            raise ValueError(
+                f"--quantization {self.quantization} is not supported with --tensor-parallel-size "
+                f"{self.tensor_parallel_size}: use --tensor-parallel-size 1, or --quantization none"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

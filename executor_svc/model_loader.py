@@ -28,6 +28,7 @@ from filelock import FileLock
 
 from executor_svc.config import DEFAULT_MODEL, DEFAULT_MODEL_HUB_ID
 from executor_svc.models import check_architectures, get_model_class
+from executor_svc.parallel import NO_TP, TPInfo
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +62,11 @@ def resolve_model(model: str | None, cache_dir: Path | str) -> Path:
     )
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device, backend_name: str) -> tuple[torch.nn.Module, Any]:
-    """Build our implementation of the model in `path` and load its safetensors weights.
+def load_model(
+    path: Path, dtype: torch.dtype, device: torch.device, backend_name: str, tp: TPInfo = NO_TP
+) -> tuple[torch.nn.Module, Any]:
+    """Build our implementation of the model in `path` and load its safetensors weights
+    (with `tp`, this tensor-parallel rank's shard, read slice by slice from the files).
 
     The architecture is checked from config.json before anything heavy happens, so an
     unsupported model fails in milliseconds with the list of supported ones.
@@ -75,12 +79,17 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, backend_nam
         raise ValueError(f"{path} has no config.json; resolve the model with resolve_model() first")
     check_architectures(json.loads(config_file.read_text()).get("architectures"))
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    model = get_model_class(config)(config, backend_name, dtype, device)
-    model.load_weights(_safetensors_weights(path))
+    if tp.enabled:
+        model = get_model_class(config)(config, backend_name, dtype, device, tp)
+        model.load_weights(_safetensors_weights(path, lazy=True))
+    else:
+        model = get_model_class(config)(config, backend_name, dtype, device)
+        model.load_weights(_safetensors_weights(path))
     return model.eval(), config
 
 
-def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_weights(path: Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) pairs; lazy: (name, safetensors slice), read only where indexed."""
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -89,7 +98,7 @@ def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name) if lazy else f.get_tensor(name)
 
 
 def _convert_once(target: Path, get_gguf: Callable[[Path], Path]) -> Path:

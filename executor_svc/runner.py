@@ -39,6 +39,7 @@ from chunkserve_kernels.forward_context import set_forward_context
 from chunkserve_kernels.metadata import build_metadata
 
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from executor_svc.parallel import NO_TP, PlanChannel, TPInfo
 from executor_svc.sampler import SamplingSpec, sample
 
 # The scheduler never asks for more (scheduler_svc/validation.py MAX_LOGPROBS; a test keeps
@@ -111,8 +112,14 @@ class ModelRunner:
         vocab_size: int,
         max_num_batched_tokens: int,
         max_model_len: int | None = None,
+        tp: TPInfo = NO_TP,
+        channel: PlanChannel | None = None,
     ) -> None:
+        """Under tensor parallelism (`tp`, executor_svc/parallel.py) every rank runs the same
+        plans on its shard; rank 0 samples and shares the token ids over `channel`."""
         self.model = model
+        self.tp = tp
+        self.channel = channel
         self.kv_cache = kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
         self.host_cache = host_cache  # same shape with host blocks, or None
         self.block_size = kv_cache.shape[3]
@@ -156,8 +163,15 @@ class ModelRunner:
             ends = list(itertools.accumulate(query_lens))  # the last token of entry i is ends[i] - 1
             rows = torch.tensor([ends[i] - 1 for i, _ in checked.sampling], device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
+            if self.tp.rank != 0:  # rank 0 samples; the others only need the token ids back
+                tokens = self.channel.share_tokens(None, len(checked.sampling), self.tp.rank)
+                for k, (i, _) in enumerate(checked.sampling):
+                    states[i].last_token = tokens[k]
+                return response
             specs = [states[i].sampling for i, _ in checked.sampling]
             out = sample(logits, specs, [pos for _, pos in checked.sampling])
+            if self.tp.enabled:
+                self.channel.share_tokens(out.token_ids, len(checked.sampling), 0)
             for k, (i, _) in enumerate(checked.sampling):
                 states[i].last_token = out.token_ids[k]
                 entry = response.sampled.add(seq_id=plan.seqs[i].seq_id, token_id=out.token_ids[k])

@@ -6,6 +6,9 @@ a second caller appears. Torch work blocks the handling thread, not the server, 
 and handshake calls still answer during a long step. With an
 executor token (always, under `chunkserve serve`) only the scheduler that holds it gets past
 the interceptor: no second scheduler drives this KV cache.
+
+With --tensor-parallel-size N > 1 this process is rank 0 of a group (executor_svc/parallel.py):
+it forwards every step and reset to ranks 1..N-1 before running it on its own shard.
 """
 
 from __future__ import annotations
@@ -27,10 +30,29 @@ from chunkserve_contracts import __version__
 from chunkserve_contracts.auth import SyncBearerTokenInterceptor
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.executor.v1 import executor_pb2_grpc as epb_grpc
+from chunkserve_contracts.flags import config_to_argv
 from chunkserve_contracts.ownership import port_in_use
 from executor_svc.config import ExecutorConfig
 from executor_svc.model_loader import load_model, resolve_model
 from executor_svc.models.quant import quantize_model
+from executor_svc.parallel import (
+    CMD_RESET,
+    EXIT_GROUP_LOST,
+    NO_TP,
+    Leader,
+    LocalGroup,
+    PlanChannel,
+    TPInfo,
+    check_divisible,
+    end_group,
+    env_rank,
+    ignore_interrupts,
+    init_group,
+    local_device,
+    min_over_group,
+    spawn_local_ranks,
+    worker_loop,
+)
 from executor_svc.runner import ModelRunner, PlanError
 
 log = logging.getLogger(__name__)
@@ -96,13 +118,31 @@ def kv_block_counts(config: ExecutorConfig, bytes_per_block: int, device: torch.
 class Loaded:
     runner: ModelRunner
     handshake: epb.HandshakeResponse
+    leader: Leader | None = None  # rank 0 of a tensor-parallel group: sends every command to the others
+
+    def step(self, request: epb.StepRequest) -> epb.StepResponse:
+        """Runs one plan (on the compute thread); in a group every rank runs it."""
+        if self.leader is None:
+            return self.runner.execute(request)
+        return self.leader.run(self.runner.execute, request, payload=request.SerializeToString())
+
+    def reset(self) -> None:
+        if self.leader is None:
+            return self.runner.reset()
+        return self.leader.run(self.runner.reset, cmd=CMD_RESET)
 
 
-def load(config: ExecutorConfig) -> Loaded:
-    """Loads the model and allocates the KV cache; raises ValueError on a setting that cannot work."""
+def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
+    """Loads the model and allocates the KV cache; raises ValueError on a setting that cannot work.
+
+    With `tp` (a tensor-parallel rank, executor_svc/parallel.py) it joins the group first,
+    loads this rank's shard, and sizes the KV cache to what every rank can hold."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
+    if tp.enabled:
+        init_group(tp, device, config.tensor_parallel_timeout_s)
+        device = local_device(device)
     dtype = resolve_dtype(config.dtype, device)
     backend_name = (
         choose_backend(device, dtype, config.block_size)
@@ -113,7 +153,7 @@ def load(config: ExecutorConfig) -> Loaded:
     backend.check_dtype(dtype)
     backend.check_block_size(config.block_size)
     path = resolve_model(config.model, Path(config.cache_dir))
-    model, hf = load_model(path, dtype, device, backend_name)
+    model, hf = load_model(path, dtype, device, backend_name, tp)
     if config.quantization != "none":
         if device.type != "cpu" or dtype != torch.float32:
             raise ValueError("--quantization int4 is a CPU mode over float32 weights: use --device cpu --dtype float32")
@@ -128,16 +168,22 @@ def load(config: ExecutorConfig) -> Loaded:
         )
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-    shape_per_block = (hf.num_hidden_layers, 2, 1, config.block_size, num_kv_heads, head_dim)
+    # Each rank holds its num_kv_heads / tp.size heads of every block.
+    shape_per_block = (hf.num_hidden_layers, 2, 1, config.block_size, num_kv_heads // tp.size, head_dim)
     bytes_per_block = torch.empty(shape_per_block, dtype=dtype, device="meta").numel() * dtype.itemsize
     device_blocks, host_blocks = kv_block_counts(config, bytes_per_block, device)
+    if tp.enabled:  # the block ids the scheduler hands out must be valid on every rank
+        device_blocks, host_blocks = min_over_group([device_blocks, host_blocks], device)
     kv_cache = torch.zeros(shape_per_block[:2] + (device_blocks,) + shape_per_block[3:], dtype=dtype, device=device)
     host_cache = None
     if host_blocks:
         host_cache = torch.empty(
             shape_per_block[:2] + (host_blocks,) + shape_per_block[3:], dtype=dtype, pin_memory=device.type == "cuda"
         )
-    runner = ModelRunner(model, kv_cache, host_cache, hf.vocab_size, config.max_num_batched_tokens, model.max_model_len)
+    channel = PlanChannel(device) if tp.enabled else None
+    runner = ModelRunner(
+        model, kv_cache, host_cache, hf.vocab_size, config.max_num_batched_tokens, model.max_model_len, tp, channel
+    )
     name = "SmolLM2-135M-Instruct" if config.model in ("default", "") else config.model
     handshake = epb.HandshakeResponse(
         model=epb.ModelConfig(
@@ -161,9 +207,11 @@ def load(config: ExecutorConfig) -> Loaded:
         attention_backend=backend_name,
         max_num_batched_tokens=config.max_num_batched_tokens,
         version=__version__,
+        tensor_parallel_size=tp.size,
     )
     log.info(
-        "loaded %s from %s: %s on %s, %d KV blocks x %d tokens (%.2f GiB), %d host blocks",
+        "%sloaded %s from %s: %s on %s, %d KV blocks x %d tokens (%.2f GiB), %d host blocks",
+        f"rank {tp.rank} of {tp.size}: " if tp.enabled else "",
         name,
         path,
         handshake.dtype,
@@ -196,7 +244,7 @@ class ExecutorServicer(epb_grpc.ExecutorServicer):
 
     def Step(self, request: epb.StepRequest, context: grpc.ServicerContext) -> epb.StepResponse:
         try:
-            return self._compute.submit(self._loaded.runner.execute, request).result()
+            return self._compute.submit(self._loaded.step, request).result()
         except PlanError as exc:
             log.error("rejected plan: %s", exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -206,7 +254,7 @@ class ExecutorServicer(epb_grpc.ExecutorServicer):
         raise AssertionError("unreachable: abort raises")
 
     def Reset(self, request: epb.ResetRequest, context: grpc.ServicerContext) -> epb.ResetResponse:
-        self._compute.submit(self._loaded.runner.reset).result()
+        self._compute.submit(self._loaded.reset).result()
         return epb.ResetResponse()
 
 
@@ -214,11 +262,58 @@ def serve(config: ExecutorConfig, stop: threading.Event | None = None) -> None:
     """Loads, listens, and serves until stop is set. With config.executor_token every
     executor call must carry it (UNAUTHENTICATED otherwise); health stays open."""
     stop = stop or threading.Event()
-    compute = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
-    loaded = compute.submit(load, config).result()
-    if stop.is_set():  # told to stop (or the parent died) while loading: never listen
-        compute.shutdown()
+    tp, group = join_group(config)
+    if tp.rank > 0:  # a tensor-parallel rank other than 0: no gRPC, it runs what rank 0 sends
+        ignore_interrupts()
+        loaded = load(config, tp)
+        try:
+            worker_loop(loaded.runner, loaded.runner.channel)
+        except Exception as exc:  # noqa: BLE001 - rank 0 or another rank is gone: so is the group
+            log.error("rank %d of %d: the tensor-parallel group ended: %r", tp.rank, tp.size, exc)
+            logging.shutdown()
+            os._exit(EXIT_GROUP_LOST)
         return
+    compute = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+    try:
+        loaded = compute.submit(load, config, tp).result()
+    except BaseException:
+        if group is not None:
+            group.stop()
+        raise
+    if tp.enabled:
+        loaded.leader = Leader(loaded.runner.channel, group, config.tensor_parallel_timeout_s)
+        loaded.leader.keepalive(compute, stop)
+    try:
+        if not stop.is_set():  # told to stop (or the parent died) while loading: never listen
+            _listen(config, loaded, compute, stop)
+    finally:
+        if loaded.leader is not None:
+            compute.submit(loaded.leader.close).result()
+        compute.shutdown()
+
+
+def join_group(config: ExecutorConfig) -> tuple[TPInfo, LocalGroup | None]:
+    """This process's tensor-parallel rank, and the local ranks it started (rank 0 started
+    plainly with --tensor-parallel-size N > 1 starts ranks 1..N-1; under torchrun, the
+    environment says the rank and nobody starts anything)."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return NO_TP, None
+    path = resolve_model(config.model, Path(config.cache_dir))  # before any rank starts (converts once)
+    hf = json.loads((path / "config.json").read_text())
+    heads = hf.get("num_attention_heads", 0)
+    check_divisible(heads, hf.get("num_key_value_heads") or heads, size)
+    tp = env_rank()
+    if tp is not None:
+        if tp.size != size:
+            raise ValueError(f"WORLD_SIZE is {tp.size} but --tensor-parallel-size is {size}: they must match")
+        return tp, None
+    group = spawn_local_ranks(size, config_to_argv(config))
+    group.watch(lambda rank, code: end_group(f"tensor-parallel rank {rank} exited with status {code}", group))
+    return TPInfo(0, size), group
+
+
+def _listen(config: ExecutorConfig, loaded: Loaded, compute: futures.ThreadPoolExecutor, stop: threading.Event) -> None:
     address = f"{config.executor_host}:{config.executor_port}"
     interceptors = [SyncBearerTokenInterceptor(config.executor_token, TOKEN_DENIAL)] if config.executor_token else []
     if not interceptors:

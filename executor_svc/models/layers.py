@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from chunkserve_kernels import AttentionBackend, get_forward_context
 from torch import nn
 
+from executor_svc.parallel import NO_TP, TPInfo, all_reduce_, shard_rows
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + b. In float32 on CPU computed as (W @ x^T)^T: with MKL on a 2-core AMD
@@ -39,14 +41,25 @@ class Linear(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         shards: dict[str, tuple[int, int]] | None = None,
+        tp: TPInfo = NO_TP,
+        tp_dim: int | None = None,
     ) -> None:
+        """Under tensor parallelism the features are this rank's: `tp_dim` 0 = column-parallel
+        (out_features are its rows of the checkpoint's, per shard), 1 = row-parallel
+        (in_features are its columns; the partial results are summed over the group, then
+        the bias, held whole, is added once), None = replicated."""
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
         self.shards = shards or {}
         self.int4: Any = None  # models/quant.Int4Weights under --quantization int4
+        self.tp = tp
+        self.tp_dim = tp_dim if tp.enabled else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_dim == 1:
+            y = all_reduce_(linear(x, self.weight))
+            return y if self.bias is None else y.add_(self.bias)
         if self.int4 is not None and self.int4.applies(x):
             y = self.int4.matmul(x)
             return y if self.bias is None else y.add_(self.bias)
@@ -54,12 +67,27 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
-    def __init__(self, num: int, dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Under tensor parallelism vocab-parallel: rank r holds rows [r * n, (r + 1) * n) of the
+    vocabulary (n = ceil(num / size); rows past the vocabulary stay zero), looks up the ids
+    it holds, zeroes the others, and the group sums the rows (one all_reduce per step)."""
+
+    def __init__(self, num: int, dim: int, dtype: torch.dtype, device: torch.device | str, tp: TPInfo = NO_TP) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num, dim, dtype=dtype, device=device), False)
+        self.tp = tp
+        self.tp_dim = 0 if tp.enabled else None
+        if tp.enabled:  # zeros: the padding rows past the vocabulary must stay exact zeros
+            self.weight = nn.Parameter(torch.zeros(shard_rows(num, tp), dim, dtype=dtype, device=device), False)
+        else:
+            self.weight = nn.Parameter(torch.empty(num, dim, dtype=dtype, device=device), False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if not self.tp.enabled:
+            return F.embedding(ids, self.weight)
+        rows = self.weight.shape[0]
+        local = ids - self.tp.rank * rows
+        outside = (local < 0) | (local >= rows)
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce_(h.masked_fill_(outside[:, None], 0))
 
 
 class RMSNorm(nn.Module):

@@ -28,6 +28,7 @@ from executor_svc.models.layers import (
     rope_parameters,
 )
 from executor_svc.models.weights import load_weights
+from executor_svc.parallel import NO_TP, TPInfo, all_gather_last, check_divisible, shard_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,7 @@ class BlockSpec:
     backend: AttentionBackend
     dtype: torch.dtype
     device: torch.device | str
+    tp: TPInfo = NO_TP  # heads, kv_heads and intermediate are this rank's share of them
 
 
 class LlamaAttention(nn.Module):
@@ -54,8 +56,8 @@ class LlamaAttention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = s.heads, s.kv_heads, s.head_dim
         q_size, kv_size = s.heads * s.head_dim, s.kv_heads * s.head_dim
         shards = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
-        self.qkv_proj = Linear(s.hidden, q_size + 2 * kv_size, s.qkv_bias, s.dtype, s.device, shards)
-        self.o_proj = Linear(q_size, s.hidden, s.o_bias, s.dtype, s.device)
+        self.qkv_proj = Linear(s.hidden, q_size + 2 * kv_size, s.qkv_bias, s.dtype, s.device, shards, s.tp, 0)
+        self.o_proj = Linear(q_size, s.hidden, s.o_bias, s.dtype, s.device, None, s.tp, 1)
         self.attn = PagedAttention(layer_idx, s.backend, s.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -70,8 +72,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, s: BlockSpec) -> None:
         super().__init__()
         shards = {"gate": (0, s.intermediate), "up": (s.intermediate, s.intermediate)}
-        self.gate_up_proj = Linear(s.hidden, 2 * s.intermediate, s.mlp_bias, s.dtype, s.device, shards)
-        self.down_proj = Linear(s.intermediate, s.hidden, s.mlp_bias, s.dtype, s.device)
+        self.gate_up_proj = Linear(s.hidden, 2 * s.intermediate, s.mlp_bias, s.dtype, s.device, shards, s.tp, 0)
+        self.down_proj = Linear(s.intermediate, s.hidden, s.mlp_bias, s.dtype, s.device, None, s.tp, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -94,7 +96,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, s: BlockSpec) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, s.hidden, s.dtype, s.device)
+        self.embed_tokens = Embedding(config.vocab_size, s.hidden, s.dtype, s.device, s.tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(s, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(s.hidden, s.eps, s.dtype, s.device)
         self.rotary_emb = RotaryEmbedding(s.head_dim, rope_parameters(config), s.device)
@@ -119,18 +121,23 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend | str = "torch",
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        tp: TPInfo = NO_TP,
     ) -> None:
+        """With `tp` (tensor parallelism, executor_svc/parallel.py) this rank's shard only."""
         super().__init__()
         backend = get_backend(backend) if isinstance(backend, str) else backend
         backend.check_dtype(dtype)
-        spec = self._block_spec(config, backend, dtype, device)
+        spec = self._block_spec(config, backend, dtype, device, tp)
         backend.check_head_size(spec.head_dim)
         self.config = config
         self.model = LlamaModel(config, spec)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None
-        if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        self.tp = tp
+        self.vocab_size = config.vocab_size
+        if not self.tie_word_embeddings:  # vocab-parallel like the embedding (rows padded up)
+            rows = shard_rows(config.vocab_size, tp) if tp.enabled else config.vocab_size
+            self.lm_head = Linear(config.hidden_size, rows, False, dtype, device, None, tp, 0)
         self.max_model_len = _max_model_len(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -148,6 +155,8 @@ class LlamaForCausalLM(nn.Module):
         if head_bf16 is not None and hidden.shape[0] <= head_bf16[1]:
             return torch.nn.functional.linear(hidden.to(torch.bfloat16), head_bf16[0]).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.tp.enabled:  # each rank its vocabulary slice; every rank gets all of them
+            return all_gather_last(linear(hidden, weight).float(), self.tp.size)[:, : self.vocab_size]
         return linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -155,20 +164,27 @@ class LlamaForCausalLM(nn.Module):
         load_weights(self, weights)
 
     @classmethod
-    def _block_spec(cls, config: Any, backend: AttentionBackend, dtype: torch.dtype, device: Any) -> BlockSpec:
+    def _block_spec(
+        cls, config: Any, backend: AttentionBackend, dtype: torch.dtype, device: Any, tp: TPInfo = NO_TP
+    ) -> BlockSpec:
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+        check_divisible(heads, kv_heads, tp.size)
+        if config.intermediate_size % tp.size:
+            raise ValueError(
+                f"--tensor-parallel-size {tp.size} does not divide intermediate_size {config.intermediate_size}"
+            )
         attention_bias = bool(getattr(config, "attention_bias", False))
         return BlockSpec(
             hidden=config.hidden_size,
-            heads=heads,
-            kv_heads=kv_heads,
+            heads=heads // tp.size,
+            kv_heads=kv_heads // tp.size,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            intermediate=config.intermediate_size,
+            intermediate=config.intermediate_size // tp.size,
             eps=config.rms_norm_eps,
             qkv_bias=cls.qkv_bias_always or attention_bias,
             o_bias=attention_bias and not cls.qkv_bias_always,
@@ -176,6 +192,7 @@ class LlamaForCausalLM(nn.Module):
             backend=backend,
             dtype=dtype,
             device=device,
+            tp=tp,
         )
 
 

@@ -10,6 +10,7 @@ means the model would run on uninitialised memory or silently ignore weights.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,6 +25,19 @@ FUSED = {
 }
 # Tensors some checkpoints carry that the model recomputes or does not need.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _narrow_to_rank(name: str, src: Any, target: torch.Tensor, dim: int, tp: Any) -> torch.Tensor:
+    """This rank's part of `src` along `dim`: `target.shape[dim]` wide, the last rank's part
+    shorter when the dimension (the vocabulary) is padded up to a multiple of the group."""
+    shape, width = _shape(src), target.shape[dim]
+    if len(shape) != target.dim() or -(-shape[dim] // tp.size) != width:
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {shape}, the model expects {tuple(target.shape)} "
+            f"on each of {tp.size} tensor-parallel ranks: does config.json match the weights?"
+        )
+    start = tp.rank * width
+    return _take(src, dim, start, max(0, min(width, shape[dim] - start)))
 
 
 def _route(name: str) -> tuple[str, str | None]:
@@ -43,8 +57,24 @@ def _expected_shards(model: nn.Module) -> set[tuple[str, str | None]]:
     return expected
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy `(hf_name, tensor)` pairs into `model`, converting to the parameters' dtype."""
+def _shape(src: Any) -> tuple[int, ...]:
+    return tuple(src.shape) if isinstance(src, torch.Tensor) else tuple(src.get_shape())
+
+
+def _take(src: Any, dim: int, start: int, length: int) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) [start, start + length) of a tensor or of a lazy
+    safetensors slice, which then reads only those bytes from the file."""
+    if isinstance(src, torch.Tensor):
+        return src.narrow(dim, start, length)
+    return src[start : start + length] if dim == 0 else src[:, start : start + length]
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]]) -> None:
+    """Copy `(hf_name, tensor)` pairs into `model`, converting to the parameters' dtype.
+
+    Under tensor parallelism (modules with `tp_dim` 0 or 1, see layers.Linear) each source —
+    a tensor or a lazy safetensors slice — is narrowed to this rank's rows or columns before
+    anything is copied, so a rank reads its shard, never the whole model."""
     params = dict(model.named_parameters())
     tied = getattr(model, "tie_word_embeddings", False)
     loaded: set[tuple[str, str | None]] = set()
@@ -56,9 +86,15 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
         target = param.data
+        module = model.get_submodule(target_name.rsplit(".", 1)[0])
         if shard is not None:
-            module = model.get_submodule(target_name.rsplit(".", 1)[0])
             target = target.narrow(0, *module.shards[shard])
+        tp_dim = getattr(module, "tp_dim", None)
+        if tp_dim is not None and not (tp_dim == 1 and target.dim() == 1):  # a row-parallel bias is whole
+            tensor = _narrow_to_rank(name, tensor, target, tp_dim, module.tp)
+            target = target.narrow(0, 0, tensor.shape[0]) if tp_dim == 0 else target
+        elif not isinstance(tensor, torch.Tensor):
+            tensor = tensor[:]
         if target.shape != tensor.shape:
             raise ValueError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "

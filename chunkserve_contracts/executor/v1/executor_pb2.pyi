@@ -35,7 +35,7 @@ class ModelConfig(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("model", "model_name", "model_path", "dtype", "device", "block_size", "num_device_blocks", "num_host_blocks", "attention_backend", "max_num_batched_tokens", "version")
+    __slots__ = ("model", "model_name", "model_path", "dtype", "device", "block_size", "num_device_blocks", "num_host_blocks", "attention_backend", "max_num_batched_tokens", "version", "tensor_parallel_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class HandshakeResponse(_message.Message):
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: ModelConfig
     model_name: str
     model_path: str
@@ -58,7 +59,8 @@ class HandshakeResponse(_message.Message):
     attention_backend: str
     max_num_batched_tokens: int
     version: str
-    def __init__(self, model: _Optional[_Union[ModelConfig, _Mapping]] = ..., model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., attention_backend: _Optional[str] = ..., max_num_batched_tokens: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, model: _Optional[_Union[ModelConfig, _Mapping]] = ..., model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., attention_backend: _Optional[str] = ..., max_num_batched_tokens: _Optional[int] = ..., version: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "has_seed", "seed", "num_logprobs")

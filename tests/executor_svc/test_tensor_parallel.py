@@ -1,0 +1,242 @@
+"""Tensor parallelism (executor_svc/parallel.py) on CPU with gloo: a TP=2 group runs the same
+plans as one process and samples the same greedy tokens; bad group sizes are refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from executor_svc.config import ExecutorConfig
+from executor_svc.replay import read_messages, write_messages
+
+ROOT = Path(__file__).resolve().parents[2]
+# 8 heads, 4 KV heads, q/k/v/o and MLP biases, an odd vocabulary (padded to 2 x 64 rows).
+TP_TINY = dict(
+    hidden_size=128,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=127,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    initializer_range=0.2,
+    attention_bias=True,
+    mlp_bias=True,
+)
+BLOCK = 4
+GREEDY = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=2)
+
+
+def write_model(path: Path, tied: bool, **overrides) -> Path:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**TP_TINY, **overrides}, tie_word_embeddings=tied)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # non-trivial norms and biases, so a dropped or doubled one shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    return path
+
+
+def entry(seq, computed, n, tokens=(), blocks=(), sample=True, replace=False):
+    return epb.ScheduledSequence(
+        seq_id=seq,
+        num_computed_tokens=computed,
+        num_new_tokens=n,
+        token_ids=list(tokens),
+        block_ids=list(blocks),
+        sample=sample,
+        replace_block_table=replace,
+    )
+
+
+def mixed_plans() -> list[epb.StepRequest]:
+    """Chunked prefills next to decodes, a prefix-cache hit, a swap-out and swap-in, a
+    finished sequence, a refused plan (which must change nothing on any rank)."""
+    g = torch.Generator().manual_seed(1)
+    pa, pb, pd = (torch.randint(0, 127, (n,), generator=g).tolist() for n in (20, 6, 5))
+    pc = pa[:8] + torch.randint(0, 127, (5,), generator=g).tolist()
+    A, B, C, D, E = 1, 2, 3, 4, 5
+    new = lambda *ids: [epb.NewSequence(seq_id=i, sampling=GREEDY) for i in ids]  # noqa: E731
+    steps = [
+        dict(new_seqs=new(A), seqs=[entry(A, 0, 8, pa[:8], [0, 1], sample=False)]),
+        dict(new_seqs=new(B), seqs=[entry(A, 8, 8, pa[8:16], [2, 3], sample=False), entry(B, 0, 6, pb, [4, 5])]),
+        dict(seqs=[entry(A, 16, 4, pa[16:], [6]), entry(B, 6, 1)]),
+        dict(new_seqs=new(C), seqs=[entry(A, 20, 1, blocks=[7]), entry(B, 7, 1), entry(C, 8, 5, pc[8:], [0, 1, 8, 9])]),
+        dict(
+            swap_out=[epb.BlockCopy(src=4, dst=0), epb.BlockCopy(src=5, dst=1)], seqs=[entry(A, 21, 1), entry(C, 13, 1)]
+        ),
+        # refused (a token id outside the vocabulary): no rank may move a cursor
+        dict(new_seqs=new(E), seqs=[entry(A, 22, 1), entry(E, 0, 2, [5, 200], [20])]),
+        dict(seqs=[entry(A, 22, 1), entry(C, 14, 1)]),
+        dict(
+            swap_in=[epb.BlockCopy(src=0, dst=10), epb.BlockCopy(src=1, dst=11)],
+            seqs=[entry(A, 23, 1), entry(C, 15, 1), entry(B, 8, 1, blocks=[10, 11, 12], replace=True)],
+        ),
+        dict(seqs=[entry(A, 24, 1, blocks=[13]), entry(C, 16, 1, blocks=[14]), entry(B, 9, 1)]),
+        dict(finished_seq_ids=[C], seqs=[entry(A, 25, 1), entry(B, 10, 1)]),
+        dict(new_seqs=new(D), seqs=[entry(A, 26, 1), entry(B, 11, 1), entry(D, 0, 5, pd, [15, 16])]),
+        dict(seqs=[entry(A, 27, 1), entry(B, 12, 1, blocks=[17]), entry(D, 5, 1)]),
+        dict(seqs=[entry(A, 28, 1, blocks=[18]), entry(B, 13, 1), entry(D, 6, 1)]),
+    ]
+    return [epb.StepRequest(step_id=i, **s) for i, s in enumerate(steps)]
+
+
+def replay(model: Path, tp: int, tmp: Path, plans: list[epb.StepRequest]) -> list[epb.StepResponse]:
+    plans_file, out = tmp / f"plans-{tp}.bin", tmp / f"out-{tp}.bin"
+    write_messages(plans_file, plans)
+    cmd = [sys.executable, "-m", "executor_svc.replay", "--plans", str(plans_file), "--out", str(out)]
+    cmd += ["--model", str(model), "--device", "cpu", "--dtype", "float32", "--block-size", str(BLOCK)]
+    cmd += ["--num-gpu-blocks-override", "32", "--swap-space", "0.001", "--num-threads", "1"]
+    cmd += ["--tensor-parallel-size", str(tp), "--tensor-parallel-timeout-s", "120"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    if tp > 1:  # really a group: every rank loaded its shard and sized the same KV cache
+        for rank in range(tp):
+            assert f"rank {rank} of {tp}: loaded" in done.stderr
+    return list(read_messages(out, epb.StepResponse))
+
+
+def tokens(responses: list[epb.StepResponse]) -> list[list[tuple[int, int]]]:
+    return [[(s.seq_id, s.token_id) for s in r.sampled] for r in responses]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_tp2_greedy_tokens_equal_tp1_on_mixed_steps(tmp_path, tied):
+    model = write_model(tmp_path / "model", tied)
+    plans = mixed_plans()
+    one, two = replay(model, 1, tmp_path, plans), replay(model, 2, tmp_path, plans)
+    assert tokens(one) == tokens(two)
+    # every plan ran but the refused one (step 5), which sampled nothing, on both
+    assert [len(t) for t in tokens(one)] == [0, 1, 2, 3, 2, 0, 2, 3, 3, 2, 3, 3, 3]
+    for r1, r2 in zip(one, two):
+        for s1, s2 in zip(r1.sampled, r2.sampled):
+            assert s2.logprob == pytest.approx(s1.logprob, abs=1e-4)
+            assert [t.token_id for t in s2.top] == [t.token_id for t in s1.top]
+
+
+def test_tp_size_that_does_not_divide_kv_heads_is_refused(tmp_path):
+    model = write_model(tmp_path / "model", False, num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
+    cmd = [sys.executable, "-m", "executor_svc", "--model", str(model), "--device", "cpu"]
+    cmd += ["--tensor-parallel-size", "2", "--executor-port", "0"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--tensor-parallel-size 2 does not divide" in done.stderr
+    assert "num_attention_heads 6, num_key_value_heads 3" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_config_validates_tp_flags():
+    with pytest.raises(ValueError, match="--tensor-parallel-size must be >= 1"):
+        ExecutorConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="--quantization int4 is not supported with --tensor-parallel-size 2"):
+        ExecutorConfig(tensor_parallel_size=2, quantization="int4")
+    assert ExecutorConfig(quantization="int4").tensor_parallel_size == 1
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_tp2_executor_serves_a_scheduler_and_a_dead_rank_ends_the_group(tiny_model_path, tmp_path):
+    """A real TP=2 executor (rank 0 starts rank 1) behind a real scheduler: the same greedy
+    tokens as TP=1, the handshake says 2, a reset and an idle spell longer than the
+    collectives' timeout leave the group working; SIGKILL of rank 1 ends rank 0 at once, so
+    open streams end UNAVAILABLE within 5 s, as when a single executor dies."""
+    import os
+    import signal
+    import time
+
+    import grpc
+
+    from chunkserve.client import build_request
+    from chunkserve.launch import start_server
+    from chunkserve_contracts.executor.v1 import executor_pb2_grpc as epb_grpc
+
+    def generate(server, prompt):
+        done = list(server.stub().Generate(build_request(prompt, temperature=0.0, max_tokens=8, ignore_eos=True)))
+        return [t for m in done for t in m.token_ids]
+
+    prompts = [[5, 6, 7], list(range(100, 140)), [9] * 20]
+    common = ["--model", str(tiny_model_path), "--dtype", "float32", "--device", "cpu", "--block-size", "4"]
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = start_server(tmp_path / "one", [*common, "--num-threads", "1"], ["--max-num-batched-tokens", "16"])
+    try:
+        expected = [generate(one, p) for p in prompts]
+    finally:
+        one.stop()
+    two = start_server(
+        tmp_path / "two",
+        [*common, "--num-threads", "1", "--tensor-parallel-size", "2", "--tensor-parallel-timeout-s", "20"],
+        ["--max-num-batched-tokens", "16"],
+    )
+    try:
+        eport = two.executor.args[two.executor.args.index("--executor-port") + 1]
+        executor = epb_grpc.ExecutorStub(grpc.insecure_channel(f"127.0.0.1:{eport}"))
+        auth = [("authorization", f"Bearer {two.token}")]
+        assert executor.Handshake(epb.HandshakeRequest(), metadata=auth, timeout=10).tensor_parallel_size == 2
+        with concurrent_calls() as pool:  # concurrent: chunked prefills next to decodes
+            assert list(pool.map(lambda p: generate(two, p), prompts)) == expected
+        executor.Reset(epb.ResetRequest(), metadata=auth, timeout=30)  # reaches rank 1 too: the group goes on
+        # Idle for longer than the collectives' timeout: rank 0's keepalive keeps rank 1 waiting.
+        time.sleep(25)
+        assert generate(two, prompts[0]) == expected[0]
+        calls = [two.stub().Generate(build_request([5, 6], temperature=0.0, max_tokens=3000, ignore_eos=True))]
+        next(m for m in calls[0] if m.token_ids)  # running
+        [rank1] = _children(two.executor.pid)
+        os.kill(rank1, signal.SIGKILL)
+        killed = time.time()
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in calls[0]:
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.time() - killed < 5
+        assert two.executor.wait(10) == 3  # parallel.EXIT_GROUP_LOST
+    finally:
+        two.stop()
+
+
+def concurrent_calls():
+    import concurrent.futures
+
+    return concurrent.futures.ThreadPoolExecutor(max_workers=3)
+
+
+@pytest.mark.slow
+def test_default_model_tp3_equals_tp1(default_model_path, tmp_path):
+    """SmolLM2-135M (9 heads, 3 KV heads, intermediate 1536, vocab 49152) split 3 ways: a
+    chunked prefill and a few decodes give TP=1's greedy tokens (TP=1 equals HF: test_llama)."""
+    prompt = [1, 504, 3458, 282, 4649, 314, 2114, 30, 378, 6459, 3263, 314]
+    new = [epb.NewSequence(seq_id=1, sampling=GREEDY)]
+    plans = [
+        epb.StepRequest(step_id=0, new_seqs=new, seqs=[entry(1, 0, 8, prompt[:8], [0, 1], sample=False)]),
+        epb.StepRequest(step_id=1, seqs=[entry(1, 8, 4, prompt[8:], [2])]),
+        *(
+            epb.StepRequest(step_id=2 + k, seqs=[entry(1, 12 + k, 1, blocks=[3 + k // 4] if k % 4 == 0 else [])])
+            for k in range(5)
+        ),
+    ]
+    one, three = replay(default_model_path, 1, tmp_path, plans), replay(default_model_path, 3, tmp_path, plans)
+    assert [len(t) for t in tokens(one)] == [0, 1, 1, 1, 1, 1, 1]
+    assert tokens(one) == tokens(three)
