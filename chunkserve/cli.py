@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     from chunkserve.admin_cli import add_admin_parser, run_admin
 
     add_admin_parser(sub)
+    from chunkserve.tune.cli import add_tune_parser, run_tune
+
+    add_tune_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         _serve(args)
@@ -96,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(run_bench(args))
     elif args.command == "admin":
         sys.exit(run_admin(args))
+    elif args.command == "tune":
+        sys.exit(run_tune(args))
     else:
         from chunkserve.client import generate_cli
 
