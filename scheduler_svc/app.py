@@ -208,6 +208,7 @@ class SchedulerApp:
             num_device_blocks=hs.num_device_blocks,
             num_host_blocks=hs.num_host_blocks,
             attention_backend=hs.attention_backend,
+            tensor_parallel_size=max(hs.tensor_parallel_size, 1),  # 0 from an executor before the field
             version=__version__,
             eos_token_ids=sorted(eos),
         )

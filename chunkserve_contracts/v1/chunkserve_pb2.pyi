@@ -157,7 +157,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "dtype", "block_size", "num_device_blocks", "num_host_blocks", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "attention_backend", "version", "eos_token_ids", "num_free_device_blocks", "num_requests_running", "num_requests_waiting")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "dtype", "block_size", "num_device_blocks", "num_host_blocks", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "attention_backend", "version", "eos_token_ids", "num_free_device_blocks", "num_requests_running", "num_requests_waiting", "tensor_parallel_size")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class GetInfoResponse(_message.Message):
     NUM_FREE_DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -190,7 +191,8 @@ class GetInfoResponse(_message.Message):
     num_free_device_blocks: int
     num_requests_running: int
     num_requests_waiting: int
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., enable_chunked_prefill: _Optional[bool] = ..., attention_backend: _Optional[str] = ..., version: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_free_device_blocks: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., enable_chunked_prefill: _Optional[bool] = ..., attention_backend: _Optional[str] = ..., version: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_free_device_blocks: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class GetConfigRequest(_message.Message):
     __slots__ = ()

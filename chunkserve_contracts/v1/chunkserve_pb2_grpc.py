@@ -195,8 +195,8 @@ class Generation:
 
 
 class AdminStub:
-    """Operator service, served on its own port (--admin-port; off by default, loopback by
-    default when on): never exposed to clients of the Generation service.
+    """Operator service, served on its own port (--admin-port, default 50052 on loopback; 0 = off):
+    never exposed to clients of the Generation service.
     """
 
     def __init__(self, channel):
@@ -228,8 +228,8 @@ class AdminStub:
 
 
 class AdminServicer:
-    """Operator service, served on its own port (--admin-port; off by default, loopback by
-    default when on): never exposed to clients of the Generation service.
+    """Operator service, served on its own port (--admin-port, default 50052 on loopback; 0 = off):
+    never exposed to clients of the Generation service.
     """
 
     def WatchSteps(self, request, context):
@@ -293,8 +293,8 @@ def add_AdminServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Admin:
-    """Operator service, served on its own port (--admin-port; off by default, loopback by
-    default when on): never exposed to clients of the Generation service.
+    """Operator service, served on its own port (--admin-port, default 50052 on loopback; 0 = off):
+    never exposed to clients of the Generation service.
     """
 
     @staticmethod

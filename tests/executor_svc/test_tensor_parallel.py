@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from executor_svc.config import ExecutorConfig
 from executor_svc.replay import read_messages, write_messages
 
@@ -196,6 +197,7 @@ def test_tp2_executor_serves_a_scheduler_and_a_dead_rank_ends_the_group(tiny_mod
         executor = epb_grpc.ExecutorStub(grpc.insecure_channel(f"127.0.0.1:{eport}"))
         auth = [("authorization", f"Bearer {two.token}")]
         assert executor.Handshake(epb.HandshakeRequest(), metadata=auth, timeout=10).tensor_parallel_size == 2
+        assert two.stub().GetInfo(pb.GetInfoRequest(), timeout=10).tensor_parallel_size == 2
         with concurrent_calls() as pool:  # concurrent: chunked prefills next to decodes
             assert list(pool.map(lambda p: generate(two, p), prompts)) == expected
         executor.Reset(epb.ResetRequest(), metadata=auth, timeout=30)  # reaches rank 1 too: the group goes on

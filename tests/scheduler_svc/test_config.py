@@ -187,9 +187,10 @@ def test_an_executor_back_with_settings_that_do_not_fit_is_waited_out(byte_token
             await until(refused)
             assert not await serving()
             assert not app._supervisor.done() and app.ready is first
-            client.hs = good
+            assert first.info.tensor_parallel_size == 1  # a handshake without the field: one device
+            client.hs = handshake(byte_tokenizer_dir, tensor_parallel_size=2)  # back as a group of 2
             await until(serving)
-            assert app.ready is not first
+            assert app.ready is not first and app.ready.info.tensor_parallel_size == 2
             assert caplog.text.count("do not fit") == 1
         finally:
             await app.stop(grace=0)
