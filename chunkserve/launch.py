@@ -153,6 +153,21 @@ def start_server(tmp_dir: Path, executor_args: list[str], scheduler_args: list[s
             time.sleep(0.5)
 
 
+def child_pids(pid: int) -> list[int]:
+    """The pids whose parent is `pid` (Linux /proc): the executor a server started, the ranks an
+    executor group spawned. For tests that kill or count them."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
 def write_tiny_model(path: Path, tokenizer_from: Path) -> Path:
     """A 2-layer random-weight Llama (hidden size 64) with the tokenizer files of
     `tokenizer_from`, saved to `path`: a real server on it starts in about a second and its

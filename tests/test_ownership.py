@@ -30,7 +30,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chunkserve.client import Completion, build_request
-from chunkserve.launch import free_port, start_server
+from chunkserve.launch import child_pids, free_port, start_server
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.executor.v1 import executor_pb2_grpc as epb_grpc
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
@@ -67,19 +67,6 @@ def _exit_code(proc: subprocess.Popen, log: Path, deadline_s: float = DEADLINE_S
         return proc.wait(deadline_s)
     except subprocess.TimeoutExpired:
         raise AssertionError(f"still running after {deadline_s:g} s:\n{log.read_text()[-4000:]}") from None
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rpartition(")")[2].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
 
 
 def _gone(pid: int) -> bool:
@@ -260,7 +247,7 @@ def test_second_serve_on_the_same_executor_port_stops_and_the_first_keeps_servin
     second = None
     try:
         _wait_serving(first, first_log)
-        executors_before = _children(first.pid)
+        executors_before = child_pids(first.pid)
         assert len(executors_before) == 1
 
         second, second_log = _serve(tmp_path, "second", tiny_model_path, free_port(), eport)
@@ -272,7 +259,7 @@ def test_second_serve_on_the_same_executor_port_stops_and_the_first_keeps_servin
 
         # The first server: same executor child, still serving, its pool whole.
         _generates(port)
-        assert _children(first.pid) == executors_before
+        assert child_pids(first.pid) == executors_before
         assert "restarting" not in first_log.read_text()
     finally:
         if second is not None:
@@ -331,7 +318,7 @@ def test_serve_does_not_restart_an_executor_that_exits_with_2(tiny_model_path, t
     proc, log = _serve(tmp_path, "serve", model, free_port(), free_port())
     try:
         _wait_serving(proc, log)
-        [child] = _children(proc.pid)
+        [child] = child_pids(proc.pid)
         model.rename(tmp_path / "model-moved")
         os.kill(child, signal.SIGKILL)
         code = _exit_code(proc, log)
@@ -353,7 +340,7 @@ def test_executor_dies_with_a_sigkilled_chunkserve_serve(tiny_model_path, tmp_pa
     child = None
     try:
         _wait_serving(proc, log)
-        [child] = _children(proc.pid)
+        [child] = child_pids(proc.pid)
         assert not _port_free(eport)
         proc.kill()
         proc.wait()

@@ -145,25 +145,12 @@ def test_config_validates_tp_flags():
     assert ExecutorConfig(quantization="int4").tensor_parallel_size == 1
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rpartition(")")[2].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
 @pytest.mark.slow
 def test_tp2_executor_serves_a_scheduler_and_a_dead_rank_ends_the_group(tiny_model_path, tmp_path):
     """A real TP=2 executor (rank 0 starts rank 1) behind a real scheduler: the same greedy
     tokens as TP=1, the handshake says 2, a reset and an idle spell longer than the
     collectives' timeout leave the group working; SIGKILL of rank 1 ends rank 0 at once, so
-    open streams end UNAVAILABLE within 5 s, as when a single executor dies."""
+    open streams end UNAVAILABLE at once (not at the timeout), as when a single executor dies."""
     import os
     import signal
     import time
@@ -171,7 +158,7 @@ def test_tp2_executor_serves_a_scheduler_and_a_dead_rank_ends_the_group(tiny_mod
     import grpc
 
     from chunkserve.client import build_request
-    from chunkserve.launch import start_server
+    from chunkserve.launch import child_pids, start_server
     from chunkserve_contracts.executor.v1 import executor_pb2_grpc as epb_grpc
 
     def generate(server, prompt):
@@ -206,14 +193,16 @@ def test_tp2_executor_serves_a_scheduler_and_a_dead_rank_ends_the_group(tiny_mod
         assert generate(two, prompts[0]) == expected[0]
         calls = [two.stub().Generate(build_request([5, 6], temperature=0.0, max_tokens=3000, ignore_eos=True))]
         next(m for m in calls[0] if m.token_ids)  # running
-        [rank1] = _children(two.executor.pid)
+        [rank1] = child_pids(two.executor.pid)
         os.kill(rank1, signal.SIGKILL)
         killed = time.time()
         with pytest.raises(grpc.RpcError) as err:
             for _ in calls[0]:
                 pass
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert time.time() - killed < 5
+        # Ended by the death itself, not by the collectives' 20 s timeout (about 1 s here; the
+        # bound is the timeout, so a machine several times slower still passes).
+        assert time.time() - killed < 20
         assert two.executor.wait(10) == 3  # parallel.EXIT_GROUP_LOST
     finally:
         two.stop()
