@@ -13,9 +13,17 @@ from chunkserve_contracts.flags import env_name
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 
+def _budget(text: str) -> int:
+    """A token budget, or `auto` (0: the executor's limit, with --target-itl-ms)."""
+    return 0 if text.strip().lower() == "auto" else int(text)
+
+
+_budget.__name__ = "int"  # argparse says "invalid int value"
+
 _SETTINGS = {  # flag -> (SchedulingConfig field, type)
     "--policy": ("policy", str),
-    "--max-num-batched-tokens": ("max_num_batched_tokens", int),
+    "--max-num-batched-tokens": ("max_num_batched_tokens", _budget),
+    "--target-itl-ms": ("target_itl_ms", float),
     "--max-num-seqs": ("max_num_seqs", int),
     "--max-num-partial-prefills": ("max_num_partial_prefills", int),
     "--max-long-partial-prefills": ("max_long_partial_prefills", int),

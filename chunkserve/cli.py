@@ -111,13 +111,15 @@ def _serve(args: argparse.Namespace) -> None:
     import uvloop
 
     from executor_svc.config import ExecutorConfig
+    from scheduler_svc.budget import AUTO_MAX_BATCHED_TOKENS
     from scheduler_svc.config import SchedulerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = new_token()  # this launch's executor answers this scheduler only
     try:
         model = check_model(_model_arg(args))
-        executor = config_from_args(ExecutorConfig, args, executor_token=token, model=model)
+        auto = {"max_num_batched_tokens": AUTO_MAX_BATCHED_TOKENS} if args.max_num_batched_tokens == 0 else {}
+        executor = config_from_args(ExecutorConfig, args, executor_token=token, model=model, **auto)
         host = "127.0.0.1" if executor.executor_host in ("0.0.0.0", "::") else executor.executor_host
         scheduler = config_from_args(
             SchedulerConfig, args, executor_address=f"{host}:{executor.executor_port}", executor_token=token

@@ -50,6 +50,18 @@ def _base_type(annotation: Any) -> type:
     return args[0] if args else annotation
 
 
+def _with_names(kind: type, names: dict[str, Any]) -> Any:
+    """kind's parser that also accepts the field's named values (metadata "names", e.g.
+    {"auto": 0}); argparse's error still says "invalid int value"."""
+
+    def convert(text: str) -> Any:
+        key = text.strip().lower()
+        return names[key] if key in names else kind(text)
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
 def add_config_flags(
     parser: argparse.ArgumentParser, cls: type, skip: Iterable[str] = (), seen: set[str] | None = None
 ) -> None:
@@ -61,11 +73,12 @@ def add_config_flags(
         seen.add(field.name)
         flag = "--" + field.name.replace("_", "-")
         kind = _base_type(field.type)
+        convert = _with_names(kind, field.metadata["names"]) if field.metadata.get("names") else kind
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()  # type: ignore[misc]
         env = os.environ.get(env_name(field.name))
         if env is not None and env != "":
             try:
-                default = _parse_bool(env) if kind is bool else kind(env)
+                default = _parse_bool(env) if kind is bool else convert(env)
             except ValueError as exc:
                 raise SystemExit(f"{env_name(field.name)}={env!r}: {exc}") from None
         shown = ("set" if default else "unset") if field.metadata.get("secret") else repr(default)
@@ -74,7 +87,7 @@ def add_config_flags(
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
             choices = field.metadata.get("choices")
-            parser.add_argument(flag, type=kind, default=default, choices=choices, help=help_text)
+            parser.add_argument(flag, type=convert, default=default, choices=choices, help=help_text)
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:

@@ -16,7 +16,7 @@ import grpc
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
-from scheduler_svc.config import validate_against_executor
+from scheduler_svc.config import resolve_auto_budget, validate_against_executor
 from scheduler_svc.policy import create_policy
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.snapshot import SchedulerSnapshot
@@ -48,6 +48,9 @@ def describe(s: SchedulerSnapshot) -> pb.SchedulingConfig:
         num_waiting=s.num_waiting + s.num_swapped,
         kv_cache_usage=s.kv_cache_usage,
         effective_step=s.next_step,
+        target_itl_ms=s.config.target_itl_ms or 0.0,
+        token_budget=s.token_budget,
+        budget_reason=s.budget_reason,
     )
 
 
@@ -55,7 +58,10 @@ def apply_update(controls: Controls, update: pb.SchedulingConfig) -> pb.Scheduli
     """Validates and applies a change; ValueError (nothing changed) when it cannot work."""
     sched, now = controls.scheduler, controls.scheduler.snapshot()
     changes = {f: getattr(update, f) for f in _FIELDS if update.HasField(f)}
+    if update.HasField("target_itl_ms"):  # 0 = back to a fixed budget
+        changes["target_itl_ms"] = update.target_itl_ms or None
     config = dataclasses.replace(now.config, **changes)  # __post_init__ validates
+    config = resolve_auto_budget(config, controls.executor)  # max_num_batched_tokens 0 = auto
     validate_against_executor(config, controls.executor, now.max_model_len)  # the start-up rules
     policy = create_policy(update.policy) if update.HasField("policy") else sched.policy
     sched.reconfigure(config, policy)

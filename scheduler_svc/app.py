@@ -24,7 +24,7 @@ from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.admin import AdminServicer, Controls
 from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.config import SchedulerConfig, validate_against_executor
+from scheduler_svc.config import SchedulerConfig, resolve_auto_budget, validate_against_executor
 from scheduler_svc.engine import Engine
 from scheduler_svc.executor_client import MAX_MESSAGE_BYTES, ExecutorClient
 from scheduler_svc.http_api import HttpFront
@@ -162,6 +162,7 @@ class SchedulerApp:
         self, client: ExecutorClient, hs: epb.HandshakeResponse, config: SchedulerConfig, policy: Policy
     ) -> Ready:
         """A fresh block pool, scheduler and engine sized from a handshake."""
+        config = resolve_auto_budget(config, hs)  # `--max-num-batched-tokens auto`: the executor's limit
         max_model_len = validate_against_executor(config, hs)  # the same rules as every live change
         tokenizer = Tokenizer(config.tokenizer or hs.model_path)
         limits = Limits.for_tokenizer(max_model_len, hs.model.vocab_size, tokenizer.max_bytes_per_token)

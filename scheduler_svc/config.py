@@ -8,8 +8,12 @@ meaning matches.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from scheduler_svc.budget import AUTO_MAX_BATCHED_TOKENS
 
 if TYPE_CHECKING:
     from chunkserve_contracts.executor.v1.executor_pb2 import HandshakeResponse
@@ -20,7 +24,21 @@ class SchedulerConfig:
     """What the scheduler admits and how much work one step may carry."""
 
     max_num_batched_tokens: int = field(
-        default=2048, metadata={"help": "token budget of one step: decode tokens plus prefill chunks"}
+        default=2048,
+        metadata={
+            "help": "token budget of one step: decode tokens plus prefill chunks; with --target-itl-ms the "
+            "upper bound of the auto budget; auto = the executor's limit (`chunkserve serve` gives its "
+            f"executor {AUTO_MAX_BATCHED_TOKENS}), with --target-itl-ms",
+            "names": {"auto": 0},
+        },
+    )
+    target_itl_ms: float | None = field(
+        default=None,
+        metadata={
+            "help": "auto token budget: before each step that carries decodes, the largest budget whose "
+            "predicted time (a step-time model fitted on this server's own steps) fits this many ms; "
+            "steps without decodes get the whole --max-num-batched-tokens (docs/tuning.md)"
+        },
     )
     max_num_seqs: int = field(default=128, metadata={"help": "most sequences in one step"})
     max_model_len: int | None = field(
@@ -147,8 +165,15 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.max_num_batched_tokens == 0 and self.target_itl_ms is None:  # 0 = `auto`
+            raise ValueError("--max-num-batched-tokens auto needs --target-itl-ms (the step-time target)")
+        if self.target_itl_ms is not None:
+            if not (self.target_itl_ms > 0 and math.isfinite(self.target_itl_ms)):
+                raise ValueError(f"--target-itl-ms must be a positive number of ms, got {self.target_itl_ms}")
+            if not self.enable_chunked_prefill:
+                raise ValueError("--target-itl-ms needs chunked prefill (a whole prompt cannot be cut to a target)")
         least = dict(
-            max_num_batched_tokens=1,
+            max_num_batched_tokens=0,  # 0 = auto: the executor's limit (resolve_auto_budget)
             max_num_seqs=1,
             max_model_len=2,
             max_num_partial_prefills=1,
@@ -168,6 +193,13 @@ class SchedulerConfig:
             raise ValueError("--tls-cert-file and --tls-key-file go together")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
+
+
+def resolve_auto_budget(config: SchedulerConfig, hs: HandshakeResponse) -> SchedulerConfig:
+    """`--max-num-batched-tokens auto` (0) becomes the executor's limit, once its handshake is in."""
+    if config.max_num_batched_tokens == 0:
+        return dataclasses.replace(config, max_num_batched_tokens=hs.max_num_batched_tokens)
+    return config
 
 
 def validate_against_executor(config: SchedulerConfig, hs: HandshakeResponse, max_model_len: int | None = None) -> int:

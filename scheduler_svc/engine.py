@@ -50,6 +50,10 @@ class Observer:
     does nothing unless overridden. on_token sees the previous token's last_token_time."""
 
     def on_step(self, record: StepRecord) -> None: ...
+    def on_state(self, state: SchedulerSnapshot) -> None:
+        """Queues or KV usage changed between steps (an abort): load gauges would otherwise
+        show the last step's load until the next step, which may never come."""
+
     def on_token(self, request: Request, now: float) -> None: ...
     def on_finish(self, request: Request, reason: FinishReason, now: float) -> None: ...
 
@@ -168,6 +172,9 @@ class Engine:
         self.scheduler.abort(request_id)
         self._finished(live.request, FinishReason.ABORTED, time.monotonic())
         live.stream.put(self._final(live, FinishReason.ABORTED, ""))
+        state = self.scheduler.snapshot()
+        for observer in self.observers:
+            observer.on_state(state)
         self._wake.set()
         return True
 
@@ -203,6 +210,7 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            cycle_start = time.perf_counter_ns()
             plan, stats = self.scheduler.schedule(), self.scheduler.step_stats
             if plan.is_empty:
                 # Nothing fits right now; admission guarantees it will once something ends.
@@ -228,6 +236,9 @@ class Engine:
             )
             for observer in self.observers:
                 observer.on_step(record)
+            if self.scheduler.config.target_itl_ms is not None:
+                # The auto budget learns what a stream waits per step: this whole iteration.
+                self.scheduler.budget.observe(plan, stats, (time.perf_counter_ns() - cycle_start) / 1e9)
 
     def _fail_step(self, plan: StepPlan, error: ServingError) -> None:
         """Fails the requests of a step the executor refused (or ran out of memory in) and

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from scheduler_svc.engine import Observer, StepRecord
 from scheduler_svc.request import FinishReason, Request
+from scheduler_svc.snapshot import SchedulerSnapshot
 
 TTFT_BUCKETS = (
     0.001,
@@ -170,6 +171,15 @@ class Metrics(Observer):
         self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.", REQUEST_BUCKETS)
         self.decode = histogram("request_decode_time_seconds", "First token to finish.", REQUEST_BUCKETS)
         self.step_tokens = histogram("iteration_tokens", "Tokens computed per step.", STEP_TOKEN_BUCKETS)
+        self.token_budget = gauge(
+            "step_token_budget",
+            "Token budget of the last step: --max-num-batched-tokens, or the auto budget's choice "
+            "under --target-itl-ms.",
+        )
+        self.predicted_step = gauge(
+            "auto_budget_predicted_step_seconds",
+            "The auto budget's predicted time of the last step's budget (0 when fixed or not fitted yet).",
+        )
 
     def serve(self, host: str, port: int) -> None:
         """Serves /metrics over HTTP in a background thread."""
@@ -188,9 +198,13 @@ class Metrics(Observer):
         self.swapped_out.inc(len(plan.swap_out))
         self.swapped_in.inc(len(plan.swap_in))
         self.recomputed.inc(stats.recomputed_tokens)
+        self.token_budget.set(stats.token_budget)
+        self.predicted_step.set(stats.predicted_step_ms / 1e3)
         self.prefix_queries.inc(stats.prefix_queries)
         self.prefix_hits.inc(stats.prefix_hits)
-        state = record.state
+        self.on_state(record.state)
+
+    def on_state(self, state: SchedulerSnapshot) -> None:
         self.running.set(state.num_running)
         self.waiting.set(state.num_waiting)
         self.swapped.set(state.num_swapped)

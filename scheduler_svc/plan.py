@@ -76,6 +76,8 @@ class StepStats:
     recomputed_tokens: int = 0  # computed tokens discarded by recompute preemption
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (at first admission)
     prefix_hits: int = 0  # of which found
+    budget_reason: str = ""  # the auto budget's (scheduler_svc/budget.py); "" with a fixed budget
+    predicted_step_ms: float = 0.0  # the auto budget's prediction for token_budget
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.budget import BudgetController
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.plan import NewSeq, Sampled, ScheduledSeq, StepPlan, StepResult, StepStats
 from scheduler_svc.policy import Policy
@@ -65,6 +66,8 @@ class Scheduler:
         # running requests do not immediately preempt what was just admitted.
         self.watermark_blocks = max(1, pool.num_blocks // 100)
         self.long_prefill_token_threshold = 0
+        # The auto token budget (--target-itl-ms); it learns only while it is on (engine.py).
+        self.budget = BudgetController(pool.block_size)
         self.reconfigure(config, policy)
 
     def reconfigure(self, config: SchedulerConfig, policy: Policy) -> None:
@@ -93,6 +96,8 @@ class Scheduler:
             len(self.swapped),
             self.pool.num_free_blocks,
             self.pool.usage,
+            self.step_stats.token_budget or self.config.max_num_batched_tokens,
+            self.step_stats.budget_reason,
         )
 
     # ---- queue bookkeeping -------------------------------------------------------------
@@ -182,9 +187,14 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Builds the next step's plan and allocates its blocks; `step_stats` says what else it did."""
         plan = StepPlan(step_id=self.num_steps)
-        self.step_stats = StepStats(self.config.max_num_batched_tokens, self.policy_name)
-        self.num_steps += 1
         budget = self.config.max_num_batched_tokens
+        self.step_stats = StepStats(budget, self.policy_name)
+        if self.config.target_itl_ms is not None:
+            decision = self.budget.decide(self, self.config.target_itl_ms)
+            budget = decision.budget
+            self.step_stats = StepStats(budget, self.policy_name, budget_reason=decision.reason)
+            self.step_stats.predicted_step_ms = decision.predicted_ms
+        self.num_steps += 1
         pinned = sorted((r for r in self.running if self._is_pinned(r)), key=lambda r: (r.arrival_time, r.seq_id))
         if self.config.enable_chunked_prefill:
             decodes, short, long = [], [], []

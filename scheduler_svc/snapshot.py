@@ -21,3 +21,5 @@ class SchedulerSnapshot:
     num_swapped: int  # preempted with their KV in host memory
     num_free_device_blocks: int  # held by no request (cached prefix blocks included)
     kv_cache_usage: float  # fraction of device blocks held, 0 to 1
+    token_budget: int = 0  # of the last step planned (the auto budget's choice, or the fixed one)
+    budget_reason: str = ""  # the auto budget's why (StepTrace.budget_reason); "" when fixed

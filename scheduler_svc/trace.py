@@ -15,8 +15,16 @@ from google.protobuf import json_format
 
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from scheduler_svc.engine import Observer, StepRecord
+from scheduler_svc.request import Request
 
 QUEUE_STEPS = 4096
+
+
+def _prefix_hash(request: Request) -> str:
+    """The prompt's first KV block as a short id (its prefix-cache hash), for a reader that
+    rebuilds which requests share a prefix; "" until the block is full and hashed (or when
+    the request has finished and released it, or prefix caching is off)."""
+    return request.block_hashes[0][:8].hex() if request.block_hashes else ""
 
 
 class StepTracer(Observer):
@@ -45,6 +53,8 @@ class StepTracer(Observer):
                 is_prefill=s.num_computed_tokens < r.num_prompt_tokens,
                 num_computed_tokens=s.num_computed_tokens,
                 num_prompt_tokens=r.num_prompt_tokens,
+                num_cached_tokens=r.num_cached_tokens,
+                prefix_hash=_prefix_hash(r) if s.num_computed_tokens <= r.num_prompt_tokens else "",
             )
             for s, r in zip(plan.seqs, stats.requests)
         ]
@@ -67,6 +77,8 @@ class StepTracer(Observer):
             kv_cache_usage=record.state.kv_cache_usage,
             policy=stats.policy,
             seqs=seqs,
+            budget_reason=stats.budget_reason,
+            predicted_step_ms=stats.predicted_step_ms,
         )
         if self._file is not None:
             self._file.write(json_format.MessageToJson(trace, indent=None) + "\n")

@@ -289,8 +289,9 @@ def test_chunkserve_serve_and_generate_cli(default_model_path, tmp_path):
         ["--max-num-batched-tokens", "256"],
         ["--max-num-batched-tokens", "2048"],
         ["--max-num-batched-tokens", "2048", "--no-enable-chunked-prefill"],
+        ["--max-num-batched-tokens", "auto", "--target-itl-ms", "120"],  # a budget that moves every step
     ],
-    ids=["budget16", "budget64", "budget256", "budget2048", "unchunked"],
+    ids=["budget16", "budget64", "budget256", "budget2048", "unchunked", "auto"],
 )
 def test_greedy_tokens_do_not_depend_on_chunking(default_model_path, prompts, expected, tmp_path, scheduler_args):
     """All prompts at once, so steps mix prefill chunks and decodes differently per budget."""

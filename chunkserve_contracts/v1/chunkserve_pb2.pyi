@@ -199,7 +199,7 @@ class GetConfigRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulingConfig(_message.Message):
-    __slots__ = ("policy", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold", "num_running", "num_waiting", "kv_cache_usage", "effective_step")
+    __slots__ = ("policy", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold", "num_running", "num_waiting", "kv_cache_usage", "effective_step", "target_itl_ms", "token_budget", "budget_reason")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,9 @@ class SchedulingConfig(_message.Message):
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     EFFECTIVE_STEP_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ITL_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_REASON_FIELD_NUMBER: _ClassVar[int]
     policy: str
     max_num_batched_tokens: int
     max_num_seqs: int
@@ -222,7 +225,10 @@ class SchedulingConfig(_message.Message):
     num_waiting: int
     kv_cache_usage: float
     effective_step: int
-    def __init__(self, policy: _Optional[str] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., enable_chunked_prefill: _Optional[bool] = ..., max_num_partial_prefills: _Optional[int] = ..., max_long_partial_prefills: _Optional[int] = ..., long_prefill_token_threshold: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., effective_step: _Optional[int] = ...) -> None: ...
+    target_itl_ms: float
+    token_budget: int
+    budget_reason: str
+    def __init__(self, policy: _Optional[str] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., enable_chunked_prefill: _Optional[bool] = ..., max_num_partial_prefills: _Optional[int] = ..., max_long_partial_prefills: _Optional[int] = ..., long_prefill_token_threshold: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., effective_step: _Optional[int] = ..., target_itl_ms: _Optional[float] = ..., token_budget: _Optional[int] = ..., budget_reason: _Optional[str] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()
@@ -239,21 +245,25 @@ class WatchStepsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StepTraceEntry(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "is_prefill", "num_computed_tokens", "num_prompt_tokens")
+    __slots__ = ("request_id", "num_tokens", "is_prefill", "num_computed_tokens", "num_prompt_tokens", "num_cached_tokens", "prefix_hash")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IS_PREFILL_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     is_prefill: bool
     num_computed_tokens: int
     num_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., is_prefill: _Optional[bool] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    num_cached_tokens: int
+    prefix_hash: str
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., is_prefill: _Optional[bool] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prefix_hash: _Optional[str] = ...) -> None: ...
 
 class StepTrace(_message.Message):
-    __slots__ = ("step_id", "timestamp", "num_tokens", "token_budget", "num_prefill_tokens", "num_decode_tokens", "num_preempted", "num_swapped_out", "num_swapped_in", "num_cached_tokens", "executor_ns", "step_ns", "num_running", "num_waiting", "kv_cache_usage", "seqs", "policy")
+    __slots__ = ("step_id", "timestamp", "num_tokens", "token_budget", "num_prefill_tokens", "num_decode_tokens", "num_preempted", "num_swapped_out", "num_swapped_in", "num_cached_tokens", "executor_ns", "step_ns", "num_running", "num_waiting", "kv_cache_usage", "seqs", "policy", "budget_reason", "predicted_step_ms")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +281,8 @@ class StepTrace(_message.Message):
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_REASON_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     timestamp: float
     num_tokens: int
@@ -288,4 +300,6 @@ class StepTrace(_message.Message):
     kv_cache_usage: float
     seqs: _containers.RepeatedCompositeFieldContainer[StepTraceEntry]
     policy: str
-    def __init__(self, step_id: _Optional[int] = ..., timestamp: _Optional[float] = ..., num_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_preempted: _Optional[int] = ..., num_swapped_out: _Optional[int] = ..., num_swapped_in: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., executor_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., seqs: _Optional[_Iterable[_Union[StepTraceEntry, _Mapping]]] = ..., policy: _Optional[str] = ...) -> None: ...
+    budget_reason: str
+    predicted_step_ms: float
+    def __init__(self, step_id: _Optional[int] = ..., timestamp: _Optional[float] = ..., num_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_preempted: _Optional[int] = ..., num_swapped_out: _Optional[int] = ..., num_swapped_in: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., executor_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., seqs: _Optional[_Iterable[_Union[StepTraceEntry, _Mapping]]] = ..., policy: _Optional[str] = ..., budget_reason: _Optional[str] = ..., predicted_step_ms: _Optional[float] = ...) -> None: ...

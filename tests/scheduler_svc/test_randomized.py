@@ -112,6 +112,7 @@ class Settings:
     max_num_partial_prefills: int = 4
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0
+    target_itl_ms: float | None = None  # the auto token budget (scheduler_svc/budget.py)
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,7 @@ def settings_strategy(draw, max_model_len: int) -> Settings:
         max_num_partial_prefills=partial,
         max_long_partial_prefills=draw(st.integers(1, partial)),
         long_prefill_token_threshold=draw(st.just(0) | st.integers(1, 8) | st.integers(1, max_model_len)),
+        target_itl_ms=draw(st.none() | st.sampled_from([0.5, 2.0, 8.0, 1e4])) if chunked else None,
     )
 
 
@@ -531,6 +533,11 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
         assert plan.num_tokens <= config.max_num_batched_tokens, (
             f"{where}: {plan.num_tokens} tokens over the budget {config.max_num_batched_tokens}"
         )
+        assert plan.num_tokens <= sched.step_stats.token_budget <= config.max_num_batched_tokens, (
+            f"{where}: {plan.num_tokens} tokens, step budget {sched.step_stats.token_budget}"
+        )
+        if sched.step_stats.budget_reason:
+            event(f"auto budget: {sched.step_stats.budget_reason}")
         assert len(plan.seqs) <= config.max_num_seqs, f"{where}: {len(plan.seqs)} seqs over {config.max_num_seqs}"
         assert len({e.seq_id for e in plan.seqs}) == len(plan.seqs), f"{where}: a sequence twice in a plan"
         check_pools(sched, fake)
@@ -640,7 +647,10 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
         assert set(fake.seqs) == known, (
             f"{where}: the executor holds sequences {sorted(fake.seqs)}, the scheduler thinks {sorted(known)}"
         )
+        stats = sched.step_stats
         outputs = sched.update(plan, result)
+        if config.target_itl_ms is not None:  # the auto budget learns a made-up, fixed step cost
+            sched.budget.observe(plan, stats, 1e-3 + 5e-5 * plan.num_tokens + 2e-4 * len(plan.seqs))
         for out in outputs:
             if out.finish_reason is not None:
                 trace.finish_step[out.request.request_id] = step

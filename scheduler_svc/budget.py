@@ -1,0 +1,151 @@
+"""The auto token budget: each step's budget chosen so that a step carrying decodes meets an
+inter-token-latency target (`--max-num-batched-tokens auto --target-itl-ms X`).
+
+Why: a fixed budget is a guess about the traffic. Small budgets keep decodes smooth and cost
+throughput when nobody is decoding; large ones finish prefills fast and stall every decoding
+stream for the length of a big step. The step time is predictable from what a step computes
+(scheduler_svc/step_cost.py), so the budget can be whatever the target allows *now*:
+
+- no request is decoding: the upper bound (`--max-num-batched-tokens`), as prefill-only steps
+  make no stream wait between tokens;
+- D requests decoding over C tokens of context: the decodes plus the largest prefill p whose
+  predicted step time, a + c*D + d*C + b*p + e*p*(ctx + (p+1)/2), times a headroom factor,
+  fits the target. ctx is the computed length of the longest partial prefill (the chunk that
+  reads the most attention context).
+
+The model is fitted online, by least squares, on the last `WINDOW` steps this server ran, the
+time of a step being what a stream waits between two tokens: planning, the executor's step and
+applying its result. The headroom factor is the 90th percentile of recent measured/predicted
+ratios (at least 1): on a loaded machine the same step takes longer, and the controller backs
+off instead of missing the target by the noise. Until the first fit the budget is
+`INITIAL_BUDGET`. Hysteresis: while decodes run, the budget grows only by more than a tenth
+(or one block) at a time, and shrinks at once (a held budget never exceeds the target); a
+switch between "decoding" and "not decoding" is immediate. Bounds: at least one block of
+prefill on top of the decodes (prefill never starves, even when the target cannot be met),
+at most the upper bound.
+
+No torch here: this runs in the scheduler process, between steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from scheduler_svc.step_cost import CostModel, TraceStep, features, quantile
+
+if TYPE_CHECKING:
+    from scheduler_svc.plan import StepPlan, StepStats
+    from scheduler_svc.scheduler import Scheduler
+
+AUTO_MAX_BATCHED_TOKENS = 8192  # the upper bound `--max-num-batched-tokens auto` stands for
+INITIAL_BUDGET = 256  # before the first fit: small, so the first decodes are not stalled
+WINDOW = 512  # steps the model is fitted on
+REFIT_EVERY = 32  # steps between fits
+MIN_STEPS_TO_FIT = 16
+HEADROOM_QUANTILE = 0.9
+MAX_HEADROOM = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetDecision:
+    """One step's budget and why: for the step trace, metrics and `chunkserve admin`."""
+
+    budget: int
+    num_decodes: int
+    predicted_ms: float  # the model's time for a step of this budget (headroom included); 0 before a fit
+    reason: str  # "no decodes", "target", "floor" (target unreachable), "initial" (no fit yet), "held"
+
+
+class BudgetController:
+    """Learns the step-time model from the steps run and picks each step's token budget."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._steps: deque[TraceStep] = deque(maxlen=WINDOW)
+        self._since_fit = 0
+        self.model: CostModel | None = None
+        self.headroom = 1.0
+        self.last = BudgetDecision(0, 0, 0.0, "initial")
+        self._decoding_budget: int | None = None  # the last budget chosen while decodes ran
+
+    # ---- learning ---------------------------------------------------------------------
+
+    def observe(self, plan: StepPlan, stats: StepStats, seconds: float) -> None:
+        """Records a finished step: what it computed (the cost model's features) and how long
+        a stream waited for it. O(sequences in the step); a refit every REFIT_EVERY steps."""
+        if seconds <= 0 or not plan.seqs:
+            return
+        x = features(
+            (s.num_new_tokens, s.num_computed_tokens, r.num_prompt_tokens) for s, r in zip(plan.seqs, stats.requests)
+        )
+        self._steps.append(TraceStep(x, seconds))
+        self._since_fit += 1
+        if self._since_fit >= REFIT_EVERY or (self.model is None and len(self._steps) >= MIN_STEPS_TO_FIT):
+            self.refit()
+
+    def refit(self) -> None:
+        """Fits the model on the window (the fit's own outlier trim applies), then the headroom."""
+        self._since_fit = 0
+        if len(self._steps) < MIN_STEPS_TO_FIT:
+            return
+        steps = list(self._steps)
+        self.model = CostModel.fit(steps)
+        ratios = [s.seconds / p for s in steps[-128:] if (p := self.model.predict_x(s.x)) > 0]
+        self.headroom = min(MAX_HEADROOM, max(1.0, quantile(ratios, HEADROOM_QUANTILE))) if ratios else 1.0
+
+    # ---- deciding ---------------------------------------------------------------------
+
+    def decide(self, scheduler: Scheduler, target_ms: float) -> BudgetDecision:
+        """The budget for the step the scheduler is about to build."""
+        upper = scheduler.config.max_num_batched_tokens
+        decodes = [r for r in scheduler.running if r.num_remaining_tokens == 1]
+        if not decodes:
+            self._decoding_budget = None
+            self.last = BudgetDecision(upper, 0, self._predict_ms(0, 0, upper, 0), "no decodes")
+            return self.last
+        n_dec = len(decodes)
+        floor = min(upper, n_dec + self.block_size)
+        context = sum(r.num_computed_tokens for r in decodes)
+        prefill_ctx = max((r.num_computed_tokens for r in scheduler.running if r.num_remaining_tokens > 1), default=0)
+        if self.model is None:
+            budget, reason = max(floor, min(upper, INITIAL_BUDGET)), "initial"
+        else:
+            p = self._largest_prefill(n_dec, context, prefill_ctx, target_ms / 1e3 / self.headroom)
+            budget, reason = (n_dec + p, "target") if n_dec + p >= floor else (floor, "floor")
+            budget = min(budget, upper)
+            held = self._decoding_budget
+            # Hysteresis, one-sided so the target holds: a smaller budget applies at once, a
+            # larger one only when it is larger by more than a tenth (or a block).
+            if held is not None and floor <= held <= budget <= held + max(self.block_size, held // 10):
+                budget, reason = held, "held"
+        self._decoding_budget = budget
+        predicted = self._predict_ms(n_dec, context, budget - n_dec, prefill_ctx)
+        self.last = BudgetDecision(budget, n_dec, predicted, reason)
+        return self.last
+
+    def _largest_prefill(self, n_dec: int, context: int, prefill_ctx: int, seconds: float) -> int:
+        """Largest prefill tokens p (a multiple of the block size) with predicted time <= seconds."""
+        a, b, c, d, e = self.model.coef  # type: ignore[union-attr]
+        room = seconds - (a + c * n_dec + d * context)
+        if room <= 0:
+            return 0
+        # e*p^2/2 + (b + e*(prefill_ctx + 1/2))*p <= room
+        lin = b + e * (prefill_ctx + 0.5)
+        if e > 0:
+            p = (-lin + math.sqrt(lin * lin + 2 * e * room)) / e
+        elif lin > 0:
+            p = room / lin
+        else:  # the model sees no cost in prefill tokens: nothing bounds p but the upper bound
+            p = float(AUTO_MAX_BATCHED_TOKENS * 4)
+        return int(p) // self.block_size * self.block_size
+
+    def _predict_ms(self, n_dec: int, context: int, prefill: int, prefill_ctx: int) -> float:
+        if self.model is None:
+            return 0.0
+        seqs = [(1, context // max(1, n_dec), 0)] * n_dec if n_dec else []
+        if prefill > 0:
+            seqs.append((prefill, prefill_ctx, prefill_ctx + prefill + 1))
+        return self.model.predict(seqs) * self.headroom * 1e3
