@@ -13,6 +13,7 @@ from chunkserve_contracts.flags import env_name
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 
+
 def _budget(text: str) -> int:
     """A token budget, or `auto` (0: the executor's limit, with --target-itl-ms)."""
     return 0 if text.strip().lower() == "auto" else int(text)
