@@ -162,6 +162,8 @@ def per_request_lists(records: Sequence[RequestRecord]) -> dict[str, list]:
         "arrivals": [r.arrival for r in records],
         "send_times": [r.send for r in records],
         "cached_tokens": [r.cached_tokens for r in records],
+        "prefix_groups": [r.prefix_group for r in records],  # shared-prefix structure (`chunkserve tune`)
+        "prefix_lens": [r.prefix_len for r in records],
         "finish_reason_list": [r.finish_reason for r in records],
         "errors": [f"{r.error_code}: {r.error}" if r.error_code else "" for r in records],
     }

@@ -61,6 +61,8 @@ class RequestRecord:
     cached_tokens: int = 0
     error_code: str = ""  # gRPC status name when the call failed, else ""
     error: str = ""
+    prefix_group: int | None = None  # the workload's shared prefix (BenchRequest), if any
+    prefix_len: int = 0
 
     @property
     def ok(self) -> bool:
@@ -243,7 +245,12 @@ async def run_requests(
 ) -> RunResult:
     """Sends `requests` at their `arrivals` offsets and waits for all of them to finish
     (over HTTP when `address` is an `http://` URL, see the module docstring)."""
-    records = [RequestRecord(r.index, r.cls, len(r.prompt_ids), r.output_len, a) for r, a in zip(requests, arrivals)]
+    records = [
+        RequestRecord(
+            r.index, r.cls, len(r.prompt_ids), r.output_len, a, prefix_group=r.prefix_group, prefix_len=r.prefix_len
+        )
+        for r, a in zip(requests, arrivals)
+    ]
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = progress_bar(len(records), desc, progress)
     async with contextlib.AsyncExitStack() as stack:

@@ -89,7 +89,7 @@ def warmup_requests(requests: Sequence[BenchRequest], n: int) -> list[BenchReque
     """Like the first n requests, uncounted: same lengths, reversed ids (so they seed no prefix
     cache entry a measured request could hit), at most 8 output tokens."""
     return [
-        replace(r, index=-1 - i, prompt_ids=r.prompt_ids[::-1], output_len=min(r.output_len, 8))
+        replace(r, index=-1 - i, prompt_ids=r.prompt_ids[::-1], output_len=min(r.output_len, 8), prefix_group=None)
         for i, r in enumerate(requests[:n])
     ]
 

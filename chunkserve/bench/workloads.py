@@ -24,12 +24,16 @@ WORKLOADS = ("fixed", "mixed", "shared-prefix")
 
 @dataclass(frozen=True, slots=True)
 class BenchRequest:
-    """One request of a workload: exact prompt ids, exact output length, a class label."""
+    """One request of a workload: exact prompt ids, exact output length, a class label, and
+    for the shared-prefix workload which system prompt it starts with and how long that is
+    (recorded in the report so `chunkserve tune` can replay the prefix-cache hits)."""
 
     index: int
     prompt_ids: tuple[int, ...]
     output_len: int
     cls: str
+    prefix_group: int | None = None
+    prefix_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,8 @@ def _shared_prefix(spec: WorkloadSpec, stream: _TokenStream, rng: random.Random)
     chosen = (pairs * (n // len(pairs) + 1))[:n]
     rng.shuffle(chosen)
     return [
-        BenchRequest(i, prefixes[g] + suffixes[(g, u)], _length(rng, spec.output_len), f"prefix-{g}")
+        BenchRequest(
+            i, prefixes[g] + suffixes[(g, u)], _length(rng, spec.output_len), f"prefix-{g}", g, spec.prefix_len
+        )
         for i, (g, u) in enumerate(chosen)
     ]

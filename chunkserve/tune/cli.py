@@ -1,9 +1,16 @@
 """`chunkserve tune`: a grid of scheduler settings replayed on a request log, and the best one.
 
 Each setting is one replay (replay.py) of the same request log under the cost model fitted
-from a step trace (cost.py). Printed: the fit's error, a table of predicted latencies per
-request class, throughput and preemptions per setting, the settings that meet the SLO, and
-the one with the best throughput among them as `chunkserve serve` flags.
+from a step trace (cost.py): a recorded one (--trace) or one that a short calibration run
+against a live server records (--calibrate, calibrate.py). Printed: the fit's error, a table
+of predicted latencies per request class, throughput and preemptions per setting, the
+settings that meet the SLO, and the one with the best throughput among them as
+`chunkserve serve` flags; --plot draws the latency trade-off (plot.py).
+
+    chunkserve tune --trace steps.jsonl --slo itl_p99_ms=200 short.ttft_p99_ms=1000
+    chunkserve tune --trace steps.jsonl --requests bench.json --plot tune.png
+    chunkserve tune --calibrate --address 127.0.0.1:50051 --save-trace calib.jsonl
+    chunkserve tune --calibrate --address 127.0.0.1:50051 --requests bench.json --slo itl_p99_ms=200
 """
 
 from __future__ import annotations
@@ -11,14 +18,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from chunkserve.tune.cost import fit_with_error, load_trace, quantile
-from chunkserve.tune.replay import ReplayResult, replay, requests_from_bench, requests_from_trace
+from chunkserve.tune.replay import ReplayResult, load_requests, replay
 from scheduler_svc.config import SchedulerConfig
+
+DEFAULT_ADMIN_PORT = 50052  # scheduler_svc.config.SchedulerConfig.admin_port (as chunkserve/admin_cli.py)
 
 DEFAULT_BUDGETS = "128,256,512,1024,2048,4096,8192"
 METRICS = ("ttft", "itl", "e2e")
@@ -77,6 +87,7 @@ def summarize(result: ReplayResult) -> dict:
     out["output_throughput"] = tokens / result.duration if result.duration > 0 else 0.0
     out["preemptions"] = result.num_preemptions
     out["steps"] = len(result.steps)
+    out["cached_tokens"] = result.num_cached_tokens
     return out
 
 
@@ -89,7 +100,7 @@ def average(summaries: Sequence[dict]) -> dict:
     out: dict = {"classes": {}}
     for cls, figures in summaries[0]["classes"].items():
         out["classes"][cls] = {k: sum(s["classes"][cls][k] for s in summaries) / n for k in figures}
-    for key in ("output_throughput", "preemptions", "steps"):
+    for key in ("output_throughput", "preemptions", "steps", "cached_tokens"):
         out[key] = sum(s[key] for s in summaries) / n
     return out
 
@@ -136,13 +147,44 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
         "tune",
         help="predict latencies for a grid of scheduler settings by replaying a request log",
         description="Replay a request log through the real scheduler with a simulated clock (a step-time model "
-        "fitted from a --step-trace-file) for a grid of settings; print predicted latencies and the best flags.",
+        "fitted from a step trace, or from a short calibration run it drives itself) for a grid of settings; print "
+        "predicted latencies and the best flags.",
     )
-    p.add_argument("--trace", required=True, help="a step trace (`chunkserve serve --step-trace-file`), JSON lines")
+    p.add_argument(
+        "--trace",
+        help="a step trace (`chunkserve serve --step-trace-file`, or `--save-trace` of a calibration), JSON lines: "
+        "the cost model is fitted on it (unless --calibrate), and it is the request log unless --requests",
+    )
     p.add_argument(
         "--requests",
-        help="`chunkserve bench --result-json` file: the request log to replay (default: derived from --trace)",
+        help="the request log to replay: a `chunkserve bench --result-json` report or a step trace (default: --trace)",
     )
+    c = p.add_argument_group("calibration (--calibrate)")
+    c.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="fit the cost model on a short designed run against a running server (--address): prompts, decode "
+        "counts and contexts spread so every term of the model is measured",
+    )
+    c.add_argument("--address", help="host:port of the running server's gRPC API (as for `chunkserve bench`)")
+    c.add_argument(
+        "--admin-address",
+        help="host:port of its Admin service, where the step trace is watched (default: --address's host, port "
+        f"{DEFAULT_ADMIN_PORT})",
+    )
+    c.add_argument(
+        "--step-trace-file",
+        help="instead of watching the Admin service: the server's own --step-trace-file (same host); the lines "
+        "it writes during the calibration are used",
+    )
+    c.add_argument("--save-trace", help="write the calibration's step trace here (JSON lines, for a later --trace)")
+    c.add_argument(
+        "--calibration-output-len",
+        type=int,
+        default=32,
+        help="output tokens of the decoding requests (default 32; more: a longer, steadier calibration)",
+    )
+    c.add_argument("--calibration-timeout", type=float, default=120.0, help="give up after this long without a token")
     p.add_argument(
         "--budgets", default=DEFAULT_BUDGETS, help=f"--max-num-batched-tokens values (default {DEFAULT_BUDGETS})"
     )
@@ -173,11 +215,17 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--slo", nargs="*", default=[], help="e.g. ttft_p99_ms=2000 itl_p99_ms=500 short.ttft_p99_ms=1000")
     p.add_argument("--json", dest="json_out", help="write every setting's predicted figures here")
+    p.add_argument(
+        "--plot",
+        help="write a PNG here: predicted P99 ITL vs short-request P99 TTFT per setting, the SLO box and the "
+        "recommendation (needs matplotlib, the `bench` extra)",
+    )
 
 
 def _table(rows: Sequence[tuple[Setting, dict, float]]) -> str:
     head = (
-        "setting | class | n | TTFT P50 / P99 ms | ITL P50 / P99 ms | E2E P50 / P99 ms | out tok/s | preempt | replay s"
+        "setting | class | n | TTFT P50 / P99 ms | ITL P50 / P99 ms | E2E P50 / P99 ms | out tok/s | preempt "
+        "| cached tok | replay s"
     )
     lines = [head, "-" * len(head)]
     for s, m, secs in rows:
@@ -185,28 +233,106 @@ def _table(rows: Sequence[tuple[Setting, dict, float]]) -> str:
             lines.append(
                 f"{s.label()} | {cls} | {f['n']:g} | {f['ttft_p50_ms']:.0f} / {f['ttft_p99_ms']:.0f} | "
                 f"{f['itl_p50_ms']:.0f} / {f['itl_p99_ms']:.0f} | {f['e2e_p50_ms']:.0f} / {f['e2e_p99_ms']:.0f} | "
-                f"{m['output_throughput']:.2f} | {m['preemptions']:g} | {secs:.2f}"
+                f"{m['output_throughput']:.2f} | {m['preemptions']:g} | {m.get('cached_tokens', 0):g} | {secs:.2f}"
             )
     return "\n".join(lines)
 
 
+def admin_address_for(address: str) -> str:
+    """The Admin service next to a gRPC address: same host, the default admin port."""
+    host = address.rpartition(":")[0] or "127.0.0.1"
+    return f"{host}:{DEFAULT_ADMIN_PORT}"
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """Flag combinations that cannot work, as one line (None when fine)."""
+    if not args.calibrate and not args.trace:
+        return "give a step trace (--trace FILE) or measure one (--calibrate --address HOST:PORT)"
+    if args.calibrate and not args.address:
+        return "--calibrate needs --address HOST:PORT of a running server"
+    if not args.calibrate and (args.address or args.save_trace or args.step_trace_file):
+        return "--address, --step-trace-file and --save-trace go with --calibrate"
+    if args.address and args.address.startswith(("http://", "https://")):
+        return "--calibrate drives the gRPC API: --address HOST:PORT, not an http:// URL"
+    if args.plot:
+        from chunkserve.tune.plot import matplotlib_missing
+
+        return matplotlib_missing()
+    return None
+
+
+def _run_calibration(args: argparse.Namespace, out) -> str:
+    """Runs the calibration; returns the path of its step trace (saved, or a temp file)."""
+    import grpc
+
+    from chunkserve.tune.calibrate import calibrate, save_lines
+
+    admin = args.admin_address or admin_address_for(args.address)
+    log = lambda line: print(line, file=out, flush=True)  # noqa: E731
+    try:
+        cal = calibrate(
+            args.address,
+            admin,
+            args.step_trace_file,
+            args.calibration_output_len,
+            args.seed,
+            args.calibration_timeout,
+            log,
+        )
+    except grpc.RpcError as exc:
+        from chunkserve.client import rpc_error_line
+
+        raise ValueError(rpc_error_line(exc, args.address, "chunkserve.v1.Generation")) from None
+    if cal.failed:
+        print(f"warning: {cal.failed} of {cal.num_requests} calibration requests failed", file=out)
+    print(
+        f"calibration: {cal.num_requests} requests in {len(cal.waves)} waves, {len(cal.lines)} steps traced, "
+        f"{cal.seconds:.1f} s",
+        file=out,
+    )
+    if args.save_trace:
+        path = args.save_trace
+    else:
+        import tempfile
+
+        fd, path = tempfile.mkstemp(prefix="chunkserve-calibration-", suffix=".jsonl")
+        os.close(fd)
+    save_lines(cal.lines, path)
+    if args.save_trace:
+        print(f"step trace saved: {path} (later: chunkserve tune --trace {path} --requests ...)", file=out)
+    return path
+
+
 def run_tune(args: argparse.Namespace, out=None) -> int:
     out = out or sys.stdout
+    if problem := _check(args):
+        print(f"chunkserve tune: {problem}", file=sys.stderr)
+        return 2
     try:
         slo = parse_slo(args.slo)
-        steps = load_trace(args.trace, args.target)
+        cost_trace = _run_calibration(args, out) if args.calibrate else args.trace
+        steps = load_trace(cost_trace, args.target)
         model, med, p90, n_test = fit_with_error(steps)
-        info: dict = {}
-        if args.requests:
-            specs, info = requests_from_bench(args.requests)
-        else:
-            specs = requests_from_trace(args.trace)
     except (OSError, ValueError) as exc:
         print(f"chunkserve tune: {exc}", file=sys.stderr)
         return 2
-    print(f"cost model ({len(steps)} steps, target {args.target}): {model.describe()}", file=out)
+    source = "calibration" if args.calibrate else cost_trace
+    print(f"cost model ({len(steps)} steps of {source}, target {args.target}): {model.describe()}", file=out)
     print(f"fit error on {n_test} held-out steps: median {med:.1%}, P90 {p90:.1%}", file=out)
+    log_path = args.requests or args.trace
+    if log_path is None:  # a calibration alone: the model is the result
+        print("no request log (--requests or --trace): nothing to replay", file=out)
+        return 0
+    try:
+        specs, info = load_requests(log_path)
+    except (OSError, ValueError) as exc:
+        print(f"chunkserve tune: {exc}", file=sys.stderr)
+        return 2
     print(f"request log: {len(specs)} requests over {max((s.arrival for s in specs), default=0):.1f} s", file=out)
+    groups = {s.prefix_group for s in specs if s.prefix_group is not None}
+    if groups:
+        shared = sum(s.prefix_group is not None for s in specs)
+        print(f"shared prefixes: {len(groups)} groups, {shared} requests", file=out)
     block_size = args.block_size or int(info.get("block_size") or 16)
     max_model_len = args.max_model_len or info.get("max_model_len") or None
     max_num_seqs = args.max_num_seqs or int(info.get("max_num_seqs") or 128)
@@ -254,6 +380,10 @@ def run_tune(args: argparse.Namespace, out=None) -> int:
         feasible = [s.label() for s, m in pairs if meets(m, slo)]
         print(f"meet the SLO ({' '.join(args.slo)}): {', '.join(feasible) or 'none'}", file=out)
     choice = best(pairs, slo)
+    if args.plot and pairs:
+        from chunkserve.tune.plot import plot_tradeoff
+
+        print(f"plot: {plot_tradeoff(pairs, slo, choice[0] if choice else None, args.plot, meets)}", file=out)
     if choice is None:
         print("no setting meets the SLO: relax it, or widen the grid", file=out)
         return 1

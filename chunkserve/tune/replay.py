@@ -66,6 +66,7 @@ class StepLog:
     num_prefill_tokens: int
     num_decode_tokens: int
     num_preempted: int
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache by requests admitted in it
 
 
 @dataclass(slots=True)
@@ -79,6 +80,11 @@ class ReplayResult:
     @property
     def num_preemptions(self) -> int:
         return sum(s.num_preempted for s in self.steps)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the replayed requests found in the prefix cache."""
+        return sum(s.num_cached_tokens for s in self.steps)
 
 
 def _prompt(i: int, spec: RequestSpec) -> list[int]:
@@ -161,7 +167,8 @@ def replay(
         for out in sched.update(plan, result):
             live[out.request.request_id].token_times.append(clock)
         prefill = sum(n for n, c, p in shape if not (n == 1 and c >= p))
-        steps.append(StepLog(clock, dt, prefill, plan.num_tokens - prefill, len(plan.preempted)))
+        hits = sched.step_stats.prefix_hits
+        steps.append(StepLog(clock, dt, prefill, plan.num_tokens - prefill, len(plan.preempted), hits))
     else:
         raise RuntimeError(f"the replay did not finish in {max_steps} steps")
     start = min((s.arrival for s in specs), default=0.0)
@@ -171,36 +178,78 @@ def replay(
 # ---- request logs --------------------------------------------------------------------------
 
 
+def _bench_prefixes(report: dict, n: int) -> tuple[list[int | None], list[int]]:
+    """Shared-prefix structure of a bench report: its prefix_groups / prefix_lens lists, or
+    for reports written before those lists, the shared-prefix workload's `prefix-<g>` class
+    labels and its --prefix-len."""
+    if report.get("prefix_groups") is not None:
+        groups = list(report["prefix_groups"])
+        return groups, [int(x or 0) for x in report.get("prefix_lens") or [0] * n]
+    classes = report.get("classes") or [""] * n
+    length = int((report.get("bench") or {}).get("prefix_len") or 0)
+    groups = [int(c[7:]) if c.startswith("prefix-") and c[7:].isdigit() and length else None for c in classes]
+    return groups, [length if g is not None else 0 for g in groups]
+
+
 def requests_from_bench(path: str | Path) -> tuple[list[RequestSpec], dict]:
     """Request log from a `chunkserve bench --result-json` file (its per-request lists:
-    arrivals, input_lens, output_lens, classes); failed requests are left out. Also returns
+    arrivals, input_lens, output_lens, classes, and the shared-prefix structure
+    prefix_groups / prefix_lens); failed requests are left out. Also returns
     the report's server_info (block size, KV blocks, max_model_len) when it has one.
     Several runs of one configuration (--rounds) are pooled in the lists; only the first
     round's requests are replayed then (arrival offsets restart at each round)."""
     report = json.loads(Path(path).read_text())
-    if "input_lens" not in report:
+    if not isinstance(report, dict) or "input_lens" not in report:
         raise ValueError(f"{path}: no per-request lists (input_lens); record it with `chunkserve bench --result-json`")
     arrivals = report.get("arrivals") or [0.0] * len(report["input_lens"])
     errors = report.get("errors") or [""] * len(arrivals)
     classes = report.get("classes") or ["all"] * len(arrivals)
+    groups, prefix_lens = _bench_prefixes(report, len(arrivals))
     specs = []
     for i, (a, inp, out) in enumerate(zip(arrivals, report["input_lens"], report["output_lens"])):
         if i > 0 and a < arrivals[i - 1]:
             break  # arrival offsets restart: the next round
         if errors[i] or not out:
             continue
-        specs.append(RequestSpec(float(a), int(inp), int(out), classes[i] or "all"))
+        group = groups[i] if i < len(groups) else None
+        plen = min(int(inp), prefix_lens[i]) if group is not None and i < len(prefix_lens) else 0
+        specs.append(RequestSpec(float(a), int(inp), int(out), classes[i] or "all", group, plen))
     return specs, report.get("server_info") or {}
+
+
+def is_step_trace(path: str | Path) -> bool:
+    """Whether a file is a step trace (JSON lines of steps) rather than a bench report."""
+    with open(path) as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        head = json.loads(first)
+    except ValueError:
+        return False  # a pretty-printed bench report: its first line is not a whole document
+    return isinstance(head, dict) and "input_lens" not in head
+
+
+def load_requests(path: str | Path) -> tuple[list[RequestSpec], dict]:
+    """A request log from either a bench report or a step trace (server_info {} then)."""
+    return (requests_from_trace(path), {}) if is_step_trace(path) else requests_from_bench(path)
 
 
 def requests_from_trace(path: str | Path) -> list[RequestSpec]:
     """Request log from a step trace: a request arrives at the first step that computed it (a
     lower bound on its queueing: the true arrival is earlier by its queue time), its prompt
     length is numPromptTokens, its output length the tokens it sampled (its final prefill
-    chunk and every decode)."""
+    chunk and every decode).
+
+    Shared prefixes (from the entries' numCachedTokens and prefixHash): requests whose
+    first KV block has the same hash form a group when at least one of them found tokens in
+    the prefix cache; the group's prefix length is the upper median of its members' hits
+    (a member's own hit when larger), so the request that first computed a prefix is in the
+    group too, and the replay decides again which requests hit. One level of sharing per
+    group: requests that share a first block but different longer prefixes are merged."""
     first: dict[str, float] = {}
     prompt: dict[str, int] = {}
     outputs: dict[str, int] = {}
+    cached: dict[str, int] = {}
+    block: dict[str, str] = {}
     with open(path) as f:
         for line in f:
             if not line.strip():
@@ -214,6 +263,10 @@ def requests_from_trace(path: str | Path) -> list[RequestSpec]:
                 p = int(_get(s, "numPromptTokens", "num_prompt_tokens"))
                 first.setdefault(rid, t)
                 prompt[rid] = p
+                if hit := int(_get(s, "numCachedTokens", "num_cached_tokens")):
+                    cached.setdefault(rid, hit)
+                if h := _get(s, "prefixHash", "prefix_hash", ""):
+                    block.setdefault(rid, h)
                 if n == 1 and c >= p:
                     outputs[rid] = outputs.get(rid, 0) + 1
                 elif c + n >= p and c < p:  # the chunk that reaches the prompt's end samples
@@ -222,7 +275,17 @@ def requests_from_trace(path: str | Path) -> list[RequestSpec]:
         raise ValueError(f"{path}: no steps with sequences in this trace")
     t0 = min(first.values())
     p50 = sorted(prompt.values())[len(prompt) // 2]
-    return [
-        RequestSpec(first[r] - t0, prompt[r], max(1, outputs.get(r, 1)), "long" if prompt[r] > 2 * p50 else "short")
-        for r in sorted(first, key=lambda r: first[r])
-    ]
+    hits: dict[str, list[int]] = {}
+    for rid, h in block.items():
+        if cached.get(rid):
+            hits.setdefault(h, []).append(cached[rid])
+    names: dict[str, int] = {}  # prefix hash -> group number, in order of first arrival
+    specs = []
+    for r in sorted(first, key=lambda r: first[r]):
+        group, plen = None, 0
+        if (h := block.get(r)) in hits:
+            group_len = sorted(hits[h])[len(hits[h]) // 2]
+            group, plen = names.setdefault(h, len(names)), min(prompt[r], max(group_len, cached.get(r, 0)))
+        cls = "long" if prompt[r] > 2 * p50 else "short"
+        specs.append(RequestSpec(first[r] - t0, prompt[r], max(1, outputs.get(r, 1)), cls, group, plen))
+    return specs

@@ -5,15 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from chunkserve.bench.metrics import per_request_lists
+from chunkserve.bench.runner import RequestRecord
+from chunkserve.bench.workloads import WorkloadSpec, build_workload
 from chunkserve.cli import _serve_parser, main
+from chunkserve.tune.calibrate import Limits, design
 from chunkserve.tune.cli import Setting, best, parse_slo, summarize
 from chunkserve.tune.cost import CostModel, TraceStep, features, fit_with_error, load_trace
-from chunkserve.tune.replay import RequestSpec, replay, requests_from_bench, requests_from_trace
+from chunkserve.tune.replay import RequestSpec, load_requests, replay, requests_from_bench, requests_from_trace
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.policy import FCFS
 
@@ -355,3 +361,154 @@ def test_no_coefficient_is_negative_on_a_trace_that_mixes_two_regimes():
         steps.append((seqs, 0.5 + 0.017 * seqs[0][0]))
     model = CostModel.fit([TraceStep(features(s), t) for s, t in steps])
     assert all(c >= 0 for c in model.coef)
+
+
+# ---- shared prefixes, calibration design, plot ---------------------------------------------
+
+
+def _shared_prefix_trace(path, with_structure=True):
+    """A step trace of 2 system prompts (128 tokens) x 3 users, each prompt 128 + 20 tokens:
+    the first user of each prefix computes it, the others find it cached (the new
+    numCachedTokens / prefixHash fields; left out when with_structure is False)."""
+    lines = []
+    for i in range(6):
+        g, first = i % 2, i < 2
+        entry = {"requestId": f"r{i}", "numTokens": 148 if first else 20, "numPromptTokens": 148, "isPrefill": True}
+        if not first:
+            entry["numComputedTokens"] = 128
+        if with_structure:
+            entry["prefixHash"] = f"{g:016x}"
+            if not first:
+                entry["numCachedTokens"] = 128
+        decode = {"requestId": f"r{i}", "numTokens": 1, "numComputedTokens": 148, "numPromptTokens": 148}
+        lines.append({"timestamp": 100.0 + i, "stepNs": "2000000", "seqs": [entry]})
+        lines.append({"timestamp": 100.5 + i, "stepNs": "1000000", "seqs": [decode]})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_shared_prefixes_recovered_from_a_trace_replay_as_cache_hits(tmp_path):
+    _shared_prefix_trace(tmp_path / "t.jsonl")
+    specs = requests_from_trace(tmp_path / "t.jsonl")
+    assert [(s.prefix_group, s.prefix_len) for s in specs] == [(0, 128), (1, 128)] * 3
+    config = SchedulerConfig(max_num_batched_tokens=512)
+    hits = replay(specs, config, linear_cost(), num_blocks=200).num_cached_tokens
+    assert hits == 4 * 128  # every later user of a prefix finds all of it cached
+    # The same log without the structure (an older trace): no sharing, no hits.
+    _shared_prefix_trace(tmp_path / "old.jsonl", with_structure=False)
+    old = requests_from_trace(tmp_path / "old.jsonl")
+    assert all(s.prefix_group is None for s in old)
+    assert replay(old, config, linear_cost(), num_blocks=200).num_cached_tokens == 0
+    # With prefix caching off the scheduler finds nothing: the replay follows the scheduler.
+    off = replace(config, enable_prefix_caching=False)
+    assert replay(specs, off, linear_cost(), num_blocks=200).num_cached_tokens == 0
+
+
+def test_shared_prefixes_from_a_bench_report_and_an_older_one(tmp_path):
+    base = {
+        "input_lens": [150, 140, 150, 30],
+        "output_lens": [8, 8, 8, 8],
+        "arrivals": [0.0, 0.1, 0.2, 0.3],
+        "classes": ["prefix-0", "prefix-1", "prefix-0", "prefix-1"],
+    }
+    report = {**base, "prefix_groups": [0, 1, 0, 1], "prefix_lens": [128, 128, 128, 128]}
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    specs, _ = requests_from_bench(tmp_path / "r.json")
+    assert [(s.prefix_group, s.prefix_len) for s in specs] == [(0, 128), (1, 128), (0, 128), (1, 30)]
+    config = SchedulerConfig(max_num_batched_tokens=512)
+    assert replay(specs, config, linear_cost(), num_blocks=200).num_cached_tokens == 128 + 16
+    # Before the lists existed: the shared-prefix workload's class labels and its --prefix-len.
+    (tmp_path / "old.json").write_text(json.dumps({**base, "bench": {"prefix_len": 128}}))
+    old, _ = requests_from_bench(tmp_path / "old.json")
+    assert [(s.prefix_group, s.prefix_len) for s in old] == [(s.prefix_group, s.prefix_len) for s in specs]
+    # --requests takes either kind of log.
+    _shared_prefix_trace(tmp_path / "t.jsonl")
+    assert load_requests(tmp_path / "t.jsonl")[0] == requests_from_trace(tmp_path / "t.jsonl")
+    assert load_requests(tmp_path / "r.json")[0] == specs
+
+
+def test_bench_reports_its_workloads_prefix_structure():
+    spec = WorkloadSpec("shared-prefix", num_prefixes=2, users_per_prefix=2, prefix_len=40, suffix_len=(4, 8))
+    reqs = build_workload(spec, list(range(1000)), seed=1)
+    assert sorted((r.prefix_group, r.prefix_len) for r in reqs) == [(0, 40), (0, 40), (1, 40), (1, 40)]
+    assert all(r.prompt_ids[:40] == reqs[0].prompt_ids[:40] for r in reqs if r.prefix_group == reqs[0].prefix_group)
+    recs = [
+        RequestRecord(r.index, r.cls, len(r.prompt_ids), 2, 0.0, prefix_group=r.prefix_group, prefix_len=40)
+        for r in reqs
+    ]
+    lists = per_request_lists(recs)
+    assert lists["prefix_groups"] == [r.prefix_group for r in reqs] and lists["prefix_lens"] == [40] * 4
+    assert build_workload(WorkloadSpec("mixed", num_prompts=3), list(range(1000)), 1)[0].prefix_group is None
+
+
+def test_calibration_design_spreads_the_features_within_the_servers_limits():
+    limits = Limits(budget=256, max_model_len=2048, max_num_seqs=32, kv_tokens=16 * 400, vocab_size=1000)
+    waves = design(limits, output_len=16, seed=0, step_seconds=0.01, fixed_ids=True)
+    reqs = [r for w in waves for r in w.requests]
+    assert all(len(r.prompt_ids) + r.output_len <= limits.max_model_len for r in reqs)
+    assert all(100 <= t < 1000 for r in reqs for t in r.prompt_ids)
+    prompts = {len(r.prompt_ids) for w in waves if w.name.startswith("prefill") for r in w.requests}
+    assert min(prompts) == 16 and max(prompts) == 1024  # from 16 tokens to 4 budgets
+    counts = [len(w.requests) for w in waves if w.name.startswith("decode")]
+    assert counts == [1, 4, 16, 32]  # 64 capped by max_num_seqs
+    for w in waves:  # nothing is preempted: every wave fits in 80% of the KV pool
+        assert sum(len(r.prompt_ids) + r.output_len for r in w.requests) <= 0.8 * limits.kv_tokens
+    mixed = waves[-1]
+    assert mixed.name.startswith("mixed") and max(mixed.arrivals) > 0  # prompts arrive while others decode
+    # No two requests share a first block, so no prefix-cache hit blurs the measured steps.
+    assert len({r.prompt_ids[:16] for r in reqs}) == len(reqs)
+    assert design(limits, fixed_ids=True) == design(limits, fixed_ids=True)
+    assert design(limits)[0].requests != design(limits)[0].requests  # fresh ids per run
+    with pytest.raises(ValueError):
+        design(Limits(max_model_len=20), output_len=16)
+
+
+def _tune_inputs(tmp_path):
+    synthetic_trace(tmp_path / "steps.jsonl", n_steps=40)
+    report = {"input_lens": [100, 300, 50], "output_lens": [8, 8, 8], "arrivals": [0.0, 0.5, 0.6]}
+    report["classes"] = ["short", "long", "short"]
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    return ["tune", "--trace", str(tmp_path / "steps.jsonl"), "--requests", str(tmp_path / "r.json")]
+
+
+def test_plot_draws_the_settings_the_slo_and_the_recommendation(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    argv = _tune_inputs(tmp_path) + ["--budgets", "64,512", "--slo", "itl_p99_ms=100000", "short.ttft_p99_ms=1e6"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--plot", str(tmp_path / "plots" / "tune.png"), "--noise", "none"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert f"plot: {tmp_path / 'plots' / 'tune.png'}" in out
+    assert (tmp_path / "plots" / "tune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_one_clear_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(SystemExit) as exit_:
+        main([*_tune_inputs(tmp_path), "--plot", str(tmp_path / "tune.png")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--plot needs matplotlib" in err and "chunkserve[bench]" in err
+    assert not (tmp_path / "tune.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "--trace FILE"),
+        (["--calibrate"], "--calibrate needs --address"),
+        (["--trace", "x.jsonl", "--save-trace", "y.jsonl"], "go with --calibrate"),
+        (["--calibrate", "--address", "http://127.0.0.1:8000"], "not an http:// URL"),
+    ],
+)
+def test_tune_refuses_flag_combinations_that_cannot_work(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["tune", *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_calibrate_against_no_server_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["tune", "--calibrate", "--address", "127.0.0.1:1", "--calibration-timeout", "5"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("chunkserve tune: ") and "127.0.0.1:1" in err[0]
