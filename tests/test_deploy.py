@@ -44,6 +44,7 @@ pytestmark = pytest.mark.slow  # starts real server processes: the full tier onl
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "docker-compose.yml"
 GPU_OVERLAY = REPO / "docker-compose.gpu.yml"
+TP_OVERLAY = REPO / "docker-compose.tp.yml"  # instead of GPU_OVERLAY: N ranks on N GPUs
 SCHEMA = REPO / "tests" / "data" / "compose-spec" / "compose-spec.json"
 CONFIGS = {"executor": ExecutorConfig, "scheduler": SchedulerConfig}
 PROBE = ["python", "-m", "chunkserve.healthcheck"]
@@ -138,7 +139,9 @@ def schema() -> dict:
 
 
 @pytest.mark.parametrize(
-    "files", [[COMPOSE], [GPU_OVERLAY], [COMPOSE, GPU_OVERLAY]], ids=["cpu", "gpu-overlay-alone", "cpu+gpu"]
+    "files",
+    [[COMPOSE], [GPU_OVERLAY], [COMPOSE, GPU_OVERLAY], [TP_OVERLAY], [COMPOSE, TP_OVERLAY]],
+    ids=["cpu", "gpu-overlay-alone", "cpu+gpu", "tp-overlay-alone", "cpu+tp"],
 )
 def test_compose_files_validate_against_the_compose_spec(schema, files):
     doc: dict = {}
@@ -149,7 +152,7 @@ def test_compose_files_validate_against_the_compose_spec(schema, files):
 
 
 def test_no_variable_is_left_unresolved():
-    for path in (COMPOSE, GPU_OVERLAY):
+    for path in (COMPOSE, GPU_OVERLAY, TP_OVERLAY):
         text = json.dumps(load(path))
         assert "$" not in text, f"{path.name}: an unresolved or unsupported variable form"
 
@@ -294,6 +297,73 @@ def test_gpu_overlay_reserves_one_nvidia_gpu():
     assert "find_spec('triton')" in dockerfile and "apt-get install -y --no-install-recommends gcc" in dockerfile
 
 
+def _bytes(size: str) -> int:
+    """A compose byte value (`1gb`, `512m`, `64M`) in bytes."""
+    m = re.fullmatch(r"(\d+)\s*([kmg]?)b?", str(size).lower())
+    assert m, f"not a byte value: {size!r}"
+    return int(m[1]) * 1024 ** " kmg".index(m[2] or " ")
+
+
+def _leaves(tree, prefix=()):
+    """(path, value) for every scalar or list in a mapping tree."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _leaves(value, (*prefix, key))
+    else:
+        yield prefix, tree
+
+
+def test_tp_overlay_reserves_one_gpu_per_rank_and_is_the_gpu_overlay_otherwise(monkeypatch):
+    """docker-compose.tp.yml replaces docker-compose.gpu.yml (compose appends the device lists of
+    merged files, so the two together would reserve 1 + N GPUs): it sets everything the GPU
+    overlay sets, reserves as many GPUs as --tensor-parallel-size says ranks, through the same
+    variable, and gives NCCL the shared memory it needs."""
+    overlay = load(TP_OVERLAY)
+    assert set(overlay["services"]) == {"executor"}
+    base = load(COMPOSE)
+    executor = merge(base, overlay)["services"]["executor"]
+    # Everything the one-GPU overlay says, the TP one says too (the device count aside).
+    tp_leaves = dict(_leaves(overlay))
+    for path, value in _leaves(load(GPU_OVERLAY)):
+        if path[-1] == "devices":
+            continue
+        assert tp_leaves.get(path) == value, (
+            f"{'/'.join(path)}: {tp_leaves.get(path)!r} in the TP overlay, {value!r} in the GPU one"
+        )
+    for env in ({}, {"CHUNKSERVE_TENSOR_PARALLEL_SIZE": "4"}, {"CHUNKSERVE_TENSOR_PARALLEL_SIZE": "8"}):
+        resolved = merge(base, load(TP_OVERLAY, env))["services"]["executor"]
+        [devices] = resolved["deploy"]["resources"]["reservations"]["devices"]
+        size = resolved["environment"]["CHUNKSERVE_TENSOR_PARALLEL_SIZE"]
+        assert devices == {"driver": "nvidia", "count": size, "capabilities": ["gpu"]}
+        assert int(size) == int(env.get("CHUNKSERVE_TENSOR_PARALLEL_SIZE", "2"))  # compose casts "4" to 4
+    # Rank 0 is the process compose starts, with the base file's command: the size reaches it as
+    # CHUNKSERVE_TENSOR_PARALLEL_SIZE, which is --tensor-parallel-size (flags read the environment).
+    assert executor["command"] == base["services"]["executor"]["command"] == ["python", "-m", "executor_svc"]
+    import argparse
+
+    from chunkserve_contracts.flags import add_config_flags, config_from_args
+    from executor_svc.config import ExecutorConfig
+
+    fields = {f.name: f for f in dataclasses.fields(ExecutorConfig)}
+    for key, value in yaml.safe_load(TP_OVERLAY.read_text())["services"]["executor"]["environment"].items():
+        field = key.removeprefix("CHUNKSERVE_").lower()
+        assert key.startswith("CHUNKSERVE_") and field in fields, f"{key} is not a flag of ExecutorConfig"
+        monkeypatch.setenv(key, interpolate(value, {}))
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, ExecutorConfig)
+    config = config_from_args(ExecutorConfig, parser.parse_args([]))
+    assert (config.tensor_parallel_size, config.device) == (2, "cuda")
+    assert config.tensor_parallel_timeout_s == fields["tensor_parallel_timeout_s"].default
+    # NCCL: more /dev/shm than the CPU file's (Docker's default is 64 MB) and pinned memory.
+    assert _bytes(executor["shm_size"]) > _bytes(base["services"]["executor"]["shm_size"])
+    assert executor["ulimits"] == {"memlock": -1}
+    assert load(TP_OVERLAY, {"CHUNKSERVE_SHM_SIZE": "32gb"})["services"]["executor"]["shm_size"] == "32gb"
+    # docs/deploy.md shows the command, and says not to stack the two overlays.
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    assert "docker compose -f docker-compose.yml -f docker-compose.tp.yml up" in docs
+    assert "INSTEAD of docker-compose.gpu.yml" in TP_OVERLAY.read_text()
+
+
 def test_dockerfiles():
     doc = load(COMPOSE)
     pyproject = (REPO / "pyproject.toml").read_text()
@@ -333,7 +403,13 @@ def _compose_clis() -> list[list[str]]:
 
 
 @pytest.mark.parametrize(
-    "files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.gpu.yml"]], ids=["cpu", "cpu+gpu"]
+    "files",
+    [
+        ["docker-compose.yml"],
+        ["docker-compose.yml", "docker-compose.gpu.yml"],
+        ["docker-compose.yml", "docker-compose.tp.yml"],
+    ],
+    ids=["cpu", "cpu+gpu", "cpu+tp"],
 )
 def test_compose_cli_accepts_the_files(files):
     clis = _compose_clis()

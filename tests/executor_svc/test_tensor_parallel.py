@@ -63,7 +63,9 @@ def entry(seq, computed, n, tokens=(), blocks=(), sample=True, replace=False):
 
 def mixed_plans() -> list[epb.StepRequest]:
     """Chunked prefills next to decodes, a prefix-cache hit, a swap-out and swap-in, a
-    finished sequence, a refused plan (which must change nothing on any rank)."""
+    finished sequence, a refused plan (which must change nothing on any rank), and a
+    preemption by recompute: D is dropped (finished_seq_ids) and prefilled again from token 0,
+    in two chunks, into a fresh block table (blocks C left behind, stale KV in them)."""
     g = torch.Generator().manual_seed(1)
     pa, pb, pd = (torch.randint(0, 127, (n,), generator=g).tolist() for n in (20, 6, 5))
     pc = pa[:8] + torch.randint(0, 127, (5,), generator=g).tolist()
@@ -89,6 +91,14 @@ def mixed_plans() -> list[epb.StepRequest]:
         dict(new_seqs=new(D), seqs=[entry(A, 26, 1), entry(B, 11, 1), entry(D, 0, 5, pd, [15, 16])]),
         dict(seqs=[entry(A, 27, 1), entry(B, 12, 1, blocks=[17]), entry(D, 5, 1)]),
         dict(seqs=[entry(A, 28, 1, blocks=[18]), entry(B, 13, 1), entry(D, 6, 1)]),
+        # recompute: D's state and blocks 15, 16 are dropped; the same prompt again from token 0
+        dict(
+            finished_seq_ids=[D],
+            new_seqs=new(D),
+            seqs=[entry(A, 29, 1), entry(B, 14, 1), entry(D, 0, 3, pd[:3], [8], sample=False)],
+        ),
+        dict(seqs=[entry(A, 30, 1), entry(B, 15, 1), entry(D, 3, 2, pd[3:], [9])]),
+        dict(seqs=[entry(A, 31, 1), entry(D, 5, 1)]),
     ]
     return [epb.StepRequest(step_id=i, **s) for i, s in enumerate(steps)]
 
@@ -119,7 +129,10 @@ def test_tp2_greedy_tokens_equal_tp1_on_mixed_steps(tmp_path, tied):
     one, two = replay(model, 1, tmp_path, plans), replay(model, 2, tmp_path, plans)
     assert tokens(one) == tokens(two)
     # every plan ran but the refused one (step 5), which sampled nothing, on both
-    assert [len(t) for t in tokens(one)] == [0, 1, 2, 3, 2, 0, 2, 3, 3, 2, 3, 3, 3]
+    assert [len(t) for t in tokens(one)] == [0, 1, 2, 3, 2, 0, 2, 3, 3, 2, 3, 3, 3, 2, 3, 2]
+    # after the recompute D samples what it sampled the first time (steps 10, 11 -> 14, 15)
+    d = {i: dict(t)[4] for i, t in enumerate(tokens(one)) if 4 in dict(t)}
+    assert [d[14], d[15]] == [d[10], d[11]]
     for r1, r2 in zip(one, two):
         for s1, s2 in zip(r1.sampled, r2.sampled):
             assert s2.logprob == pytest.approx(s1.logprob, abs=1e-4)
@@ -231,3 +244,92 @@ def test_default_model_tp3_equals_tp1(default_model_path, tmp_path):
     one, three = replay(default_model_path, 1, tmp_path, plans), replay(default_model_path, 3, tmp_path, plans)
     assert [len(t) for t in tokens(one)] == [0, 1, 1, 1, 1, 1, 1]
     assert tokens(one) == tokens(three)
+
+
+@pytest.mark.slow
+def test_serve_restarts_the_whole_group_after_a_rank_dies(tiny_model_path, tmp_path):
+    """`chunkserve serve --tensor-parallel-size 2`: SIGKILL of rank 1 ends rank 0 (status 3),
+    the open stream ends UNAVAILABLE, and `chunkserve serve` starts a new group (a new rank 0
+    that starts its own rank 1); the scheduler serves again with the same greedy tokens.
+    Every wait is for a state, bounded by a deadline that only a failure reaches."""
+    import os
+    import signal
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from chunkserve.client import build_request
+    from chunkserve.launch import child_pids, free_port
+    from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
+
+    log = tmp_path / "serve.log"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKSERVE_")}
+    env.update(
+        PYTHONUNBUFFERED="1",
+        CHUNKSERVE_PORT=str(port),
+        CHUNKSERVE_EXECUTOR_PORT=str(free_port()),
+        CHUNKSERVE_METRICS_PORT="0",
+        CHUNKSERVE_ADMIN_PORT="0",
+        CHUNKSERVE_HTTP_PORT="0",
+    )
+    cmd = [sys.executable, "-m", "chunkserve.cli", "serve", "--model", str(tiny_model_path), "--host", "127.0.0.1"]
+    cmd += ["--dtype", "float32", "--device", "cpu", "--num-gpu-blocks-override", "64", "--num-threads", "1"]
+    cmd += ["--tensor-parallel-size", "2", "--tensor-parallel-timeout-s", "60"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+    def wait_for(predicate, what, deadline_s=120.0):
+        deadline = time.monotonic() + deadline_s
+        while not predicate():
+            assert proc.poll() is None, f"chunkserve serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"{what}: not within {deadline_s:g} s\n{log.read_text()[-4000:]}"
+            time.sleep(0.1)
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub, health = pb_grpc.GenerationStub(channel), health_pb2_grpc.HealthStub(channel)
+
+    def serving() -> bool:
+        request = health_pb2.HealthCheckRequest(service="chunkserve.v1.Generation")
+        try:
+            return health.Check(request, timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    def generate() -> list[int]:
+        request = build_request([5, 6, 7], temperature=0.0, max_tokens=6, ignore_eos=True)
+        return [t for m in stub.Generate(request, timeout=60) for t in m.token_ids]
+
+    try:
+        wait_for(lambda: "serving on" in log.read_text(), "chunkserve serve ready")
+        assert serving()
+        before = generate()
+        assert len(before) == 6
+        [rank0] = child_pids(proc.pid)
+        [rank1] = child_pids(rank0)
+        # max_model_len is 64 blocks x 16 tokens: this stream is still running at the kill
+        call = stub.Generate(build_request([5, 6], temperature=0.0, max_tokens=1000, ignore_eos=True))
+        next(m for m in call if m.token_ids)
+        os.kill(rank1, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in call:
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # The scheduler noticed (it logs this after going NOT_SERVING), and serve restarted the group.
+        wait_for(lambda: "executor lost" in log.read_text(), "the scheduler sees the executor gone")
+        wait_for(lambda: "the executor exited with code 3; restarting it" in log.read_text(), "serve restarts it")
+        wait_for(lambda: [p for p in child_pids(proc.pid) if p != rank0], "a new rank 0")
+        [new_rank0] = child_pids(proc.pid)
+        wait_for(lambda: len(child_pids(new_rank0)) == 1, "the new rank 0 starts its rank 1")
+        wait_for(serving, "SERVING again")
+        assert generate() == before
+        assert stub.GetInfo(pb.GetInfoRequest(), timeout=10).tensor_parallel_size == 2
+        assert log.read_text().count("restarting it") == 1
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
