@@ -13,11 +13,15 @@ stream for the length of a big step. The step time is predictable from what a st
   fits the target. ctx is the computed length of the longest partial prefill (the chunk that
   reads the most attention context).
 
-The model is fitted online, by least squares, on the last `WINDOW` steps this server ran, the
-time of a step being what a stream waits between two tokens: planning, the executor's step and
-applying its result. The headroom factor is the 90th percentile of recent measured/predicted
-ratios (at least 1): on a loaded machine the same step takes longer, and the controller backs
-off instead of missing the target by the noise. Until the first fit the budget is
+The model is fitted online on the last `WINDOW` steps this server ran (its first
+`WARM_UP_STEPS` left out), by least squares on relative error with the worst-fitting steps
+trimmed (`CostModel.fit_relative`: on a busy machine a few steps take many times their usual
+time and would otherwise decide the fit), the time of a step being what a stream waits between
+two tokens: planning, the executor's step and applying its result. The headroom factor is the
+90th percentile of the last 128 steps' measured/predicted ratios, within [0.5, 2]: on a loaded
+machine the same step takes longer, and the controller backs off instead of missing the target
+by the noise; when the model over-predicts what the steps now take, the factor drops below 1
+and the budget grows again, so a stale fit cannot hold the budget at its floor. Until the first fit the budget is
 `INITIAL_BUDGET`. Hysteresis: while decodes run, the budget grows only by more than a tenth
 (or one block) at a time, and shrinks at once (a held budget never exceeds the target); a
 switch between "decoding" and "not decoding" is immediate. Bounds: at least one block of
@@ -44,9 +48,10 @@ AUTO_MAX_BATCHED_TOKENS = 8192  # the upper bound `--max-num-batched-tokens auto
 INITIAL_BUDGET = 256  # before the first fit: small, so the first decodes are not stalled
 WINDOW = 512  # steps the model is fitted on
 REFIT_EVERY = 32  # steps between fits
-MIN_STEPS_TO_FIT = 16
+MIN_STEPS_TO_FIT = 32
+WARM_UP_STEPS = 10  # a server's first steps (first forward passes, allocations): not learned from
 HEADROOM_QUANTILE = 0.9
-MAX_HEADROOM = 2.0
+HEADROOM_BOUNDS = (0.5, 2.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +70,7 @@ class BudgetController:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._steps: deque[TraceStep] = deque(maxlen=WINDOW)
+        self._seen = 0
         self._since_fit = 0
         self.model: CostModel | None = None
         self.headroom = 1.0
@@ -77,6 +83,9 @@ class BudgetController:
         """Records a finished step: what it computed (the cost model's features) and how long
         a stream waited for it. O(sequences in the step); a refit every REFIT_EVERY steps."""
         if seconds <= 0 or not plan.seqs:
+            return
+        self._seen += 1
+        if self._seen <= WARM_UP_STEPS:
             return
         x = features(
             (s.num_new_tokens, s.num_computed_tokens, r.num_prompt_tokens) for s, r in zip(plan.seqs, stats.requests)
@@ -92,9 +101,10 @@ class BudgetController:
         if len(self._steps) < MIN_STEPS_TO_FIT:
             return
         steps = list(self._steps)
-        self.model = CostModel.fit(steps)
+        self.model = CostModel.fit_relative(steps)
         ratios = [s.seconds / p for s in steps[-128:] if (p := self.model.predict_x(s.x)) > 0]
-        self.headroom = min(MAX_HEADROOM, max(1.0, quantile(ratios, HEADROOM_QUANTILE))) if ratios else 1.0
+        low, high = HEADROOM_BOUNDS
+        self.headroom = min(high, max(low, quantile(ratios, HEADROOM_QUANTILE))) if ratios else 1.0
 
     # ---- deciding ---------------------------------------------------------------------
 
@@ -119,7 +129,7 @@ class BudgetController:
             held = self._decoding_budget
             # Hysteresis, one-sided so the target holds: a smaller budget applies at once, a
             # larger one only when it is larger by more than a tenth (or a block).
-            if held is not None and floor <= held <= budget <= held + max(self.block_size, held // 10):
+            if held is not None and floor <= held < budget <= held + max(self.block_size, held // 10):
                 budget, reason = held, "held"
         self._decoding_budget = budget
         predicted = self._predict_ms(n_dec, context, budget - n_dec, prefill_ctx)

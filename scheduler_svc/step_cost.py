@@ -111,6 +111,22 @@ class CostModel:
         model.ratios = [s.seconds / p for s in steps[warm_up:] if (p := model.predict_x(s.x)) > 0]
         return model
 
+    @classmethod
+    def fit_relative(cls, steps: Sequence[TraceStep], trim: float = 3.0) -> CostModel:
+        """Least squares on relative error (each step weighted by 1 / its time), then once more
+        without the steps whose relative residual exceeds `trim` times the median one (and 25%).
+        For a model fitted online on a busy machine: there a few steps take many times their
+        usual time, and plain least squares, which weighs a 10 s step's error 100x a 1 s
+        step's, would let them decide the fit."""
+        model = cls._fit(steps, relative=True)
+        if trim > 0 and len(steps) > 10:
+            rel = [abs(model.predict_x(s.x) / s.seconds - 1) for s in steps]
+            limit = max(0.25, trim * quantile(rel, 0.5))
+            kept = [s for s, r in zip(steps, rel) if r <= limit]
+            if len(steps) // 2 <= len(kept) < len(steps):
+                model = cls._fit(kept, relative=True)
+        return model
+
     def noisy(self, seed: int = 0) -> Callable[[Iterable[tuple[int, int, int]]], float]:
         """A predictor that multiplies each step's prediction by a ratio drawn (seeded) from
         the fit's measured/predicted ratios: the trace's own spread, so that tail latencies
@@ -122,10 +138,13 @@ class CostModel:
         return lambda seqs: self.predict(seqs) * ratios[rng.randrange(len(ratios))]
 
     @classmethod
-    def _fit(cls, steps: Sequence[TraceStep]) -> CostModel:
+    def _fit(cls, steps: Sequence[TraceStep], relative: bool = False) -> CostModel:
         if len(steps) < 2:
             raise ValueError(f"need at least 2 traced steps to fit a cost model, got {len(steps)}")
-        xs, ys = [s.x for s in steps], [s.seconds for s in steps]
+        if relative:  # rows scaled by 1 / time: the residuals are relative errors
+            xs, ys = [[v / s.seconds for v in s.x] for s in steps], [1.0] * len(steps)
+        else:
+            xs, ys = [s.x for s in steps], [s.seconds for s in steps]
         active = list(range(len(FEATURES)))
         while True:
             coef = least_squares(xs, ys, active)
