@@ -4,7 +4,8 @@ Every config field becomes `--field-name` (booleans get `--no-field-name` too) a
 set by `CHUNKSERVE_FIELD_NAME`; an explicit flag wins over the environment, which wins over
 the default. The environment is read when the parser is built, never at import time.
 The field's `metadata["help"]` is the flag's help text, so the dataclass stays the single
-place a setting is documented; `metadata["secret"]` keeps a value out of `--help` and out of
+place a setting is documented; `metadata["aliases"]` adds other spellings (vLLM's `-tp`),
+`metadata["names"]` named values (`auto`); `metadata["secret"]` keeps a value out of `--help` and out of
 config_to_argv.
 """
 
@@ -83,11 +84,12 @@ def add_config_flags(
                 raise SystemExit(f"{env_name(field.name)}={env!r}: {exc}") from None
         shown = ("set" if default else "unset") if field.metadata.get("secret") else repr(default)
         help_text = f"{field.metadata['help']} [env {env_name(field.name)}; default {shown}]"
+        flags = (flag, *field.metadata.get("aliases", ()))  # e.g. vLLM's -tp
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
             choices = field.metadata.get("choices")
-            parser.add_argument(flag, type=convert, default=default, choices=choices, help=help_text)
+            parser.add_argument(*flags, type=convert, default=default, choices=choices, help=help_text)
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:

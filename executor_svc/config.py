@@ -103,7 +103,8 @@ class ExecutorConfig:
         metadata={
             "help": "ranks in the executor's tensor-parallel group (Megatron sharding over torch.distributed: gloo on "
             "CPU, NCCL on CUDA); must divide the model's attention and KV heads. Rank 0 serves gRPC and starts "
-            "ranks 1..N-1 on this host, unless started by torchrun (RANK/WORLD_SIZE in the environment)"
+            "ranks 1..N-1 on this host, unless started by torchrun (RANK/WORLD_SIZE in the environment)",
+            "aliases": ("-tp",),
         },
     )
     tensor_parallel_timeout_s: float = field(

@@ -158,6 +158,17 @@ def test_config_validates_tp_flags():
     assert ExecutorConfig(quantization="int4").tensor_parallel_size == 1
 
 
+@pytest.mark.parametrize("argv", [["-tp", "2"], ["--tensor-parallel-size", "2"]])
+def test_chunkserve_serve_takes_vllms_tp_spelling(argv):
+    import argparse
+
+    from chunkserve.cli import _serve_parser
+
+    parser = argparse.ArgumentParser()
+    _serve_parser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["serve", *argv]).tensor_parallel_size == 2
+
+
 @pytest.mark.slow
 def test_tp2_executor_serves_a_scheduler_and_a_dead_rank_ends_the_group(tiny_model_path, tmp_path):
     """A real TP=2 executor (rank 0 starts rank 1) behind a real scheduler: the same greedy
