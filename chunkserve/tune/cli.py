@@ -46,6 +46,7 @@ class Setting:
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
     num_blocks: int | None = None
+    target_itl_ms: float | None = None  # the auto budget (budget = its upper bound)
 
     def flags(self) -> str:
         out = [
@@ -55,12 +56,15 @@ class Setting:
             f"--long-prefill-token-threshold {self.long_prefill_token_threshold}",
             f"--scheduling-policy {self.policy}",
         ]
+        if self.target_itl_ms is not None:
+            out.append(f"--target-itl-ms {self.target_itl_ms:g}")
         if self.num_blocks is not None:
             out.append(f"--num-gpu-blocks-override {self.num_blocks}")
         return " ".join(out)
 
     def label(self) -> str:
-        s = f"B={self.budget} pp={self.max_num_partial_prefills}/{self.max_long_partial_prefills}"
+        s = f"B={self.budget}" + (f" auto<={self.target_itl_ms:g}ms" if self.target_itl_ms is not None else "")
+        s += f" pp={self.max_num_partial_prefills}/{self.max_long_partial_prefills}"
         s += f" thr={self.long_prefill_token_threshold or 'auto'} {self.policy}"
         return s + (f" kv={self.num_blocks}" if self.num_blocks is not None else "")
 
@@ -142,6 +146,11 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _targets(text: str) -> list[float | None]:
+    """--target-itl-ms values: ms, or none (a fixed budget)."""
+    return [None if x.strip().lower() in ("none", "off") else float(x) for x in text.split(",") if x.strip()]
+
+
 def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "tune",
@@ -194,6 +203,12 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
         "--long-prefill-token-threshold", default="0", help="comma-separated values (0 = 4%% of max_model_len)"
     )
     p.add_argument("--policy", default="fcfs", help="comma-separated scheduling policies (default fcfs)")
+    p.add_argument(
+        "--target-itl-ms",
+        default="none",
+        help="comma-separated targets of the auto token budget (the server's --target-itl-ms; each --budgets value "
+        "is then its upper bound); none = a fixed budget (default none; e.g. none,150,300 compares both)",
+    )
     p.add_argument("--num-blocks", help="comma-separated KV pool sizes in blocks (default: the bench's server_info)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: server_info, else 16)")
     p.add_argument("--max-model-len", type=int, help="default: server_info, else the longest request")
@@ -254,6 +269,16 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--address, --step-trace-file and --save-trace go with --calibrate"
     if args.address and args.address.startswith(("http://", "https://")):
         return "--calibrate drives the gRPC API: --address HOST:PORT, not an http:// URL"
+    for flag in ("budgets", "max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold"):
+        try:
+            _ints(getattr(args, flag))
+        except ValueError:
+            return f"--{flag.replace('_', '-')} takes comma-separated integers, got {getattr(args, flag)!r}"
+    try:
+        if any(t is not None and not t > 0 for t in _targets(args.target_itl_ms)):
+            raise ValueError
+    except ValueError:
+        return f"--target-itl-ms takes comma-separated positive ms or none, got {args.target_itl_ms!r}"
     if args.plot:
         from chunkserve.tune.plot import matplotlib_missing
 
@@ -347,10 +372,11 @@ def run_tune(args: argparse.Namespace, out=None) -> int:
         _ints(args.long_prefill_token_threshold),
         [p.strip() for p in args.policy.split(",") if p.strip()],
         kv,
+        _targets(args.target_itl_ms),
     )
     rows: list[tuple[Setting, dict, float]] = []
-    for budget, pp, lp, thr, policy, blocks in grid:
-        setting = Setting(budget, pp, lp, thr, policy, blocks)
+    for budget, pp, lp, thr, policy, blocks, target in grid:
+        setting = Setting(budget, pp, lp, thr, policy, blocks, target)
         try:
             config = replace(
                 SchedulerConfig(),
@@ -360,6 +386,7 @@ def run_tune(args: argparse.Namespace, out=None) -> int:
                 max_long_partial_prefills=lp,
                 long_prefill_token_threshold=thr,
                 scheduling_policy=policy,
+                target_itl_ms=target,
             )
             started = time.perf_counter()
             summaries = []

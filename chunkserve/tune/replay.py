@@ -161,6 +161,8 @@ def replay(
         ]
         dt = step_seconds(shape)
         clock += dt
+        if config.target_itl_ms is not None:  # the auto budget learns the simulated step, as on a server
+            sched.budget.observe(plan, sched.step_stats, dt)
         for rid in plan.preempted:
             live[rid].num_preemptions += 1
         result = StepResult(plan.step_id, [Sampled(s.seq_id, SAMPLED_TOKEN) for s in plan.seqs if s.sample])

@@ -314,6 +314,50 @@ def test_cli_prints_the_fit_a_table_and_flags_serve_accepts(tmp_path, capsys):
     assert len(json.loads((tmp_path / "out.json").read_text())) == 2
 
 
+def test_auto_budget_settings_replay_through_the_servers_controller(tmp_path, capsys):
+    """`--target-itl-ms none,X` puts the auto budget in the grid: the replay feeds the real
+    controller the simulated step times, so its decoding steps meet the target where the
+    fixed upper bound's do not, and the recommendation is a flag set serve accepts."""
+    synthetic_trace(tmp_path / "steps.jsonl", n_steps=80)
+    rng = random.Random(2)
+    arrivals = sorted(rng.uniform(0, 20) for _ in range(16))
+    lens = [rng.randint(1024, 2048) if i % 4 == 0 else rng.randint(16, 128) for i in range(16)]
+    report = {
+        "input_lens": lens,
+        "output_lens": [32] * 16,
+        "arrivals": arrivals,
+        "classes": ["long" if n > 1000 else "short" for n in lens],
+        "server_info": {"block_size": 16, "num_device_blocks": 2000, "max_model_len": 4096, "max_num_seqs": 128},
+    }
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    model = CostModel.fit(load_trace(tmp_path / "steps.jsonl"))
+    specs, _ = requests_from_bench(tmp_path / "r.json")
+    target_ms = 1e3 * model.predict([(1, 500, 100)] * 4 + [(256, 0, 1500)])  # room for ~256 tokens of prefill
+    results = {}
+    for target in (None, target_ms):
+        config = SchedulerConfig(max_num_batched_tokens=2048, target_itl_ms=target)
+        seen: list[tuple[int, str]] = []
+
+        def watch(sched, plan, seen=seen):
+            seen.append((sum(1 for e in plan.seqs if e.token_ids == []), sched.step_stats.budget_reason))
+
+        results[target] = (replay(specs, config, model.predict, 2000, 16, 4096, on_plan=watch), seen)
+    fixed_steps, (auto_result, auto_seen) = results[None][0].steps, results[target_ms]
+    worst = lambda steps, seen: max(st.seconds for st, (dec, _) in zip(steps, seen) if dec)  # noqa: E731
+    assert {r for _, r in auto_seen} >= {"no decodes", "target"}
+    assert worst(auto_result.steps, auto_seen) <= target_ms / 1e3 * 1.05 < worst(fixed_steps, results[None][1])
+    argv = ["tune", "--trace", str(tmp_path / "steps.jsonl"), "--requests", str(tmp_path / "r.json")]
+    argv += ["--budgets", "2048", "--target-itl-ms", f"none,{target_ms:.3f}", "--slo", "itl_p99_ms=100000"]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "auto<=" in out
+    line = next(x for x in out.splitlines() if x.startswith("recommended: chunkserve serve "))
+    parser = argparse.ArgumentParser()
+    _serve_parser(parser.add_subparsers(dest="command"))
+    parser.parse_args(["serve", *line.removeprefix("recommended: chunkserve serve ").split()])
+
+
 def test_cli_says_when_no_setting_meets_the_slo(tmp_path, capsys):
     synthetic_trace(tmp_path / "steps.jsonl", n_steps=30)
     report = {"input_lens": [100, 300], "output_lens": [8, 8], "arrivals": [0.0, 0.5], "classes": ["short", "long"]}
@@ -498,6 +542,9 @@ def test_plot_without_matplotlib_is_one_clear_line(tmp_path, capsys, monkeypatch
         (["--calibrate"], "--calibrate needs --address"),
         (["--trace", "x.jsonl", "--save-trace", "y.jsonl"], "go with --calibrate"),
         (["--calibrate", "--address", "http://127.0.0.1:8000"], "not an http:// URL"),
+        (["--trace", "x.jsonl", "--budgets", "256,lots"], "--budgets takes comma-separated integers"),
+        (["--trace", "x.jsonl", "--target-itl-ms", "100,-5"], "--target-itl-ms takes comma-separated positive"),
+        (["--trace", "x.jsonl", "--target-itl-ms", "fast"], "--target-itl-ms takes comma-separated positive"),
     ],
 )
 def test_tune_refuses_flag_combinations_that_cannot_work(args, message, capsys):
