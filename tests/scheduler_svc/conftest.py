@@ -1,4 +1,5 @@
-"""Fakes for scheduler tests: an executor that checks every plan, and a byte-level tokenizer."""
+"""Fakes for scheduler tests: an executor that checks every plan, its handshake, a client
+standing in for ExecutorClient, and a byte-level tokenizer."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from scheduler_svc.block_pool import BlockPool, blocks_needed
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.plan import Sampled, StepPlan, StepResult
@@ -108,6 +110,71 @@ class FakeExecutor:
         return self.execute(plan)
 
 
+def fake_handshake(model_path="", **overrides) -> epb.HandshakeResponse:
+    """An executor's handshake: VOCAB token ids with <eos> = EOS, a 2048-token context and step
+    budget, 64 KV blocks x 16 tokens, no swap space. `overrides` replace any field, the model's
+    (vocab_size, max_position_embeddings, eos_token_ids) included."""
+    model_fields = epb.ModelConfig.DESCRIPTOR.fields_by_name
+    model = dict(vocab_size=VOCAB, max_position_embeddings=2048, eos_token_ids=[EOS])
+    model |= {name: overrides.pop(name) for name in list(overrides) if name in model_fields}
+    values = dict(
+        model_name="fake",
+        dtype="float32",
+        device="cpu",
+        attention_backend="fake",
+        max_num_batched_tokens=2048,
+        block_size=16,
+        num_device_blocks=64,
+        num_host_blocks=0,
+    )
+    return epb.HandshakeResponse(model=epb.ModelConfig(**model), model_path=str(model_path), **values | overrides)
+
+
+class FakeExecutorClient:
+    """Stands in for ExecutorClient. handshake() answers `hs` (assign another to change what the
+    next handshake says) once `ready` is set, as it starts; step() runs plans on `fake`, a
+    FakeExecutor (None: handshake only). Steps after the first `hold_after` set `held` and wait
+    for `release`, then run, or for `die`, then raise as a lost executor does and hold no more."""
+
+    def __init__(self, hs: epb.HandshakeResponse, fake: FakeExecutor | None = None) -> None:
+        self.hs, self.fake = hs, fake
+        self.ready = asyncio.Event()
+        self.ready.set()
+        self.hold_after: int | None = None
+        self.held = asyncio.Event()  # set when a step is waiting for `release` or `die`
+        self.release = asyncio.Event()
+        self.die = asyncio.Event()
+        self.handshakes = 0
+        self.steps = 0
+
+    async def handshake(self, timeout: float) -> epb.HandshakeResponse:
+        await self.ready.wait()
+        self.handshakes += 1
+        return self.hs
+
+    async def step(self, plan: StepPlan, timeout: float) -> StepResult:
+        self.steps += 1
+        if self.hold_after is not None and self.steps > self.hold_after:
+            self.held.set()
+            waits = [asyncio.ensure_future(event.wait()) for event in (self.release, self.die)]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+            if self.die.is_set():
+                self.hold_after = None
+                raise ConnectionError("the executor process died")
+        return await self.fake.step(plan, timeout)
+
+    async def reset(self, timeout: float = 10.0) -> None:
+        if self.fake is not None:
+            self.fake.seqs.clear()
+
+    async def close(self) -> None:
+        pass
+
+
 def make_scheduler(num_blocks=64, block_size=4, max_model_len=4096, num_host_blocks=0, **cfg) -> Scheduler:
     config = SchedulerConfig(**cfg)
     host = BlockPool(num_host_blocks, block_size) if num_host_blocks else None
@@ -184,6 +251,8 @@ def fakes():
 
     class _F:
         FakeExecutor = FakeExecutor
+        FakeExecutorClient = FakeExecutorClient
+        fake_handshake = staticmethod(fake_handshake)
         make_scheduler = staticmethod(make_scheduler)
         make_request = staticmethod(make_request)
         run_to_completion = staticmethod(run_to_completion)

@@ -22,7 +22,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chunkserve.client import build_request
-from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc import app as app_module
@@ -31,48 +30,6 @@ from scheduler_svc.tokenizer import Tokenizer
 
 MAX_MODEL_LEN = 100
 FAILSAFE_S = 15.0  # only reached when the behaviour under test is broken (then the test fails)
-
-
-class FakeExecutorClient:
-    """Stands in for ExecutorClient: answers the handshake, runs steps on conftest's
-    FakeExecutor, and can be told to die at its next step (once)."""
-
-    def __init__(self, fake, tokenizer_dir) -> None:
-        self.fake = fake
-        self.tokenizer_dir = tokenizer_dir
-        self.die = asyncio.Event()  # set: the held step raises, as a lost executor does
-        self.hold_after: int | None = None  # steps after this many wait for `die`
-        self.steps = 0
-        self.handshakes = 0
-
-    async def handshake(self, timeout: float) -> epb.HandshakeResponse:
-        self.handshakes += 1
-        return epb.HandshakeResponse(
-            model=epb.ModelConfig(vocab_size=257, max_position_embeddings=MAX_MODEL_LEN, eos_token_ids=[256]),
-            model_name="fake",
-            model_path=str(self.tokenizer_dir),
-            dtype="float32",
-            device="cpu",
-            block_size=4,
-            num_device_blocks=64,
-            num_host_blocks=0,
-            attention_backend="fake",
-            max_num_batched_tokens=2048,
-        )
-
-    async def step(self, plan, timeout: float):
-        self.steps += 1
-        if self.hold_after is not None and self.steps > self.hold_after:
-            await self.die.wait()
-            self.hold_after = None
-            raise ConnectionError("the executor process died")
-        return await self.fake.step(plan, timeout)
-
-    async def reset(self, timeout: float = 10.0) -> None:
-        self.fake.seqs.clear()
-
-    async def close(self) -> None:
-        pass
 
 
 class SpyTokenizer(Tokenizer):
@@ -96,7 +53,10 @@ class SpyTokenizer(Tokenizer):
 @contextlib.asynccontextmanager
 async def running_app(fakes, tokenizer_dir, monkeypatch, tokenizer_cls=SpyTokenizer):
     """A started SchedulerApp on a free port, its fake executor client, and a channel to it."""
-    client = FakeExecutorClient(fakes.FakeExecutor(64, 4), tokenizer_dir)
+    client = fakes.FakeExecutorClient(
+        fakes.fake_handshake(tokenizer_dir, vocab_size=257, max_position_embeddings=MAX_MODEL_LEN, block_size=4),
+        fakes.FakeExecutor(64, 4),
+    )
     monkeypatch.setattr(app_module, "ExecutorClient", lambda *args, **kwargs: client)
     monkeypatch.setattr(app_module, "Tokenizer", tokenizer_cls)
     app = app_module.SchedulerApp(

@@ -13,7 +13,6 @@ import dataclasses
 
 import pytest
 
-from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.flags import add_config_flags, config_from_args
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from scheduler_svc.admin import Controls, apply_update, describe
@@ -216,7 +215,7 @@ def test_hysteresis_holds_small_increases_and_applies_decreases():
         del sched.requests["r900"]
 
 
-def test_config_auto_needs_a_target_and_chunked_prefill():
+def test_config_auto_needs_a_target_and_chunked_prefill(fakes):
     with pytest.raises(ValueError, match="auto needs --target-itl-ms"):
         SchedulerConfig(max_num_batched_tokens=0)
     with pytest.raises(ValueError, match="needs chunked prefill"):
@@ -224,7 +223,7 @@ def test_config_auto_needs_a_target_and_chunked_prefill():
     for bad in (0.0, -3.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="positive number of ms"):
             SchedulerConfig(target_itl_ms=bad)
-    hs = epb.HandshakeResponse(max_num_batched_tokens=6000)
+    hs = fakes.fake_handshake(max_num_batched_tokens=6000)
     assert (
         resolve_auto_budget(SchedulerConfig(max_num_batched_tokens=0, target_itl_ms=20), hs).max_num_batched_tokens
         == 6000
@@ -250,10 +249,11 @@ def test_auto_is_accepted_by_the_flag_and_the_environment(monkeypatch, how):
         p.parse_args(["--max-num-batched-tokens", "lots"])
 
 
-def test_admin_turns_the_auto_budget_on_and_off():
+def test_admin_turns_the_auto_budget_on_and_off(fakes):
     sched = make_scheduler(max_num_batched_tokens=512)
-    hs = epb.HandshakeResponse(max_num_batched_tokens=4096, block_size=BLOCK, num_device_blocks=4096)
-    hs.model.max_position_embeddings = 8192
+    hs = fakes.fake_handshake(
+        max_num_batched_tokens=4096, block_size=BLOCK, num_device_blocks=4096, max_position_embeddings=8192
+    )
     controls = Controls(sched, hs)
     out = apply_update(controls, pb.SchedulingConfig(target_itl_ms=30, max_num_batched_tokens=0))
     assert (out.target_itl_ms, out.max_num_batched_tokens) == (30, 4096)  # 0 = the executor's limit

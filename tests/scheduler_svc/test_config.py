@@ -20,35 +20,10 @@ from scheduler_svc import app as app_module
 from scheduler_svc.config import SchedulerConfig, validate_against_executor
 
 
-def handshake(model_path="", max_position_embeddings=2048, **kw) -> epb.HandshakeResponse:
-    """An executor accepting 2048 tokens a step, with 64 blocks x 16 tokens (1024) and no swap space."""
-    values = dict(max_num_batched_tokens=2048, block_size=16, num_device_blocks=64, num_host_blocks=0) | kw
-    return epb.HandshakeResponse(
-        model=epb.ModelConfig(vocab_size=300, max_position_embeddings=max_position_embeddings, eos_token_ids=[256]),
-        model_name="fake",
-        model_path=str(model_path),
-        dtype="float32",
-        device="cpu",
-        attention_backend="fake",
-        **values,
-    )
-
-
-class HandshakeOnlyClient:
-    """Stands in for ExecutorClient: answers the handshake (no request is sent, so no step)."""
-
-    def __init__(self, hs: epb.HandshakeResponse) -> None:
-        self.hs = hs
-
-    async def handshake(self, timeout: float) -> epb.HandshakeResponse:
-        return self.hs
-
-    async def close(self) -> None:
-        pass
-
-
-async def start(config: SchedulerConfig, hs: epb.HandshakeResponse, monkeypatch) -> app_module.SchedulerApp:
-    monkeypatch.setattr(app_module, "ExecutorClient", lambda *args, **kwargs: HandshakeOnlyClient(hs))
+async def start(fakes, config: SchedulerConfig, hs: epb.HandshakeResponse, monkeypatch) -> app_module.SchedulerApp:
+    """A started SchedulerApp whose executor client answers `hs` (fakes.fake_handshake's defaults: an
+    executor accepting 2048 tokens a step, with 64 blocks x 16 tokens (1024) and no swap space)."""
+    monkeypatch.setattr(app_module, "ExecutorClient", lambda *args, **kwargs: fakes.FakeExecutorClient(hs))
     app = app_module.SchedulerApp(
         dataclasses.replace(
             config, host="127.0.0.1", port=0, metrics_port=0, http_port=0, admin_port=free_port(), startup_timeout_s=10
@@ -83,15 +58,15 @@ LIVE_RULES = {
 
 
 @pytest.mark.parametrize("case", LIVE_RULES)
-def test_a_rule_refuses_alike_at_start_up_and_live(byte_tokenizer_dir, monkeypatch, case):
+def test_a_rule_refuses_alike_at_start_up_and_live(fakes, byte_tokenizer_dir, monkeypatch, case):
     settings, change, words = LIVE_RULES[case]
     good = SchedulerConfig(**settings)
-    hs = handshake(byte_tokenizer_dir)
+    hs = fakes.fake_handshake(byte_tokenizer_dir)
 
     async def main():
         with pytest.raises(ValueError) as at_start:
-            await start(dataclasses.replace(good, **change), hs, monkeypatch)
-        app = await start(good, hs, monkeypatch)
+            await start(fakes, dataclasses.replace(good, **change), hs, monkeypatch)
+        app = await start(fakes, good, hs, monkeypatch)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{app.config.admin_port}") as channel:
                 admin = pb_grpc.AdminStub(channel)
@@ -123,22 +98,23 @@ def test_a_rule_refuses_alike_at_start_up_and_live(byte_tokenizer_dir, monkeypat
     ],
     ids=["swap without host blocks", "over the pool", "over the context", "over the budget, chunking off"],
 )
-def test_start_up_only_rules(settings, hs, words):
+def test_start_up_only_rules(fakes, settings, hs, words):
     """Rules on settings no live change touches (preemption mode, max_model_len)."""
     with pytest.raises(ValueError) as err:
-        validate_against_executor(SchedulerConfig(**settings), handshake(**hs))
+        validate_against_executor(SchedulerConfig(**settings), fakes.fake_handshake(**hs))
     assert words in str(err.value)
     assert (
         validate_against_executor(
             SchedulerConfig(**settings),
-            handshake(num_host_blocks=8, num_device_blocks=256, max_position_embeddings=4096),
+            fakes.fake_handshake(num_host_blocks=8, num_device_blocks=256, max_position_embeddings=4096),
             max_model_len=512,
         )
         == 512
     )  # fits once the executor has room
 
 
-def test_max_model_len_is_the_largest_that_works():
+def test_max_model_len_is_the_largest_that_works(fakes):
+    handshake = fakes.fake_handshake
     assert validate_against_executor(SchedulerConfig(), handshake()) == 1024  # the pool
     assert validate_against_executor(SchedulerConfig(), handshake(max_position_embeddings=512)) == 512
     assert (
@@ -150,17 +126,14 @@ def test_max_model_len_is_the_largest_that_works():
     assert validate_against_executor(SchedulerConfig(max_model_len=300), handshake()) == 300
 
 
-def test_an_executor_back_with_settings_that_do_not_fit_is_waited_out(byte_tokenizer_dir, monkeypatch, caplog):
+def test_an_executor_back_with_settings_that_do_not_fit_is_waited_out(fakes, byte_tokenizer_dir, monkeypatch, caplog):
     """The executor restarts with a smaller step budget than the live settings: the scheduler
     says why once, stays NOT_SERVING without giving up, and serves again when an executor
     that fits answers (it used to end its supervisor task and never serve again)."""
     from grpc_health.v1 import health_pb2
 
-    good = handshake(byte_tokenizer_dir)
-    small = handshake(byte_tokenizer_dir, max_num_batched_tokens=256)
-
-    async def reset() -> None:
-        pass
+    good = fakes.fake_handshake(byte_tokenizer_dir)
+    small = fakes.fake_handshake(byte_tokenizer_dir, max_num_batched_tokens=256)
 
     async def until(predicate) -> None:
         for _ in range(600):  # a failsafe, not a timing assumption: the state is polled
@@ -170,7 +143,7 @@ def test_an_executor_back_with_settings_that_do_not_fit_is_waited_out(byte_token
         raise AssertionError("state not reached")
 
     async def main():
-        app = await start(SchedulerConfig(max_num_batched_tokens=512, max_model_len=1024), good, monkeypatch)
+        app = await start(fakes, SchedulerConfig(max_num_batched_tokens=512, max_model_len=1024), good, monkeypatch)
 
         async def serving() -> bool:
             request = health_pb2.HealthCheckRequest(service=app_module.SERVICE_NAME)
@@ -181,14 +154,13 @@ def test_an_executor_back_with_settings_that_do_not_fit_is_waited_out(byte_token
 
         try:
             client, first = app.ready.client, app.ready
-            client.reset = reset
             client.hs = small
             first.engine.fail("executor unavailable: restarted")
             await until(refused)
             assert not await serving()
             assert not app._supervisor.done() and app.ready is first
             assert first.info.tensor_parallel_size == 1  # a handshake without the field: one device
-            client.hs = handshake(byte_tokenizer_dir, tensor_parallel_size=2)  # back as a group of 2
+            client.hs = fakes.fake_handshake(byte_tokenizer_dir, tensor_parallel_size=2)  # back as a group of 2
             await until(serving)
             assert app.ready is not first and app.ready.info.tensor_parallel_size == 2
             assert caplog.text.count("do not fit") == 1

@@ -22,7 +22,6 @@ import pytest
 
 from chunkserve.client import Completion, build_request
 from chunkserve.launch import free_port
-from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc import app as app_module
 from scheduler_svc.config import SchedulerConfig
@@ -31,51 +30,19 @@ MAX_MODEL_LEN = 100
 FAILSAFE_S = 15.0  # only reached when the behaviour under test is broken
 
 
-class FakeClient:
-    """Stands in for ExecutorClient: the handshake waits for `ready`, steps run on conftest's
-    FakeExecutor, and steps after `hold_after` wait for `release`."""
-
-    def __init__(self, fake, tokenizer_dir) -> None:
-        self.fake, self.tokenizer_dir = fake, tokenizer_dir
-        self.ready = asyncio.Event()
-        self.ready.set()
-        self.release = asyncio.Event()
-        self.held = asyncio.Event()  # set when a step is waiting for `release`
-        self.hold_after: int | None = None
-        self.steps = 0
-
-    async def handshake(self, timeout: float) -> epb.HandshakeResponse:
-        await self.ready.wait()
-        return epb.HandshakeResponse(
-            model=epb.ModelConfig(vocab_size=257, max_position_embeddings=MAX_MODEL_LEN, eos_token_ids=[256]),
-            model_name="fake",
-            model_path=str(self.tokenizer_dir),
-            dtype="float32",
-            device="cpu",
-            block_size=4,
-            num_device_blocks=64,
-            attention_backend="fake",
-            max_num_batched_tokens=2048,
-        )
-
-    async def step(self, plan, timeout: float):
-        self.steps += 1
-        if self.hold_after is not None and self.steps > self.hold_after:
-            self.held.set()
-            await self.release.wait()
-        return await self.fake.step(plan, timeout)
-
-    async def reset(self, timeout: float = 10.0) -> None:
-        self.fake.seqs.clear()
-
-    async def close(self) -> None:
-        pass
+def fake_client(fakes, tokenizer_dir):
+    """The executor: a 100-token context, 64 blocks x 4 tokens; the handshake waits for the
+    client's `ready`, steps after its `hold_after` for `release`."""
+    return fakes.FakeExecutorClient(
+        fakes.fake_handshake(tokenizer_dir, vocab_size=257, max_position_embeddings=MAX_MODEL_LEN, block_size=4),
+        fakes.FakeExecutor(64, 4),
+    )
 
 
 @contextlib.asynccontextmanager
 async def running(fakes, tokenizer_dir, monkeypatch, wait_ready=True, **cfg):
     """A SchedulerApp (gRPC + HTTP) on free ports with a fake executor client."""
-    client = FakeClient(fakes.FakeExecutor(64, 4), tokenizer_dir)
+    client = fake_client(fakes, tokenizer_dir)
     monkeypatch.setattr(app_module, "ExecutorClient", lambda *args, **kwargs: client)
     config = SchedulerConfig(
         host="127.0.0.1", port=0, metrics_port=0, admin_port=0, http_host="127.0.0.1", http_port=free_port(), **cfg
@@ -341,7 +308,7 @@ def test_closing_the_connection_aborts_the_request(fakes, byte_tokenizer_dir, mo
 
 def test_a_taken_http_port_stops_start_up_with_one_message(fakes, byte_tokenizer_dir, monkeypatch):
     async def main():
-        client = FakeClient(fakes.FakeExecutor(64, 4), byte_tokenizer_dir)
+        client = fake_client(fakes, byte_tokenizer_dir)
         monkeypatch.setattr(app_module, "ExecutorClient", lambda *args, **kwargs: client)
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", 0))

@@ -9,7 +9,6 @@ from collections import Counter
 import grpc
 import pytest
 
-from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.admin import Controls, apply_update
@@ -121,15 +120,7 @@ def test_user_policy_loaded_by_dotted_path_from_outside_the_package(tmp_path, fa
 
 def test_live_update_is_validated_whole_and_atomic(fakes):
     sched = fakes.make_scheduler(num_blocks=256, block_size=16, max_num_batched_tokens=512, max_model_len=1024)
-    controls = Controls(
-        sched,
-        epb.HandshakeResponse(
-            max_num_batched_tokens=2048,
-            block_size=16,
-            num_device_blocks=256,
-            model=epb.ModelConfig(max_position_embeddings=1024),
-        ),
-    )
+    controls = Controls(sched, fakes.fake_handshake(num_device_blocks=256, max_position_embeddings=1024))
     before = (sched.config, sched.policy)
     for bad in (
         pb.SchedulingConfig(policy="sjf", max_num_batched_tokens=4096),  # over the executor's

@@ -18,7 +18,6 @@ from grpc_reflection.v1alpha import reflection_pb2 as rpb
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from chunkserve.launch import free_port
-from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from scheduler_svc import app as app_module
 from scheduler_svc.config import SchedulerConfig
 
@@ -33,30 +32,6 @@ EXPECTED = {
     "public": ({"chunkserve.v1.Generation", HEALTH} | REFLECTION, "chunkserve.v1.Generation", "Generate"),
     "admin": ({"chunkserve.v1.Admin"} | REFLECTION, "chunkserve.v1.Admin", "WatchSteps"),
 }
-
-
-class HandshakeOnlyClient:
-    """Stands in for ExecutorClient: answers the handshake, never steps."""
-
-    def __init__(self, model_path) -> None:
-        self.hs = epb.HandshakeResponse(
-            model=epb.ModelConfig(vocab_size=300, max_position_embeddings=2048, eos_token_ids=[256]),
-            model_name="fake",
-            model_path=str(model_path),
-            dtype="float32",
-            device="cpu",
-            attention_backend="fake",
-            max_num_batched_tokens=2048,
-            block_size=16,
-            num_device_blocks=64,
-            num_host_blocks=0,
-        )
-
-    async def handshake(self, timeout: float) -> epb.HandshakeResponse:
-        return self.hs
-
-    async def close(self) -> None:
-        pass
 
 
 def pool_of(files: list[bytes]) -> descriptor_pool.DescriptorPool:
@@ -100,8 +75,9 @@ def v1alpha_official_client(address: str, service: str, method: str) -> tuple[se
         return set(db.get_services()), found.server_streaming
 
 
-def test_reflection_v1_and_v1alpha_on_the_public_and_admin_ports(byte_tokenizer_dir, monkeypatch):
-    monkeypatch.setattr(app_module, "ExecutorClient", lambda *args, **kwargs: HandshakeOnlyClient(byte_tokenizer_dir))
+def test_reflection_v1_and_v1alpha_on_the_public_and_admin_ports(fakes, byte_tokenizer_dir, monkeypatch):
+    hs = fakes.fake_handshake(byte_tokenizer_dir)  # answered; no request is sent, so never a step
+    monkeypatch.setattr(app_module, "ExecutorClient", lambda *args, **kwargs: fakes.FakeExecutorClient(hs))
     config = SchedulerConfig(
         host="127.0.0.1",
         port=0,
