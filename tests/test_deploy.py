@@ -532,11 +532,16 @@ def test_probe_imports_no_torch(fake_services):
 class _Service:
     """One compose service run as a local process: its command, its environment, its probe."""
 
-    def __init__(self, name: str, spec: dict, overrides: dict[str, str], log: Path) -> None:
+    def __init__(
+        self, name: str, spec: dict, overrides: dict[str, str], log: Path, host_only: dict[str, str] | None = None
+    ) -> None:
         env = {k: str(v) for k, v in spec["environment"].items()}
         unknown = set(overrides) - set(env)
         assert not unknown, f"{name}: overriding settings the compose file does not set: {unknown}"
         env.update(overrides)
+        # Settings a container does not need but a process on a shared host does (a port another
+        # server on this host may hold, where a container has its own loopback).
+        env.update(host_only or {})
         # The container's environment is the compose one; nothing CHUNKSERVE_* leaks in from ours.
         base = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKSERVE_")}
         self.env = {**base, **env, "PYTHONUNBUFFERED": "1"}
@@ -626,6 +631,7 @@ def test_compose_services_start_serve_and_stop_without_docker(tiny_model_path, t
             "CHUNKSERVE_EXECUTOR_TOKEN": token,
         },
         tmp_path / "scheduler.log",
+        host_only={"CHUNKSERVE_ADMIN_PORT": str(free_port())},  # the default 50052 may be another server's here
     )
     try:
         executor.start()
