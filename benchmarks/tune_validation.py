@@ -35,7 +35,9 @@ def main() -> None:
     ap.add_argument("--target", default="step", choices=("step", "executor"))
     ap.add_argument("--noise", action="store_true", help="resample the fit's measured/predicted ratios per step")
     ap.add_argument("--run", action="append", required=True, help="BUDGET=result.json")
+    ap.add_argument("--plot", help="PNG of predicted against measured, one point per budget and figure")
     args = ap.parse_args()
+    points: list[tuple[str, str, float, float]] = []  # (budget, figure, predicted s, measured s)
     steps = load_trace(args.fit_trace, args.target)
     model, med, p90, n = fit_with_error(steps)
     print(f"cost model from {args.fit_trace} ({len(steps)} steps): {model.describe()}")
@@ -66,11 +68,45 @@ def main() -> None:
                 continue
             err = (p - m) / m if m else float("nan")
             print(f"| {budget} | {label} | {p / 1e3:.2f} s | {m / 1e3:.2f} s | {err:+.0%} |")
+            points.append((budget, label, p / 1e3, m / 1e3))
         tp = report.get("output_throughput", 0.0)
         print(
             f"| {budget} | output tok/s | {pred['output_throughput']:.2f} | {tp:.2f} | "
             f"{(pred['output_throughput'] - tp) / tp:+.0%} |"
         )
+    if args.plot:
+        plot(points, args.plot)
+
+
+def plot(points: list[tuple[str, str, float, float]], path: str) -> None:
+    """Predicted against measured on log axes, the y = x line and the +-15% band of the goal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    lo = min(min(p, m) for _, _, p, m in points) * 0.7
+    hi = max(max(p, m) for _, _, p, m in points) * 1.4
+    ax.plot([lo, hi], [lo, hi], color="black", lw=1)
+    ax.fill_between(
+        [lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="#cfc", alpha=0.6, label="within 15%"
+    )
+    markers = dict(zip(sorted({f for _, f, _, _ in points}), "os^vD<>p"))
+    budgets = sorted({b for b, _, _, _ in points}, key=int)
+    colors = dict(zip(budgets, ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd"]))
+    for b, f, p, m in points:
+        ax.scatter(m, p, marker=markers[f], color=colors[b], s=45)
+    for f, mk in markers.items():
+        ax.scatter([], [], marker=mk, color="gray", label=f)
+    for b, c in colors.items():
+        ax.scatter([], [], marker="s", color=c, label=f"budget {b}")
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured (s)", ylabel="predicted (s)")
+    ax.set_title("chunkserve tune: predicted vs measured")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":
