@@ -24,9 +24,11 @@ by the noise; when the model over-predicts what the steps now take, the factor d
 and the budget grows again, so a stale fit cannot hold the budget at its floor. Until the first fit the budget is
 `INITIAL_BUDGET`. Hysteresis: while decodes run, the budget grows only by more than a tenth
 (or one block) at a time, and shrinks at once (a held budget never exceeds the target); a
-switch between "decoding" and "not decoding" is immediate. Bounds: at least one block of
-prefill on top of the decodes (prefill never starves, even when the target cannot be met),
-at most the upper bound.
+switch between "decoding" and "not decoding" is immediate. Bounds: at most the upper bound,
+at least one block of prefill on top of the decodes; when the target is out of reach even
+for a step of decodes alone, the step carries as much prefill as its decodes cost (it takes
+about twice a decode-only step): a smaller one would not help the decodes and would starve
+prefill.
 
 No torch here: this runs in the scheduler process, between steps.
 """
@@ -61,7 +63,7 @@ class BudgetDecision:
     budget: int
     num_decodes: int
     predicted_ms: float  # the model's time for a step of this budget (headroom included); 0 before a fit
-    reason: str  # "no decodes", "target", "floor" (target unreachable), "initial" (no fit yet), "held"
+    reason: str  # "no decodes", "target", "floor" (target out of reach), "initial" (no fit yet), "held"
 
 
 class BudgetController:
@@ -124,8 +126,14 @@ class BudgetController:
             budget, reason = max(floor, min(upper, INITIAL_BUDGET)), "initial"
         else:
             p = self._largest_prefill(n_dec, context, prefill_ctx, target_ms / 1e3 / self.headroom)
-            budget, reason = (n_dec + p, "target") if n_dec + p >= floor else (floor, "floor")
-            budget = min(budget, upper)
+            reason = "target"
+            if n_dec + p < floor:
+                # Out of reach even for the decodes alone: cutting prefill further would not help
+                # them, only starve it. The step carries as much prefill as its decodes cost.
+                a, _, c, d, _ = self.model.coef
+                p = self._largest_prefill(n_dec, context, prefill_ctx, 2 * (a + c * n_dec + d * context))
+                reason = "floor"
+            budget = min(max(floor, n_dec + p), upper)
             held = self._decoding_budget
             # Hysteresis, one-sided so the target holds: a smaller budget applies at once, a
             # larger one only when it is larger by more than a tenth (or a block).
