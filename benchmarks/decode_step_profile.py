@@ -4,12 +4,21 @@ steps through `ModelRunner.execute(plan)` exactly as the server runs them (plan 
 -> metadata -> forward -> logits -> greedy sampling -> reply proto).
 
     timeout 900 .venv/bin/python benchmarks/decode_step_profile.py [--batch 1 32] [--ctx 128] [--steps 30]
+        [--quantization none int4] [--no-profile] [--repeats 3]
 
-Per batch size it prints:
+Per weight mode (`none` = float32, `int4` = `--quantization int4`, loaded as the server loads
+it) and batch size it prints:
 - the median wall time of a whole `execute()` of a decode step (no profiler);
-- GEMM time: the same 4 x layers + 1 linears (same weights, same shapes, same `linear`
-  function) run alone, median of the same number of repeats; the non-GEMM share of the step
-  is 1 - GEMM / step;
+- GEMM time: the same 4 x layers + 1 linears (same weights, same shapes, same kernel: the
+  float32 `linear`, or the int4 kernel on bfloat16 activations and the bfloat16 head) run
+  alone, median of the same number of repeats; the non-GEMM share of the step is 1 - GEMM / step;
+- non-GEMM in situ: the same decode steps with every GEMM (float32 `linear`, `F.linear`, the
+  int4 kernel) replaced by a preallocated zero result, so what is left is all the rest of
+  the step (validation, metadata, embedding, norms, rotary, attention, activations, dtype
+  casts, sampling, reply, Python); its share of the real step is the second non-GEMM figure;
+- per-component ms per step: each piece of the step timed alone on the step's real shapes
+  and metadata (times its count per step), the rest = no-GEMM step - their sum (Python
+  module calls, views, reshapes);
 - a split of the step by torch.profiler, self CPU time aggregated by op and grouped into
   GEMM (mm/addmm), attention (K/V write, gather, scores, softmax, P@V), elementwise (norms,
   rotary, silu*mul, residual adds, embedding), logits + sampling (the vocab GEMM, argmax) and
@@ -26,6 +35,7 @@ runs.
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import statistics
 import time
@@ -58,7 +68,7 @@ ATTENTION_OPS = {
 SAMPLING_OPS = {"aten::argmax", "aten::max", "aten::topk", "aten::log_softmax", "aten::_log_softmax"}
 
 
-def build(args):
+def build(args, quantization: str = "none"):
     loaded = load(
         ExecutorConfig(
             model="default",
@@ -70,6 +80,7 @@ def build(args):
             max_num_batched_tokens=max(2048, args.ctx),
             cache_dir=default_cache_dir(),
             num_threads=args.threads,
+            quantization=quantization,
         )
     )
     return loaded.runner
@@ -114,24 +125,181 @@ def time_steps(runner, ids, ctx, steps, warmup) -> tuple[list[float], list[list[
     return times, tokens
 
 
-def gemm_alone(model, batch: int, repeats: int) -> float:
-    """Median ms of all the model's linears (layers + vocab head) on [batch, in] inputs."""
-    weights = []
+def _linears(model):
     for layer in model.model.layers:
-        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            weights.append((lin.weight, lin.bias))
+        attn, mlp = layer.self_attn, layer.mlp
+        yield from (getattr(attn, n, None) for n in ("qkv_proj", "o_proj"))
+        yield from (getattr(mlp, n, None) for n in ("gate_up_proj", "down_proj"))
+
+
+def gemm_alone(model, batch: int, repeats: int) -> tuple[float, int]:
+    """Median ms of all the model's linears (layers + vocab head) on [batch, in] inputs, each
+    through the kernel the step uses at this batch (float32 `linear`, or the int4 kernel on
+    bfloat16 inputs and the bfloat16 head): the GEMM work only, no dtype casts."""
+    calls = []
+    for lin in _linears(model):
+        if lin is None:
+            continue
+        k = lin.weight.shape[1]
+        if lin.int4 is not None and batch <= lin.int4.max_rows:
+            q, xb = lin.int4, torch.randn(batch, k).to(torch.bfloat16)
+            calls.append(lambda q=q, xb=xb: torch._weight_int4pack_mm_for_cpu(xb, q.packed, 32, q.scales_and_zeros))
+        else:
+            calls.append(lambda w=lin.weight, b=lin.bias, x=torch.randn(batch, k): linear(x, w, b))
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    weights.append((head, None))
-    xs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w, _ in weights}
+    head_bf16 = getattr(model, "head_bf16", None)
+    if head_bf16 is not None and batch <= head_bf16[1]:
+        xb = torch.randn(batch, head.shape[1]).to(torch.bfloat16)
+        calls.append(lambda: torch.nn.functional.linear(xb, head_bf16[0]))
+    else:
+        calls.append(lambda x=torch.randn(batch, head.shape[1]): linear(x, head))
     times = []
     with torch.inference_mode():
         for k in range(repeats + 3):
             t = time.perf_counter_ns()
-            for w, b in weights:
-                linear(xs[w.shape[1]], w, b)
+            for call in calls:
+                call()
             if k >= 3:
                 times.append((time.perf_counter_ns() - t) / 1e6)
-    return statistics.median(times), len(weights)
+    return statistics.median(times), len(calls)
+
+
+class NoGemm:
+    """Context manager: every GEMM of a step (the float32 `linear`, `F.linear`, the int4
+    kernel) returns a cached zero tensor of the right shape instead of computing."""
+
+    def __init__(self) -> None:
+        import executor_svc.models.layers as layers_mod
+        import executor_svc.models.llama as llama_mod
+
+        self.targets = [(layers_mod, "linear"), (llama_mod, "linear"), (torch.nn.functional, "linear")]
+        self.targets.append((torch, "_weight_int4pack_mm_for_cpu"))
+        self.saved: list = []
+        self.cache: dict = {}
+
+    def _zeros(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (rows, cols, dtype)
+        if key not in self.cache:
+            self.cache[key] = torch.zeros(rows, cols, dtype=dtype)
+        return self.cache[key]
+
+    def __enter__(self):
+        fakes = {
+            "linear": lambda x, w, b=None: self._zeros(x.shape[0], w.shape[0], x.dtype),
+            "_weight_int4pack_mm_for_cpu": lambda x, p, g, sz: self._zeros(x.shape[0], p.shape[0], x.dtype),
+        }
+        for mod, name in self.targets:
+            if hasattr(mod, name):
+                self.saved.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, fakes[name])
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mod, name, fn in self.saved:
+            setattr(mod, name, fn)
+        self.saved.clear()
+
+
+def _us(fn, n: int = 200, blocks: int = 5) -> float:
+    """Best (minimum) mean us per call over `blocks` blocks of `n` calls: robust to a shared machine."""
+    fn()
+    best = math.inf
+    for _ in range(blocks):
+        t = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter_ns() - t) / n / 1000)
+    return best
+
+
+def components(runner, ids: list[int], ctx: int) -> dict[str, float]:
+    """ms per decode step of each non-GEMM piece, timed alone on the step's real shapes and
+    metadata, times its count per step. Writes K/V at position `ctx` (the next decode's slot)."""
+    from chunkserve_kernels.forward_context import set_forward_context
+    from chunkserve_kernels.metadata import build_metadata
+
+    from executor_svc.models.layers import apply_rotary
+    from executor_svc.sampler import sample
+
+    model = runner.model
+    m, layer = model.model, model.model.layers[0]
+    attn = layer.self_attn
+    n_layers, batch = len(m.layers), len(ids)
+    plan = decode_plan(9000, ids, ctx)
+    states = [runner.seqs[s] for s in ids]
+    tables = [st.block_table for st in states]
+    out: dict[str, float] = {}
+    wire = plan.SerializeToString()
+    out["plan decode (proto parse)"] = _us(lambda: epb.StepRequest.FromString(wire)) / 1000
+    out["plan validation"] = _us(lambda: runner.validate(plan)) / 1000
+    meta_args = ([1] * batch, [ctx] * batch, tables, runner.block_size)
+    out["build_metadata"] = _us(lambda: build_metadata(*meta_args)) / 1000
+    meta, positions = build_metadata(*meta_args)
+    input_ids = torch.tensor([st.last_token or 0 for st in states])
+    out["embedding"] = _us(lambda: m.embed_tokens(input_ids)) / 1000
+    out["rotary tables"] = _us(lambda: m.rotary_emb(positions, torch.float32)) / 1000
+    h = m.embed_tokens(input_ids)
+    cos, sin = m.rotary_emb(positions, h.dtype)
+    out["RMSNorm x (2L+1)"] = _us(lambda: layer.input_layernorm(h)) * (2 * n_layers + 1) / 1000
+    x = layer.input_layernorm(h)
+    heads, kv_heads, hd = attn.heads, attn.kv_heads, attn.head_dim
+    qkv = attn.qkv_proj(x).view(batch, heads + 2 * kv_heads, hd)
+    out["rotary apply x L"] = _us(lambda: apply_rotary(qkv[:, : heads + kv_heads], cos, sin)) * n_layers / 1000
+    qk = apply_rotary(qkv[:, : heads + kv_heads], cos, sin)
+    q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
+    with set_forward_context(meta, runner.kv_cache):
+
+        def plan_step():
+            meta.scratch.clear()
+            attn.attn(q, k, v)
+
+        first = _us(plan_step, n=50)
+        rest = _us(lambda: attn.attn(q, k, v))
+        out["attention plan (once)"] = max(first - rest, 0.0) / 1000
+        cache = runner.kv_cache[0]
+        be = attn.attn.backend
+        kv_write = _us(lambda: be.write_kv(cache, k, v, meta.slot_mapping))
+        out["K/V write x L"] = kv_write * n_layers / 1000
+        out["decode attention x L"] = (rest - kv_write) * n_layers / 1000
+    inter = layer.mlp.down_proj.weight.shape[1]
+    gu = torch.randn(batch, 2 * inter)
+    if hasattr(layer.mlp, "act"):
+        act = layer.mlp.act
+    else:
+
+        def act(t):
+            gate, up = t.chunk(2, dim=-1)
+            return torch.nn.functional.silu(gate) * up
+
+    out["silu(gate)*up x L"] = _us(lambda: act(gu)) * n_layers / 1000
+    o = torch.randn_like(h)
+    out["residual add x 2L"] = _us(lambda: h + o) * 2 * n_layers / 1000
+    lin = attn.qkv_proj
+    if lin.int4 is not None and lin.int4.applies(x):
+        # inputs are cast to bfloat16 for every linear; outputs back to float32 for all four
+        # (before) or only q/k/v and gate/up (o_proj and down_proj results added as they are)
+        folded = "same_dtype" in inspect.signature(type(lin).forward).parameters
+        casts = 0.0
+        for lin in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            xin = torch.randn(batch, lin.weight.shape[1])
+            yb = torch.randn(batch, lin.weight.shape[0]).to(torch.bfloat16)
+            casts += _us(lambda xin=xin: xin.to(torch.bfloat16).contiguous())
+            if not (folded and lin in (attn.o_proj, layer.mlp.down_proj)):
+                casts += _us(lambda yb=yb: yb.to(torch.float32))
+        out[f"int4 dtype casts x {6 if folded else 8}L"] = casts * n_layers / 1000
+    hid = torch.randn(batch, h.shape[1])
+    logits = model.compute_logits(hid)
+    specs = [st.sampling for st in states]
+    pos = [ctx + 1] * batch
+    out["greedy sampling"] = _us(lambda: sample(logits, specs, pos)) / 1000
+    reply = epb.StepResponse(step_id=1, num_tokens=batch)
+    for sid in ids:
+        reply.sampled.add(seq_id=sid, token_id=1234)
+    out["reply encode (proto)"] = _us(lambda: reply.SerializeToString()) / 1000
+    if getattr(model, "head_bf16", None) is not None and batch <= model.head_bf16[1]:
+        lb = logits.to(torch.bfloat16)
+        out["head dtype casts"] = (_us(lambda: hid.to(torch.bfloat16)) + _us(lambda: lb.float())) / 1000
+    return out
 
 
 def profile_split(runner, ids, ctx, steps, vocab) -> dict[str, float]:
@@ -207,38 +375,62 @@ def changed_pieces(model, batch: int, repeats: int = 2000) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--quantization", nargs="+", default=["none", "int4"], choices=["none", "int4"])
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-profile", action="store_true", help="skip the torch.profiler split")
+    ap.add_argument("--no-components", action="store_true", help="skip the per-component timings")
     ap.add_argument("--pieces", action="store_true", help="also time old vs new form of the pieces issue 18 changed")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    runner = build(args)
     print(f"runner {R.__file__}\nkernels {kernels_file}\ntorch {torch.__version__}, {torch.get_num_threads()} threads")
+    for quantization in args.quantization:
+        runner = build(args, quantization)
+        run_mode(args, runner, quantization)
+        del runner
+
+
+def run_mode(args, runner, quantization: str) -> None:
     model, vocab = runner.model, runner.vocab_size
-    total_len = args.ctx + 3 * (args.warmup + args.steps) + 8
+    total_len = args.ctx + 4 * (args.warmup + args.steps) + 8
     for batch in args.batch:
         ids = prefill(runner, batch, args.ctx, total_len, first_id=batch * 1000)
         times, tokens = time_steps(runner, ids, args.ctx, args.steps, args.warmup)
         step_ms = statistics.median(times)
         gemm_ms, n_lin = gemm_alone(model, batch, args.steps)
+        ctx2 = args.ctx + args.warmup + args.steps
+        with NoGemm():
+            rest_times, _ = time_steps(runner, ids, ctx2, args.steps, args.warmup)
+        rest_ms = statistics.median(rest_times)
         print(
-            f"\nbatch {batch}, context {args.ctx}: decode step median {step_ms:.2f} ms (min {min(times):.2f}) "
-            f"over {args.steps} steps"
+            f"\n[{quantization}] batch {batch}, context {args.ctx}: decode step median {step_ms:.2f} ms "
+            f"(min {min(times):.2f}) over {args.steps} steps"
         )
         print(
-            f"  {n_lin} linears alone (same shapes): {gemm_ms:.2f} ms -> non-GEMM share "
+            f"  {n_lin} linears alone (same shapes and kernels): {gemm_ms:.2f} ms -> non-GEMM share "
             f"{100 * (1 - gemm_ms / step_ms):.1f}% ({step_ms - gemm_ms:.2f} ms)"
         )
+        print(
+            f"  step with every GEMM replaced by zeros: {rest_ms:.2f} ms (min {min(rest_times):.2f}) -> "
+            f"non-GEMM share in situ {100 * rest_ms / step_ms:.1f}%"
+        )
         print(f"  tokens of sequence 0, first steps: {[t[0] for t in tokens[:8]]}")
+        ctx3 = ctx2 + args.warmup + args.steps
+        if not args.no_components:
+            with torch.inference_mode():
+                comps = components(runner, ids, ctx3)
+            listed = sum(comps.values())
+            print("  non-GEMM components, each timed alone (ms per step):")
+            for name, ms in comps.items():
+                print(f"    {name:32s} {ms:7.3f}")
+            print(f"    {'sum':32s} {listed:7.3f}   rest (Python calls, views) {rest_ms - listed:7.3f}")
         if args.pieces:
             with torch.inference_mode():
                 changed_pieces(model, batch)
         if not args.no_profile:
-            ctx2 = args.ctx + args.warmup + args.steps
-            cats = profile_split(runner, ids, ctx2, args.steps, vocab)
+            cats = profile_split(runner, ids, ctx3 + 1, args.steps, vocab)
             wall = cats.pop("_wall_profiled")
             print(f"  torch.profiler split (step under profiler: {wall:.2f} ms):")
             for name, ms in sorted(cats.items(), key=lambda kv: -kv[1]):

@@ -160,9 +160,12 @@ class ModelRunner:
         forwarded = time.perf_counter_ns()
 
         if checked.sampling:
-            ends = list(itertools.accumulate(query_lens))  # the last token of entry i is ends[i] - 1
-            rows = torch.tensor([ends[i] - 1 for i, _ in checked.sampling], device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            if len(checked.sampling) == len(checked.token_ids):  # all decodes, all sample: every row, in order
+                logits = self.model.compute_logits(hidden)
+            else:
+                ends = list(itertools.accumulate(query_lens))  # the last token of entry i is ends[i] - 1
+                rows = torch.tensor([ends[i] - 1 for i, _ in checked.sampling], device=self.device)
+                logits = self.model.compute_logits(hidden.index_select(0, rows))
             if self.tp.rank != 0:  # rank 0 samples; the others only need the token ids back
                 tokens = self.channel.share_tokens(None, len(checked.sampling), self.tp.rank)
                 for k, (i, _) in enumerate(checked.sampling):

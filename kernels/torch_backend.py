@@ -16,6 +16,14 @@ all: `embedding_bag` with the attention probabilities as per-sample weights comp
 P @ V straight from the paged cache (one read of V instead of gather-write-read; ~20%
 less decode attention time at 32 x 256 tokens on a 2-core AVX2 machine). bfloat16 keeps
 SDPA because bf16 bmm has no fast path on CPUs without AVX512-BF16/AMX.
+
+A small pure-decode step (at most SINGLE_THREAD_MAX_ROWS gathered key rows, e.g. one
+sequence of up to ~1300 tokens for 3 KV heads) runs its attention on one thread: its ops
+(gather, bmm, softmax, embedding_bag) are a few microseconds of work each, and with two
+OpenMP threads every one of them is a fork/join; when the other core is busy with another
+process, each such barrier waits for a scheduler time slice (measured on a shared 2-core
+machine: softmax of 9 x 200 scores 8 ms per call instead of 3 us). Switching the thread
+count costs ~0.4 us; the GEMMs around the attention keep all threads.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ import torch.nn.functional as F
 from chunkserve_kernels.backend import AttentionBackend
 from chunkserve_kernels.metadata import AttentionMetadata
 
+SINGLE_THREAD_MAX_ROWS = 4096  # gathered K rows (decodes x KV heads x context) run on one thread
+
 
 @dataclass(slots=True)
 class _DecodePlan:
@@ -34,7 +44,9 @@ class _DecodePlan:
     rows: torch.Tensor  # [D*Hkv*max_ctx] row indices into the cache viewed as [slots*Hkv, head_dim]
     mask: torch.Tensor | None  # [D, 1, 1, max_ctx] True = real key; None when all contexts are equal
     max_ctx: int
+    pad: torch.Tensor | None = None  # ~mask (True = padding key), inverted once per step
     k_buf: torch.Tensor | None = None  # reused by every layer of the step
+    keys_t: torch.Tensor | None = None  # k_buf as [D*Hkv, head_dim, max_ctx] (a transposed view)
     v_buf: torch.Tensor | None = None
     bag_rows: torch.Tensor | None = None  # float32 path: V rows per query head, [D*Hq*max_ctx]
     bag_offsets: torch.Tensor | None = None
@@ -54,6 +66,7 @@ class _StepPlan:
     decode: _DecodePlan | None
     prefills: list[_PrefillPlan]
     pure_decode: bool
+    single_thread: bool = False  # a small pure-decode step: attention on one thread (module doc)
 
 
 def _head_major_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -94,8 +107,11 @@ def _plan_step(meta: AttentionMetadata, num_kv_heads: int, device: torch.device)
         mask = None if min(ctx_lens) == max_ctx else (pos[None, :] < ctx_t[:, None])[:, None, None, :]
         in_order = decode_tokens == list(range(len(decode_tokens)))
         tokens = None if in_order else torch.tensor(decode_tokens, device=device)
-        decode = _DecodePlan(tokens, _head_major_rows(slots, num_kv_heads), mask, max_ctx)
-    return _StepPlan(decode, prefills, pure_decode=not prefills)
+        pad = None if mask is None else ~mask
+        decode = _DecodePlan(tokens, _head_major_rows(slots, num_kv_heads), mask, max_ctx, pad)
+    single = decode is not None and not prefills and device.type == "cpu"
+    single = single and decode.rows.shape[0] <= SINGLE_THREAD_MAX_ROWS
+    return _StepPlan(decode, prefills, pure_decode=not prefills, single_thread=single)
 
 
 class TorchBackend(AttentionBackend):
@@ -112,12 +128,20 @@ class TorchBackend(AttentionBackend):
             plan = meta.scratch[self.name] = _plan_step(meta, num_kv_heads, q.device)
         k_rows = kv_cache_layer[0].view(-1, head_dim)
         v_rows = kv_cache_layer[1].view(-1, head_dim)
+        if plan.single_thread:
+            threads = torch.get_num_threads()
+            if threads > 1:
+                torch.set_num_threads(1)
+                try:
+                    return self._decode(q, k_rows, v_rows, plan.decode, num_kv_heads, scale)
+                finally:
+                    torch.set_num_threads(threads)
+        if plan.pure_decode:
+            return self._decode(q, k_rows, v_rows, plan.decode, num_kv_heads, scale)
 
-        out = None if plan.pure_decode else q.new_empty(num_tokens, num_q_heads, head_dim)
+        out = q.new_empty(num_tokens, num_q_heads, head_dim)
         if plan.decode is not None:
             dec = self._decode(q, k_rows, v_rows, plan.decode, num_kv_heads, scale)
-            if out is None:
-                return dec
             if plan.decode.tokens is None:
                 out[: dec.shape[0]] = dec
             else:
@@ -141,26 +165,30 @@ class TorchBackend(AttentionBackend):
         num_dec, num_q_heads = num_rows // (num_kv_heads * plan.max_ctx), q.shape[1]
         group = num_q_heads // num_kv_heads
         qd = q[:num_dec] if plan.tokens is None else q.index_select(0, plan.tokens)
-        qd = qd.reshape(num_dec, num_kv_heads, group, head_dim)
         if plan.k_buf is None or plan.k_buf.dtype != k_rows.dtype:
             plan.k_buf = k_rows.new_empty(num_rows, head_dim)
+            plan.keys_t = plan.k_buf.view(num_dec * num_kv_heads, plan.max_ctx, head_dim).transpose(1, 2)
         torch.index_select(k_rows, 0, plan.rows, out=plan.k_buf)
-        keys = plan.k_buf.view(num_dec, num_kv_heads, plan.max_ctx, head_dim)
 
         if k_rows.dtype == torch.float32:
             if plan.bag_rows is None:
                 rows = plan.rows.view(num_dec, num_kv_heads, 1, plan.max_ctx)
                 plan.bag_rows = rows.expand(-1, -1, group, -1).reshape(-1)
                 plan.bag_offsets = torch.arange(0, plan.bag_rows.shape[0], plan.max_ctx, device=q.device)
-            scores = torch.matmul(qd * scale, keys.transpose(-1, -2))  # [D, Hkv, group, ctx]
-            if plan.mask is not None:
-                scores.masked_fill_(~plan.mask, float("-inf"))
+            # (q * scale) is contiguous [D, Hq, hd] = [D*Hkv, group, hd]: one 3-D bmm, bitwise
+            # what a 4-D matmul gives (it folds to the same bmm), with fewer ops around it.
+            qs = (qd * scale).reshape(num_dec * num_kv_heads, group, head_dim)
+            scores = torch.bmm(qs, plan.keys_t)  # [D*Hkv, group, ctx]
+            if plan.pad is not None:
+                scores.view(num_dec, num_kv_heads, group, plan.max_ctx).masked_fill_(plan.pad, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             out = F.embedding_bag(
                 plan.bag_rows, v_rows, plan.bag_offsets, mode="sum", per_sample_weights=probs.view(-1)
             )
             return out.view(num_dec, num_q_heads, head_dim)
 
+        qd = qd.reshape(num_dec, num_kv_heads, group, head_dim)
+        keys = plan.k_buf.view(num_dec, num_kv_heads, plan.max_ctx, head_dim)
         if plan.v_buf is None or plan.v_buf.dtype != v_rows.dtype:
             plan.v_buf = v_rows.new_empty(num_rows, head_dim)
         torch.index_select(v_rows, 0, plan.rows, out=plan.v_buf)

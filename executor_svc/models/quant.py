@@ -87,10 +87,12 @@ class Int4Weights:
     def applies(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and x.shape[0] <= self.max_rows
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] -> x W^T [M, N] in x's dtype, through bf16 activations."""
+    def matmul(self, x: torch.Tensor, same_dtype: bool = True) -> torch.Tensor:
+        """x [M, K] -> x W^T [M, N] in x's dtype (or, with `same_dtype=False`, the kernel's
+        bfloat16), through bf16 activations."""
         xb = x.to(torch.bfloat16).contiguous()
-        return torch._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE, self.scales_and_zeros).to(x.dtype)
+        y = torch._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        return y.to(x.dtype) if same_dtype else y
 
 
 def quantize_model(model: torch.nn.Module, scheme: str, max_rows: int) -> dict[str, int]:
