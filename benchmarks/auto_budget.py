@@ -1,10 +1,10 @@
 """The auto token budget against fixed budgets, on the mixed workload at two request rates.
 
-    .venv/bin/python benchmarks/auto_budget.py --out /tmp/auto --target-itl-ms 250 \
-        --budgets 256,512,2048 --rates 0.25,inf --plot benchmarks/auto_budget.png
+    .venv/bin/python benchmarks/auto_budget.py --out /tmp/auto --target-itl-ms 250,1000 \
+        --budgets 256,2048 --rates 0.25,inf --plot benchmarks/auto_budget.png
 
-For each rate, every setting (each fixed budget, then `--max-num-batched-tokens auto
---target-itl-ms X`) runs `chunkserve bench` on a server of its own, in an order that
+For each rate, every setting (each fixed budget, then for each target X
+`--max-num-batched-tokens <largest fixed> --target-itl-ms X`) runs `chunkserve bench` on a server of its own, in an order that
 alternates between rounds (ABC, CBA, ...) so a machine getting busier or quieter does not
 favour one setting. Printed per rate: P99 and median ITL, short requests' P99 TTFT, long
 requests' median TTFT, output tokens/s, and the auto budget's ratios against the best fixed
@@ -81,9 +81,12 @@ def trace_summary(path: str, target_ms: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("/tmp/auto_budget"))
-    ap.add_argument("--target-itl-ms", type=float, default=250.0)
+    ap.add_argument("--target-itl-ms", default="250", help="comma-separated targets, one auto setting each")
     ap.add_argument("--budgets", default="256,512,2048", help="fixed budgets to compare with")
     ap.add_argument("--rates", default="0.25,inf", help="request rates (req/s; inf = all at once)")
+    ap.add_argument(
+        "--auto-upper", type=int, help="the auto settings' --max-num-batched-tokens (default: largest fixed)"
+    )
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--server-args", default="--dtype float32", help="flags every server gets")
     ap.add_argument("--plot", type=Path, help="bar charts of the figures (needs matplotlib)")
@@ -91,11 +94,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     fixed = [int(b) for b in args.budgets.split(",")]
     upper = max(fixed)
+    auto_upper = args.auto_upper or upper
     settings = [(f"fixed-{b}", f"{args.server_args} --max-num-batched-tokens {b}") for b in fixed]
-    auto = f"auto-{args.target_itl_ms:g}ms"
-    settings.append(
-        (auto, f"{args.server_args} --max-num-batched-tokens {upper} --target-itl-ms {args.target_itl_ms:g}")
-    )
+    targets = {f"auto-{float(t):g}ms": float(t) for t in args.target_itl_ms.split(",")}
+    for name, t in targets.items():
+        settings.append((name, f"{args.server_args} --max-num-batched-tokens {auto_upper} --target-itl-ms {t:g}"))
     results: dict[tuple[str, str], list[dict]] = {}
     traces: dict[str, list[str]] = {}
     for round_ in range(args.rounds):
@@ -104,15 +107,15 @@ def main() -> None:
             for name, server_args in order:
                 report = run_one(args.out, name, rate, server_args, round_)
                 results.setdefault((rate, name), []).append(figures(report))
-                if name == auto:
-                    traces.setdefault(rate, []).append(report["_trace"])
+                if name in targets:
+                    traces.setdefault(rate, []).append((name, report["_trace"]))
 
     def mean(rate: str, name: str, key: str) -> float:
         xs = [f[key] for f in results[(rate, name)]]
         return sum(xs) / len(xs)
 
     keys = ("p99_itl_ms", "median_itl_ms", "short_p99_ttft_ms", "long_median_ttft_ms", "output_tok_s")
-    print(f"\nauto = --max-num-batched-tokens {upper} --target-itl-ms {args.target_itl_ms:g}; {args.rounds} round(s)")
+    print(f"\nauto-X = --max-num-batched-tokens {auto_upper} --target-itl-ms X; {args.rounds} round(s)")
     for rate in args.rates.split(","):
         print(f"\n### request rate {rate} req/s\n")
         print("| setting | P99 ITL ms | median ITL ms | short P99 TTFT ms | long median TTFT ms | output tok/s |")
@@ -122,16 +125,18 @@ def main() -> None:
                 f"{mean(rate, name, k):.1f}" if k == "output_tok_s" else f"{mean(rate, name, k):.0f}" for k in keys
             )
             print(f"| {name} | {cells} |")
-        fixed_names = [n for n, _ in settings if n != auto]
+        fixed_names = [n for n, _ in settings if n not in targets]
         print()
-        for key in ("p99_itl_ms", "short_p99_ttft_ms"):
-            best = min(fixed_names, key=lambda n: mean(rate, n, key))
-            print(f"- {key}: auto / best fixed ({best}) = {mean(rate, auto, key) / mean(rate, best, key):.2f}")
-        largest = f"fixed-{upper}"
-        ratio = mean(rate, auto, "output_tok_s") / mean(rate, largest, "output_tok_s")
-        print(f"- output tok/s: auto / {largest} = {ratio:.3f}")
-        for path in traces.get(rate, []):
-            print(f"- auto's trace: {trace_summary(path, args.target_itl_ms)}")
+        for auto in targets:
+            for key in ("p99_itl_ms", "short_p99_ttft_ms"):
+                best = min(fixed_names, key=lambda n: mean(rate, n, key))
+                ratio = mean(rate, auto, key) / mean(rate, best, key)
+                print(f"- {auto} {key}: / best fixed ({best}) = {ratio:.2f}")
+            largest = f"fixed-{upper}"
+            ratio = mean(rate, auto, "output_tok_s") / mean(rate, largest, "output_tok_s")
+            print(f"- {auto} output tok/s: / {largest} = {ratio:.3f}")
+        for name, path in traces.get(rate, []):
+            print(f"- {name}'s trace: {trace_summary(path, targets[name])}")
     json.dump(
         {f"{rate} {name}": v for (rate, name), v in results.items()}, open(args.out / "summary.json", "w"), indent=1
     )

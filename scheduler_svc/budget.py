@@ -1,17 +1,20 @@
-"""The auto token budget: each step's budget chosen so that a step carrying decodes meets an
-inter-token-latency target (`--max-num-batched-tokens auto --target-itl-ms X`).
+"""The auto token budget: each step's budget chosen so that the step meets a step-time target,
+which is what a decoding stream waits between two tokens (`--max-num-batched-tokens auto
+--target-itl-ms X`).
 
 Why: a fixed budget is a guess about the traffic. Small budgets keep decodes smooth and cost
 throughput when nobody is decoding; large ones finish prefills fast and stall every decoding
 stream for the length of a big step. The step time is predictable from what a step computes
 (scheduler_svc/step_cost.py), so the budget can be whatever the target allows *now*:
 
-- no request is decoding: the upper bound (`--max-num-batched-tokens`), as prefill-only steps
-  make no stream wait between tokens;
 - D requests decoding over C tokens of context: the decodes plus the largest prefill p whose
   predicted step time, a + c*D + d*C + b*p + e*p*(ctx + (p+1)/2), times a headroom factor,
   fits the target. ctx is the computed length of the longest partial prefill (the chunk that
-  reads the most attention context).
+  reads the most attention context). With no decodes (D = 0) the same rule gives the
+  largest steps (prefill gets the whole target), not the whole --max-num-batched-tokens:
+  a request that arrives during a step waits for it, and on the 2-core CPU of
+  benchmarks/RESULTS.md prefill-only steps of 2048 tokens (~5 s) tripled short requests'
+  P99 TTFT against a fixed 256 (first version of this controller, same run).
 
 The model is fitted online on the last `WINDOW` steps this server ran (its first
 `WARM_UP_STEPS` left out), by least squares on relative error with the worst-fitting steps
@@ -21,10 +24,10 @@ two tokens: planning, the executor's step and applying its result. The headroom 
 90th percentile of the last 128 steps' measured/predicted ratios, within [0.5, 2]: on a loaded
 machine the same step takes longer, and the controller backs off instead of missing the target
 by the noise; when the model over-predicts what the steps now take, the factor drops below 1
-and the budget grows again, so a stale fit cannot hold the budget at its floor. Until the first fit the budget is
-`INITIAL_BUDGET`. Hysteresis: while decodes run, the budget grows only by more than a tenth
-(or one block) at a time, and shrinks at once (a held budget never exceeds the target); a
-switch between "decoding" and "not decoding" is immediate. Bounds: at most the upper bound,
+and the budget grows again, so a stale fit cannot hold the budget at its floor. Until the
+first fit the budget is `INITIAL_BUDGET`. Hysteresis: the budget grows only by more than a
+tenth (or one block) at a time, and shrinks at once (a held budget never exceeds the
+target). Bounds: at most the upper bound,
 at least one block of prefill on top of the decodes; when the target is out of reach even
 for a step of decodes alone, the step carries as much prefill as its decodes cost (it takes
 about twice a decode-only step): a smaller one would not help the decodes and would starve
@@ -77,7 +80,7 @@ class BudgetController:
         self.model: CostModel | None = None
         self.headroom = 1.0
         self.last = BudgetDecision(0, 0, 0.0, "initial")
-        self._decoding_budget: int | None = None  # the last budget chosen while decodes ran
+        self._held: int | None = None  # the last budget chosen (hysteresis)
 
     # ---- learning ---------------------------------------------------------------------
 
@@ -114,10 +117,6 @@ class BudgetController:
         """The budget for the step the scheduler is about to build."""
         upper = scheduler.config.max_num_batched_tokens
         decodes = [r for r in scheduler.running if r.num_remaining_tokens == 1]
-        if not decodes:
-            self._decoding_budget = None
-            self.last = BudgetDecision(upper, 0, self._predict_ms(0, 0, upper, 0), "no decodes")
-            return self.last
         n_dec = len(decodes)
         floor = min(upper, n_dec + self.block_size)
         context = sum(r.num_computed_tokens for r in decodes)
@@ -126,7 +125,7 @@ class BudgetController:
             budget, reason = max(floor, min(upper, INITIAL_BUDGET)), "initial"
         else:
             p = self._largest_prefill(n_dec, context, prefill_ctx, target_ms / 1e3 / self.headroom)
-            reason = "target"
+            reason = "target" if n_dec else "no decodes"
             if n_dec + p < floor:
                 # Out of reach even for the decodes alone: cutting prefill further would not help
                 # them, only starve it. The step carries as much prefill as its decodes cost.
@@ -134,12 +133,12 @@ class BudgetController:
                 p = self._largest_prefill(n_dec, context, prefill_ctx, 2 * (a + c * n_dec + d * context))
                 reason = "floor"
             budget = min(max(floor, n_dec + p), upper)
-            held = self._decoding_budget
+            held = self._held
             # Hysteresis, one-sided so the target holds: a smaller budget applies at once, a
             # larger one only when it is larger by more than a tenth (or a block).
             if held is not None and floor <= held < budget <= held + max(self.block_size, held // 10):
                 budget, reason = held, "held"
-        self._decoding_budget = budget
+        self._held = budget
         predicted = self._predict_ms(n_dec, context, budget - n_dec, prefill_ctx)
         self.last = BudgetDecision(budget, n_dec, predicted, reason)
         return self.last

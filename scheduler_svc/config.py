@@ -35,9 +35,9 @@ class SchedulerConfig:
     target_itl_ms: float | None = field(
         default=None,
         metadata={
-            "help": "auto token budget: before each step that carries decodes, the largest budget whose "
-            "predicted time (a step-time model fitted on this server's own steps) fits this many ms; "
-            "steps without decodes get the whole --max-num-batched-tokens (docs/tuning.md)"
+            "help": "auto token budget: before each step, the largest budget whose predicted time (a "
+            "step-time model fitted on this server's own steps) fits this many ms, what a decoding "
+            "stream waits between tokens; --max-num-batched-tokens is then the upper bound (docs/tuning.md)"
         },
     )
     max_num_seqs: int = field(default=128, metadata={"help": "most sequences in one step"})
