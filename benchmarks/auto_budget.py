@@ -90,7 +90,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--server-args", default="--dtype float32", help="flags every server gets")
     ap.add_argument("--plot", type=Path, help="bar charts of the figures (needs matplotlib)")
+    ap.add_argument("--replot", type=Path, help="only redraw --plot from an earlier run's --out folder")
     args = ap.parse_args()
+    if args.replot:
+        saved = json.loads((args.replot / "summary.json").read_text())  # {"RATE NAME": [figures, ...]}
+        rates = list(dict.fromkeys(k.split(" ", 1)[0] for k in saved))
+        names = list(dict.fromkeys(k.split(" ", 1)[1] for k in saved))
+
+        def saved_mean(rate: str, name: str, key: str) -> float:
+            xs = [f[key] for f in saved[f"{rate} {name}"]]
+            return sum(xs) / len(xs)
+
+        plot(args.plot, rates, [(n, "") for n in names], saved_mean)
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     fixed = [int(b) for b in args.budgets.split(",")]
     upper = max(fixed)
@@ -162,7 +174,8 @@ def plot(path: Path, rates: list[str], settings: list[tuple[str, str]], mean) ->
     for i, rate in enumerate(rates):
         for j, (key, label) in enumerate(panels):
             ax = axes[i][j]
-            ax.bar(names, [mean(rate, n, key) for n in names], color=["#888"] * (len(names) - 1) + ["#1f77b4"])
+            colors = ["#1f77b4" if n.startswith("auto") else "#888" for n in names]
+            ax.bar(names, [mean(rate, n, key) for n in names], color=colors)
             ax.set_title(f"{label}, rate {rate}")
             ax.tick_params(axis="x", labelrotation=30)
     fig.tight_layout()
