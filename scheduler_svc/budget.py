@@ -27,7 +27,9 @@ by the noise; when the model over-predicts what the steps now take, the factor d
 and the budget grows again, so a stale fit cannot hold the budget at its floor. Until the
 first fit the budget is `INITIAL_BUDGET`. Hysteresis: the budget grows only by more than a
 tenth (or one block) at a time, and shrinks at once (a held budget never exceeds the
-target). Bounds: at most the upper bound,
+target). Bounds: at most the upper bound and twice the largest step of the window the model
+was fitted on (at least `INITIAL_BUDGET`: beyond what it has seen the model extrapolates, so
+the budget explores upward at most 2x per fit),
 at least one block of prefill on top of the decodes; when the target is out of reach even
 for a step of decodes alone, the step carries as much prefill as its decodes cost (it takes
 about twice a decode-only step): a smaller one would not help the decodes and would starve
@@ -78,6 +80,7 @@ class BudgetController:
         self._seen = 0
         self._since_fit = 0
         self.model: CostModel | None = None
+        self.largest_seen = 0  # tokens of the largest step in the window (exploration bound)
         self.headroom = 1.0
         self.last = BudgetDecision(0, 0, 0.0, "initial")
         self._held: int | None = None  # the last budget chosen (hysteresis)
@@ -107,6 +110,7 @@ class BudgetController:
             return
         steps = list(self._steps)
         self.model = CostModel.fit_relative(steps)
+        self.largest_seen = int(max(s.x[1] + s.x[2] for s in steps))  # prefill + decode tokens
         ratios = [s.seconds / p for s in steps[-128:] if (p := self.model.predict_x(s.x)) > 0]
         low, high = HEADROOM_BOUNDS
         self.headroom = min(high, max(low, quantile(ratios, HEADROOM_QUANTILE))) if ratios else 1.0
@@ -132,7 +136,10 @@ class BudgetController:
                 a, _, c, d, _ = self.model.coef
                 p = self._largest_prefill(n_dec, context, prefill_ctx, 2 * (a + c * n_dec + d * context))
                 reason = "floor"
-            budget = min(max(floor, n_dec + p), upper)
+            # Past the largest step it was fitted on the model extrapolates (with no long prompt
+            # in the window it may see no cost in prefill at all): grow at most 2x per fit.
+            explored = max(INITIAL_BUDGET, 2 * self.largest_seen)
+            budget = min(max(floor, min(n_dec + p, explored)), upper)
             held = self._held
             # Hysteresis, one-sided so the target holds: a smaller budget applies at once, a
             # larger one only when it is larger by more than a tenth (or a block).

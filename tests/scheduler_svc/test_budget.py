@@ -149,6 +149,21 @@ def test_the_fit_recovers_the_known_cost_model():
         assert model.predict(seqs) == pytest.approx(truth, rel=0.02)
 
 
+def test_the_budget_explores_at_most_twice_the_largest_step_it_was_fitted_on():
+    # Short chats first (the model sees steps of a few hundred tokens at most), then long
+    # prompts: no budget exceeds twice the largest step seen before it, so the first long
+    # prefill steps grow 2x per fit instead of jumping to what the model extrapolates.
+    arrivals = [(0.01 * i, 24, 48) for i in range(12)] + [(1.0 + 0.3 * i, 3000, 8) for i in range(4)]
+    sched = make_scheduler(max_num_batched_tokens=8192, target_itl_ms=60.0)
+    steps, _ = run(sched, arrivals)
+    largest = 0
+    for s in steps:
+        if s.reason != "initial":
+            assert s.budget <= max(INITIAL_BUDGET, 2 * largest), (s, largest)
+        largest = max(largest, s.num_tokens)
+    assert largest > 2 * INITIAL_BUDGET  # it did grow, step by step
+
+
 def test_initial_budget_until_the_first_fit(monkeypatch):
     sched = make_scheduler(max_num_batched_tokens=4096, target_itl_ms=12.0)
     steps, _ = run(sched, MIXED, learn=False)  # nothing learned: never fitted
@@ -211,6 +226,7 @@ def test_hysteresis_holds_small_increases_and_applies_decreases():
     run(sched, MIXED)
     ctl = sched.budget
     ctl._held = 1000
+    ctl.largest_seen = 10_000  # no exploration bound in the way
     # Simulate the decision with a fake model whose answer we control.
     for wanted, expected, reason in ((1040, 1000, "held"), (1200, 1200, "target"), (900, 900, "target")):
         ctl._held = 1000
