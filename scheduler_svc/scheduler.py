@@ -187,13 +187,11 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Builds the next step's plan and allocates its blocks; `step_stats` says what else it did."""
         plan = StepPlan(step_id=self.num_steps)
-        budget = self.config.max_num_batched_tokens
-        self.step_stats = StepStats(budget, self.policy_name)
+        budget, reason, predicted_ms = self.config.max_num_batched_tokens, "", 0.0
         if self.config.target_itl_ms is not None:
-            decision = self.budget.decide(self, self.config.target_itl_ms)
-            budget = decision.budget
-            self.step_stats = StepStats(budget, self.policy_name, budget_reason=decision.reason)
-            self.step_stats.predicted_step_ms = decision.predicted_ms
+            d = self.budget.decide(self, self.config.target_itl_ms)
+            budget, reason, predicted_ms = d.budget, d.reason, d.predicted_ms
+        self.step_stats = StepStats(budget, self.policy_name, budget_reason=reason, predicted_step_ms=predicted_ms)
         self.num_steps += 1
         pinned = sorted((r for r in self.running if self._is_pinned(r)), key=lambda r: (r.arrival_time, r.seq_id))
         if self.config.enable_chunked_prefill:
