@@ -48,6 +48,7 @@ import executor_svc.runner as R
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.config import ExecutorConfig, default_cache_dir
 from executor_svc.models.layers import linear
+from executor_svc.models.quant import HalfWeights
 from executor_svc.server import load
 
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul_gemm"}
@@ -141,15 +142,19 @@ def gemm_alone(model, batch: int, repeats: int) -> tuple[float, int]:
         if lin is None:
             continue
         k = lin.weight.shape[1]
-        if lin.int4 is not None and batch <= lin.int4.max_rows:
-            q, xb = lin.int4, torch.randn(batch, k).to(torch.bfloat16)
+        q = lin.reduced
+        if isinstance(q, HalfWeights) and batch <= q.max_rows:
+            xh = torch.randn(batch, k).to(q.weight.dtype)
+            calls.append(lambda q=q, xh=xh: torch.nn.functional.linear(xh, q.weight))
+        elif q is not None and batch <= q.max_rows:
+            xb = torch.randn(batch, k).to(torch.bfloat16)
             calls.append(lambda q=q, xb=xb: torch._weight_int4pack_mm_for_cpu(xb, q.packed, 32, q.scales_and_zeros))
         else:
             calls.append(lambda w=lin.weight, b=lin.bias, x=torch.randn(batch, k): linear(x, w, b))
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    head_bf16 = getattr(model, "head_bf16", None)
+    head_bf16 = model.head_reduced
     if head_bf16 is not None and batch <= head_bf16[1]:
-        xb = torch.randn(batch, head.shape[1]).to(torch.bfloat16)
+        xb = torch.randn(batch, head.shape[1]).to(head_bf16[0].dtype)
         calls.append(lambda: torch.nn.functional.linear(xb, head_bf16[0]))
     else:
         calls.append(lambda x=torch.randn(batch, head.shape[1]): linear(x, head))
@@ -275,7 +280,7 @@ def components(runner, ids: list[int], ctx: int) -> dict[str, float]:
     o = torch.randn_like(h)
     out["residual add x 2L"] = _us(lambda: h + o) * 2 * n_layers / 1000
     lin = attn.qkv_proj
-    if lin.int4 is not None and lin.int4.applies(x):
+    if lin.reduced is not None and lin.reduced.applies(x):
         # inputs are cast to bfloat16 for every linear; outputs back to float32 for all four
         # (before) or only q/k/v and gate/up (o_proj and down_proj results added as they are)
         folded = "same_dtype" in inspect.signature(type(lin).forward).parameters
@@ -296,7 +301,7 @@ def components(runner, ids: list[int], ctx: int) -> dict[str, float]:
     for sid in ids:
         reply.sampled.add(seq_id=sid, token_id=1234)
     out["reply encode (proto)"] = _us(lambda: reply.SerializeToString()) / 1000
-    if getattr(model, "head_bf16", None) is not None and batch <= model.head_bf16[1]:
+    if model.head_reduced is not None and batch <= model.head_reduced[1]:
         lb = logits.to(torch.bfloat16)
         out["head dtype casts"] = (_us(lambda: hid.to(torch.bfloat16)) + _us(lambda: lb.float())) / 1000
     return out

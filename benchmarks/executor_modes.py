@@ -4,14 +4,15 @@ Measures, in this order and in one process:
 - the floor: read bandwidth (sum over a 1 GiB float32 tensor, best of 5) and the float32 GEMM
   peak (2048^3 `torch.mm`, best of 5);
 - Hugging Face transformers `generate` on the same float32 weights, batch 1, ms per token;
-- per mode (`float32`, `int4` = `--quantization int4`): the default model loaded exactly as the
+- per mode (`float32`; `float32-nopad` = `--no-cpu-gemm-row-padding`; `int4` = `--quantization
+  int4`; `bfloat16` / `float16` = that `--dtype` on CPU): the default model loaded exactly as the
   server loads it (`executor_svc.server.load`), B greedy sequences prefilled to CTX tokens, then
   the median wall time of a whole decode step `ModelRunner.execute(plan)` (validation, metadata,
   forward, logits, sampling, reply proto) at each batch size, and a 512-token prefill chunk;
 - the weight bytes a batch-1 decode step reads in each mode, and so the memory floor of that
   step (bytes / measured bandwidth) and the step as a multiple of it.
 
-    timeout 1800 .venv/bin/python benchmarks/executor_modes.py [--batch 1 8 32] [--modes float32 int4]
+    timeout 1800 .venv/bin/python benchmarks/executor_modes.py [--batch 1 8 32] [--modes float32 int4 bfloat16]
 
 Modes run in the order given, then again reversed (A B B A), and the figures are medians of
 both passes, so drift on a shared machine falls on both alike. Greedy tokens of each mode's
@@ -69,18 +70,22 @@ def hf_decode_ms(ctx: int, new_tokens: int = 33) -> float:
         return statistics.median((gen(new_tokens) - gen(1)) / (new_tokens - 1) * 1000 for _ in range(3))
 
 
+MODES = ("float32", "float32-nopad", "int4", "bfloat16", "float16")
+
+
 def build(mode: str, threads: int):
     return load(
         ExecutorConfig(
             model="default",
-            dtype="float32",
+            dtype=mode if mode in ("bfloat16", "float16") else "float32",
+            cpu_gemm_row_padding=mode != "float32-nopad",
             device="cpu",
             kv_cache_memory_gib=1.0,
             swap_space=0.0,
             max_num_batched_tokens=2048,
             cache_dir=default_cache_dir(),
             num_threads=threads,
-            quantization="none" if mode == "float32" else mode,
+            quantization="int4" if mode == "int4" else "none",
         )
     ).runner
 
@@ -91,15 +96,17 @@ def decode_bytes(model, mode: str) -> int:
     total = 0
     for module in model.modules():
         if isinstance(module, Linear):
-            q = module.int4
+            q = module.reduced
             if q is not None and mode == "int4":
                 total += q.packed.numel() * q.packed.element_size()
                 total += q.scales_and_zeros.numel() * q.scales_and_zeros.element_size()
+            elif q is not None:
+                total += q.weight.numel() * q.weight.element_size()
             else:
                 total += module.weight.numel() * module.weight.element_size()
     if getattr(model, "lm_head", None) is None:  # tied head: the embedding is read whole
-        # (int4 mode: its bfloat16 copy at one row)
-        total += model.model.embed_tokens.weight.numel() * (2 if mode == "int4" else 4)
+        # (int4 and 16-bit modes: its 16-bit copy at one row)
+        total += model.model.embed_tokens.weight.numel() * (2 if model.head_reduced is not None else 4)
     return total
 
 
@@ -156,7 +163,7 @@ def run_mode(runner, batches: list[int], ctx: int, steps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--modes", nargs="+", default=["float32", "int4"])
+    ap.add_argument("--modes", nargs="+", default=["float32", "int4"], choices=MODES)
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)

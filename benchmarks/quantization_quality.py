@@ -1,4 +1,5 @@
-"""How far `--quantization int4` is from float32 on the default model (issue 18, item 3).
+"""How far `--quantization int4` and the CPU 16-bit modes (`--dtype bfloat16` / `float16`) are
+from float32 on the default model (issue 18, item 3).
 
 Two measurements, both against float32 on the same weights:
 
@@ -8,7 +9,9 @@ Two measurements, both against float32 on the same weights:
    Computed with Hugging Face's model on the same float32 weights, float32 as is and with the
    int4 path emulated: every decoder linear multiplies bfloat16-rounded activations by exactly
    the weights the int4 kernel uses (`int4_reference`) and rounds its output to bfloat16 as the
-   kernel does; the head is a bfloat16 linear. That is the arithmetic of a step within
+   kernel does; the head is a bfloat16 linear (16-bit modes: activations and weights rounded to
+   the 16-bit type, a 16-bit GEMM, its output widened, as models/quant.HalfWeights computes a
+   one-row step; the head the same). That is the arithmetic of a step within
    --quantized-max-rows (decode); it differs from the kernel only in summation order
    (tests/executor_svc/test_quant.py checks kernel == reference to float32 rounding).
 2. Greedy generation through the real executor (`ModelRunner` as the server loads it, float32
@@ -16,7 +19,7 @@ Two measurements, both against float32 on the same weights:
    then GEN tokens decoded one step at a time (the int4 path); reported: identical
    continuations and the mean length of the common prefix.
 
-    timeout 1800 .venv/bin/python benchmarks/quantization_quality.py [--gen 32]
+    timeout 1800 .venv/bin/python benchmarks/quantization_quality.py [--gen 32] [--modes int4 bfloat16 float16]
 """
 
 from __future__ import annotations
@@ -78,6 +81,27 @@ def emulate_int4(model: torch.nn.Module) -> None:
     head.forward = lambda x: F.linear(x.to(torch.bfloat16), w16).float()
 
 
+def emulate_half(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Replaces the decoder linears and the head of an HF Llama by the 16-bit path's arithmetic
+    (`HalfWeights.matmul`: x and W rounded to `dtype`, a `dtype` GEMM, the result widened)."""
+    lins = [lin for layer in model.model.layers for p in (layer.self_attn, layer.mlp) for lin in p.children()]
+    for lin in [x for x in lins if isinstance(x, torch.nn.Linear)] + [model.lm_head]:
+        w16, bias = lin.weight.detach().to(dtype), lin.bias
+
+        def forward(x, w16=w16, bias=bias):
+            y = F.linear(x.to(w16.dtype), w16).float()
+            return y if bias is None else y + bias
+
+        lin.forward = forward
+
+
+def emulate(model: torch.nn.Module, mode: str) -> None:
+    if mode == "int4":
+        emulate_int4(model)
+    else:
+        emulate_half(model, {"bfloat16": torch.bfloat16, "float16": torch.float16}[mode])
+
+
 def teacher_forced(model, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return model(torch.tensor([ids])).logits[0].float()
@@ -110,6 +134,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gen", type=int, default=32, help="greedy tokens per prompt")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--modes", nargs="+", default=["int4", "bfloat16", "float16"], choices=["int4", "bfloat16", "float16"]
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -121,62 +148,66 @@ def main() -> None:
     texts["long (1500 tokens)"] = tok.decode(long_ids)
 
     fp32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    q = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    emulate_int4(q)
-    print(f"{'text':22}{'tokens':>8}{'top-1 agree':>13}{'ppl fp32':>11}{'ppl int4':>11}{'ratio':>8}")
-    agree_all, n_all, nll32, nllq = 0, 0, 0.0, 0.0
-    for name, text in texts.items():
-        ids = tok(text)["input_ids"]
-        a, b = teacher_forced(fp32, ids), teacher_forced(q, ids)
-        agree = (a.argmax(-1) == b.argmax(-1)).float()
-        p32, pq = perplexity(a, ids), perplexity(b, ids)
-        agree_all += int(agree.sum())
-        n_all += len(ids)
-        nll32 += math.log(p32) * (len(ids) - 1)
-        nllq += math.log(pq) * (len(ids) - 1)
-        print(f"{name:22}{len(ids):8d}{agree.mean().item():13.3f}{p32:11.3f}{pq:11.3f}{pq / p32:8.3f}")
-    n_pred = n_all - len(texts)
-    print(
-        f"{'all':22}{n_all:8d}{agree_all / n_all:13.3f}{math.exp(nll32 / n_pred):11.3f}"
-        f"{math.exp(nllq / n_pred):11.3f}{math.exp((nllq - nll32) / n_pred):8.3f}"
-    )
-    del fp32, q
+    for mode in args.modes:
+        q = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        emulate(q, mode)
+        print(f"\n{'text':22}{'tokens':>8}{'top-1 agree':>13}{'ppl fp32':>11}{'ppl ' + mode:>13}{'ratio':>8}")
+        agree_all, n_all, nll32, nllq = 0, 0, 0.0, 0.0
+        for name, text in texts.items():
+            ids = tok(text)["input_ids"]
+            a, b = teacher_forced(fp32, ids), teacher_forced(q, ids)
+            agree = (a.argmax(-1) == b.argmax(-1)).float()
+            p32, pq = perplexity(a, ids), perplexity(b, ids)
+            agree_all += int(agree.sum())
+            n_all += len(ids)
+            nll32 += math.log(p32) * (len(ids) - 1)
+            nllq += math.log(pq) * (len(ids) - 1)
+            print(f"{name:22}{len(ids):8d}{agree.mean().item():13.3f}{p32:11.3f}{pq:13.3f}{pq / p32:8.3f}")
+        n_pred = n_all - len(texts)
+        print(
+            f"{'all':22}{n_all:8d}{agree_all / n_all:13.3f}{math.exp(nll32 / n_pred):11.3f}"
+            f"{math.exp(nllq / n_pred):13.3f}{math.exp((nllq - nll32) / n_pred):8.3f}"
+        )
+        del q
+    del fp32
 
     from executor_svc.server import load
 
-    def runner(quant: str):
+    def runner(mode: str):
         cfg = ExecutorConfig(
             model="default",
-            dtype="float32",
+            dtype=mode if mode in ("bfloat16", "float16") else "float32",
             device="cpu",
             kv_cache_memory_gib=0.25,
             swap_space=0.0,
             cache_dir=default_cache_dir(),
             num_threads=args.threads,
-            quantization=quant,
+            quantization="int4" if mode == "int4" else "none",
         )
         return load(cfg).runner
 
     chat = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
     chat = [list(c["input_ids"]) if isinstance(c, dict) or hasattr(c, "keys") else list(c) for c in chat]
     with torch.inference_mode():
-        r = runner("none")
+        r = runner("float32")
         base = [greedy(r, p, args.gen) for p in chat]
         del r
-        r = runner("int4")
-        quant = [greedy(r, p, args.gen) for p in chat]
-    prefixes = []
-    for a, b in zip(base, quant):
-        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-        prefixes.append(n)
-    same = sum(n == args.gen for n in prefixes)
-    print(
-        f"\ngreedy through the executor, {len(chat)} chat prompts x {args.gen} tokens: {same}/{len(chat)} "
-        f"identical, common prefix mean {statistics.mean(prefixes):.1f} tokens (per prompt: {prefixes})"
-    )
-    for p, a, b, n in zip(PROMPTS, base, quant, prefixes):
-        if n < args.gen:
-            print(f"  {p!r}: fp32 {tok.decode(a)!r}\n  {'':{len(repr(p))}}  int4 {tok.decode(b)!r}")
+        for mode in args.modes:
+            r = runner(mode)
+            quant = [greedy(r, p, args.gen) for p in chat]
+            del r
+            prefixes = []
+            for a, b in zip(base, quant):
+                n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                prefixes.append(n)
+            same = sum(n == args.gen for n in prefixes)
+            print(
+                f"\n{mode}: greedy through the executor, {len(chat)} chat prompts x {args.gen} tokens: {same}/{len(chat)} "
+                f"identical, common prefix mean {statistics.mean(prefixes):.1f} tokens (per prompt: {prefixes})"
+            )
+            for p, a, b, n in zip(PROMPTS, base, quant, prefixes):
+                if n < args.gen:
+                    print(f"  {p!r}: fp32 {tok.decode(a)!r}\n  {'':{len(repr(p))}}  {mode} {tok.decode(b)!r}")
 
 
 if __name__ == "__main__":

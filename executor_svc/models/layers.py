@@ -17,17 +17,54 @@ from torch import nn
 
 from executor_svc.parallel import NO_TP, TPInfo, all_reduce_, shard_rows
 
+# CPU float32 GEMM row padding (on by default; `--no-cpu-gemm-row-padding` turns it off).
+_ROW_PADDING = [True]
+
+
+def set_cpu_gemm_row_padding(enabled: bool) -> None:
+    """Process-wide switch for `linear`'s row padding (the executor sets it from its config)."""
+    _ROW_PADDING[0] = enabled
+
+
+def padded_rows(m: int) -> int:
+    """The row count `linear` computes a float32 CPU product with for `m` rows of input.
+
+    MKL's sgemm on AVX2 (8 floats a register) is fast only when the rows, the columns of
+    (W @ x^T), fill its 8-wide blocks, and its GEMV is slower than its GEMM at 2 rows.
+    Measured on a 2-core AVX2 EPYC, the default model's 121 linears applied once (ms):
+    1 row 35, 2: 24, 3: 31, 4: 24, 5: 32, 6: 40, 7: 47, 8: 42, 9: 51, 12: 73, 15: 114,
+    16: 53, 28: 95, 31: 137, 32: 76, 63: 202, 64: 132, 250: 491, 256: 423, 509: 988,
+    512: 814 (benchmarks/RESULTS.md, "GEMM row padding"). So 1 -> 2, 3 -> 4, and from 7
+    rows on the next multiple of 8; 2, 4, 5, 6 as they are. The padding rows are zeros and
+    only their own output columns see them; a real row's result is the same computation
+    at a different blocking (float32 rounding may differ in the last bit, as it already
+    does between batch sizes)."""
+    if m >= 7:
+        return -(-m // 8) * 8
+    return 2 if m == 1 else 4 if m == 3 else m
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T + b. In float32 on CPU computed as (W @ x^T)^T: with MKL on a 2-core AMD
-    EPYC this is 20-40% faster for decode-sized batches (8-32 rows, including the 49K-vocab
-    head) and never slower. The result is a transposed view; ops downstream accept strides."""
+    """y = x W^T + b. In float32 on CPU computed as (W @ x^T)^T with the rows padded as
+    `padded_rows` says: with MKL on a 2-core AMD EPYC (W @ x^T) is 20-40% faster than
+    x @ W^T for decode-sized batches and never slower, and padding saves up to 2x more
+    (batch 1: 35 -> 24 ms for the default model's linears). The result is a transposed
+    view (of the padded product); ops downstream accept strides."""
     cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32
     if not (cpu_fp32 and x.dim() == 2):
         return F.linear(x, weight, bias)
-    if bias is None:
-        return torch.mm(weight, x.t()).t()
-    return torch.addmm(bias[:, None], weight, x.t()).t()
+    m = x.shape[0]
+    p = padded_rows(m) if _ROW_PADDING[0] else m
+    if p != m:
+        x = F.pad(x, (0, 0, 0, p - m))
+    elif m < 16 and _ROW_PADDING[0]:
+        # A column-major x (silu(gate) * up of a transposed view is one) sends MKL down a path
+        # 3.7x slower at 2-4 rows (90 vs 24 ms for the default model's linears); from 16
+        # rows on both layouts cost the same.
+        x = x.contiguous()
+    xt = x.t()
+    y = torch.mm(weight, xt) if bias is None else torch.addmm(bias[:, None], weight, xt)
+    return (y[:, :m] if p != m else y).t()
 
 
 class Linear(nn.Module):
@@ -52,21 +89,23 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
         self.shards = shards or {}
-        self.int4: Any = None  # models/quant.Int4Weights under --quantization int4
+        # models/quant: Int4Weights (--quantization int4) or HalfWeights (--dtype bfloat16/float16
+        # on CPU), a reduced-precision copy used for steps of at most its max_rows rows
+        self.reduced: Any = None
         self.tp = tp
         self.tp_dim = tp_dim if tp.enabled else None
 
     def forward(self, x: torch.Tensor, same_dtype: bool = True) -> torch.Tensor:
-        """`same_dtype=False` lets the int4 path return its bfloat16 result uncast (no bias
-        only), for a caller that adds it to a float32 tensor: `h + y` promotes y exactly,
-        so the sum is bitwise that of `h + y.float()`, one op fewer per call."""
+        """`same_dtype=False` lets the reduced-precision path return its 16-bit result uncast
+        (no bias only), for a caller that adds it to a float32 tensor: `h + y` promotes y
+        exactly, so the sum is bitwise that of `h + y.float()`, one op fewer per call."""
         if self.tp_dim == 1:
             y = all_reduce_(linear(x, self.weight))
             return y if self.bias is None else y.add_(self.bias)
-        if self.int4 is not None and self.int4.applies(x):
+        if self.reduced is not None and self.reduced.applies(x):
             if self.bias is None:
-                return self.int4.matmul(x, same_dtype)
-            return self.int4.matmul(x).add_(self.bias)
+                return self.reduced.matmul(x, same_dtype)
+            return self.reduced.matmul(x).add_(self.bias)
         return linear(x, self.weight, self.bias)
 
 

@@ -144,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
             rows = shard_rows(config.vocab_size, tp) if tp.enabled else config.vocab_size
             self.lm_head = Linear(config.hidden_size, rows, False, dtype, device, None, tp, 0)
         self.max_model_len = _max_model_len(config)
+        # (16-bit head copy, max rows) set by models/quant under the int4 / CPU 16-bit modes
+        self.head_reduced: tuple[torch.Tensor, int] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[T] token ids at [T] absolute positions -> final-normed hidden states [T, hidden]."""
@@ -156,9 +158,9 @@ class LlamaForCausalLM(nn.Module):
         Not necessarily contiguous: on CPU it is the transposed view `linear` returns, and
         copying it (6 MB at 32 rows) only to take a greedy argmax would cost more than the
         argmax; the sampler makes contiguous copies of just the rows that need more."""
-        head_bf16 = getattr(self, "head_bf16", None)  # --quantization int4: small steps read half the bytes
-        if head_bf16 is not None and hidden.shape[0] <= head_bf16[1]:
-            return torch.nn.functional.linear(hidden.to(torch.bfloat16), head_bf16[0]).float()
+        head = self.head_reduced  # int4 / 16-bit CPU modes: small steps read half the bytes
+        if head is not None and hidden.shape[0] <= head[1]:
+            return torch.nn.functional.linear(hidden.to(head[0].dtype), head[0]).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.tp.enabled:  # each rank its vocabulary slice; every rank gets all of them
             return all_gather_last(linear(hidden, weight).float(), self.tp.size)[:, : self.vocab_size]

@@ -1,4 +1,6 @@
-"""Weight-only int4 for the decoder's linear layers on CPU (`--quantization int4`).
+"""Reduced-precision weight copies for small steps on CPU: weight-only int4 for the decoder's
+linear layers (`--quantization int4`, below) and 16-bit copies of every linear weight and the
+head (`--dtype bfloat16` / `float16` on CPU, `HalfWeights` at the end).
 
 Scheme: asymmetric 4-bit, groups of 32 weights along the input dimension, one scale and one
 zero point per group, w = (q - 8) * scale + zero with q in 0..15 (the layout of torch's own
@@ -37,6 +39,10 @@ import torch
 GROUP_SIZE = 32
 HEAD_BF16_MAX_ROWS = 1  # bf16 GEMV beats float32 at one row (2.4x), ties at 2, loses from 4 on
 SCHEMES = ("none", "int4")
+HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# Steps of at most this many rows use the reduced copy unless --quantized-max-rows says otherwise
+# (measured per mode on a 2-core AVX2 EPYC, benchmarks/RESULTS.md).
+DEFAULT_MAX_ROWS = {"int4": 8, "bfloat16": 1, "float16": 1}
 
 
 def _codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -114,7 +120,58 @@ def quantize_model(model: torch.nn.Module, scheme: str, max_rows: int) -> dict[s
         stats["layers"] += 1
         stats["groups"] += module.weight.numel() // GROUP_SIZE
         stats["exact_groups"] += q.exact_groups
-        module.int4 = q
-    head = model.model.embed_tokens.weight if getattr(model, "lm_head", None) is None else model.lm_head.weight
-    model.head_bf16 = (head.detach().to(torch.bfloat16), HEAD_BF16_MAX_ROWS)
+        module.reduced = q
+    model.head_reduced = (_head_weight(model).detach().to(torch.bfloat16), HEAD_BF16_MAX_ROWS)
+    return stats
+
+
+def _head_weight(model: torch.nn.Module) -> torch.Tensor:
+    return model.model.embed_tokens.weight if getattr(model, "lm_head", None) is None else model.lm_head.weight
+
+
+class HalfWeights:
+    """A linear layer's 16-bit copy (`--dtype bfloat16` / `float16` on CPU) and its row limit.
+
+    Why float32 stays beside it: on a CPU without AVX512-BF16/AMX torch's 16-bit GEMM
+    converts as it goes, so reading half the bytes wins only while the step is bound by
+    reading the weights. Measured on a 2-core AVX2 EPYC, the default model's 120 decoder
+    linears (ms): 1 row bf16 13 / fp16 11 vs float32 24 (2 rows padded, `padded_rows`);
+    2 rows bf16 24 / fp16 20 vs 24; 4 rows 45 / 37 vs 24; 8 rows 87 / 73 vs 42. So steps
+    of one row (batch-1 decode) take this copy and every larger step the float32 weights:
+    the mode is never slower than float32 above its row limit by construction (the same
+    arithmetic), and faster at one row. Memory: float32 plus 2 bytes per linear weight."""
+
+    __slots__ = ("weight", "max_rows")
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, max_rows: int) -> None:
+        self.weight = weight.detach().to(dtype).contiguous()
+        self.max_rows = max_rows
+
+    def applies(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and x.shape[0] <= self.max_rows
+
+    def matmul(self, x: torch.Tensor, same_dtype: bool = True) -> torch.Tensor:
+        """x [M, K] -> x W^T [M, N] in x's dtype (or, with `same_dtype=False`, 16-bit)."""
+        y = torch.nn.functional.linear(x.to(self.weight.dtype), self.weight)
+        return y.to(x.dtype) if same_dtype else y
+
+
+def half_weights_model(model: torch.nn.Module, dtype_name: str, max_rows: int) -> dict[str, int]:
+    """Gives every Linear (decoder and head) a 16-bit copy for steps of at most `max_rows`
+    rows; returns counts for the start-up log: layers and the bytes the copies add."""
+    from executor_svc.models.layers import Linear
+
+    dtype = HALF_DTYPES[dtype_name]
+    stats = {"layers": 0, "bytes": 0}
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or "lm_head" in name:
+            continue
+        if module.weight.device.type != "cpu":
+            raise ValueError(f"16-bit weight copies are a CPU mode (--dtype {dtype_name} on CUDA runs in it)")
+        module.reduced = HalfWeights(module.weight, dtype, max_rows)
+        stats["layers"] += 1
+        stats["bytes"] += module.weight.numel() * dtype.itemsize
+    head = _head_weight(model).detach().to(dtype)
+    model.head_reduced = (head, max_rows)
+    stats["bytes"] += head.numel() * dtype.itemsize
     return stats
