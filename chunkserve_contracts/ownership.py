@@ -12,6 +12,13 @@ executor child's tie to the process that started it.
   launcher spawned from its main thread (the signal follows the death of the spawning
   *thread*, see prctl(2)), plus a portable watchdog thread that polls getppid().
 
+- GRPC_ENABLE_FORK_SUPPORT=false (unless set): the processes that import this module spawn
+  children only by fork + exec, which is what gRPC documents that setting for. With gRPC's
+  fork handlers on, `chunkserve serve` restarting its executor while the scheduler's gRPC
+  threads were busy once produced a replacement that died of SIGSEGV before exec (log:
+  "Other threads are currently calling into gRPC, skipping fork() handlers", then exit -11).
+  It must be set before grpc is imported, hence here, at import.
+
 No torch here: the scheduler side and the launchers import it.
 """
 
@@ -27,6 +34,8 @@ import socket
 import sys
 import threading
 import time
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 log = logging.getLogger(__name__)
 

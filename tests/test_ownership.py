@@ -458,3 +458,15 @@ def test_token_is_a_secret_setting_of_both_services(monkeypatch):
         assert "t0ken-from-env" not in parser.format_help()
         assert "t0ken-from-env" not in repr(config)
         assert "t0ken-from-env" not in " ".join(config_to_argv(config))
+
+
+def test_grpc_fork_handlers_are_off_in_processes_that_spawn_children():
+    """`chunkserve serve` and chunkserve.launch fork only to exec: gRPC's fork handlers, on,
+    once crashed a restarted executor before its exec (SIGSEGV). Off unless the user says."""
+    code = "import chunkserve.cli, os, sys; assert 'grpc' not in sys.modules; print(os.environ['GRPC_ENABLE_FORK_SUPPORT'])"
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "false"
+    env["GRPC_ENABLE_FORK_SUPPORT"] = "true"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "true"
