@@ -56,3 +56,16 @@ def test_watch_steps_overhead_runs_and_every_subscriber_gets_the_trace():
     for r in rows:  # subscribers get traces (how many depends on when each subscription lands: not checked)
         received = int(r[4])
         assert (received == 0) if r[0] == "0" else received > 0, r
+
+
+def test_cpu_gemm_shapes_prints_a_row_per_count_with_its_padding():
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "cpu_gemm_shapes.py"), "--rows", "1", "3", "8", "--reps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines()[2:]]
+    assert [r[:2] for r in rows] == [["1", "2"], ["3", "4"], ["8", "8"]]
+    assert all(len(r) == 7 and all(float(v) > 0 for v in r[2:]) for r in rows)
