@@ -160,6 +160,14 @@ class SchedulerConfig:
     startup_timeout_s: float = field(
         default=600.0, metadata={"help": "how long to wait for the executor's handshake at start-up"}
     )
+    async_output_processing: bool = field(
+        default=False,
+        metadata={
+            "help": "stream a step's tokens and update metrics/trace after the next step is sent, while the "
+            "executor computes it (vLLM's async output processing): less executor idle time between steps; a "
+            "stop string then ends its request one step late (that extra token is computed and dropped)"
+        },
+    )
     step_timeout_s: float = field(
         default=120.0, metadata={"help": "a step the executor has not answered after this long fails its requests"}
     )

@@ -45,6 +45,14 @@ class StepRecord:
     state: SchedulerSnapshot  # queues and KV usage after the step
 
 
+@dataclass(slots=True)
+class _Done:
+    """A step's result applied to the scheduler, its streams and observers not yet served."""
+
+    outputs: list[TokenOutput]
+    record: StepRecord
+
+
 class Observer:
     """What the loop tells metrics and the step trace, on the event loop (keep it cheap); a hook
     does nothing unless overridden. on_token sees the previous token's last_token_time."""
@@ -205,8 +213,13 @@ class Engine:
             self._fail_all("internal error in the step loop (see the server log)", InternalError)
 
     async def _loop(self) -> None:
+        # With --async-output-processing a step's streams and observers are served after the
+        # next step is sent, while the executor computes it (vLLM's async output processing):
+        # `done` holds them meanwhile and is delivered before any wait, failure or cancellation.
+        done: _Done | None = None
         while True:
             if not self.scheduler.has_work():
+                done = self._deliver(done)
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -214,13 +227,31 @@ class Engine:
             plan, stats = self.scheduler.schedule(), self.scheduler.step_stats
             if plan.is_empty:
                 # Nothing fits right now; admission guarantees it will once something ends.
+                done = self._deliver(done)
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             planned_at, started = time.time(), time.perf_counter_ns()
+            step = asyncio.ensure_future(self.executor.step(plan, self.step_timeout_s))
+            if done is not None:
+                try:
+                    # Two turns of the loop: one runs the step's coroutine up to creating the
+                    # gRPC call, the next the call's own task, which hands the request to gRPC's
+                    # core (it goes out on gRPC's threads from there); then the last step's output.
+                    await asyncio.sleep(0)
+                    await asyncio.sleep(0)
+                    done = self._deliver(done)
+                except asyncio.CancelledError:  # stopped: the last step's streams still get it
+                    step.cancel()
+                    self._deliver(done)
+                    raise
+                except BaseException:  # a bug in the output path: _run reports it
+                    step.cancel()
+                    raise
             try:
-                result = await self.executor.step(plan, self.step_timeout_s)
+                result = await step
             except asyncio.CancelledError:
+                step.cancel()
                 raise
             except StepFailedError as exc:  # the executor is fine; this step's requests are not
                 log.error("%s; failing its %d requests", exc, len(plan.seqs))
@@ -230,15 +261,29 @@ class Engine:
                 log.exception("step %d failed", plan.step_id)
                 self._fail_all(f"executor unavailable: step failed: {type(exc).__name__}: {exc}")
                 return
-            self._emit(self.scheduler.update(plan, result))
+            outputs = self.scheduler.update(plan, result)
             record = StepRecord(
                 plan, stats, result, planned_at, time.perf_counter_ns() - started, self.scheduler.snapshot()
             )
-            for observer in self.observers:
-                observer.on_step(record)
+            done = _Done(outputs, record)
+            if not self.scheduler.config.async_output_processing:
+                done = self._deliver(done)
             if self.scheduler.config.target_itl_ms is not None:
                 # The auto budget learns what a stream waits per step: this whole iteration.
                 self.scheduler.budget.observe(plan, stats, (time.perf_counter_ns() - cycle_start) / 1e9)
+
+    def _deliver(self, done: _Done | None) -> None:
+        """Streams a step's tokens and tells the observers; returns None (the new `done`).
+
+        Deferred under async output processing, so a stop string ends its request one step
+        late: the step already sent computes one token more for it, which `update` drops
+        (the request is finished), and its blocks are freed while that step runs, safe
+        because the executor runs steps in order and the next plan is made after it."""
+        if done is not None:
+            self._emit(done.outputs)
+            for observer in self.observers:
+                observer.on_step(done.record)
+        return None
 
     def _fail_step(self, plan: StepPlan, error: ServingError) -> None:
         """Fails the requests of a step the executor refused (or ran out of memory in) and

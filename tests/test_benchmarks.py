@@ -69,3 +69,18 @@ def test_cpu_gemm_shapes_prints_a_row_per_count_with_its_padding():
     rows = [line.split() for line in out.stdout.splitlines()[2:]]
     assert [r[:2] for r in rows] == [["1", "2"], ["3", "4"], ["8", "8"]]
     assert all(len(r) == 7 and all(float(v) > 0 for v in r[2:]) for r in rows)
+
+
+def test_step_idle_reads_idle_time_from_a_trace():
+    sys.path.insert(0, str(BENCHMARKS))
+    import step_idle
+
+    lines = [
+        '{"timestamp": 10.0, "executorNs": "4000000"}',  # step 0: stepId omitted, as JSON does
+        '{"stepId": "1", "timestamp": 10.010, "executorNs": "5000000"}',
+        '{"stepId": "2", "timestamp": 10.020, "executorNs": "6000000"}',
+        '{"stepId": "7", "timestamp": 11.0, "executorNs": "1000000"}',  # after a restart: not a pair
+    ]
+    idle, wall, executor = step_idle.idle_ms(lines)
+    assert [round(x, 6) for x in idle] == [6.0, 5.0] and executor == [4.0, 5.0]
+    assert round(wall, 6) == 1000.0

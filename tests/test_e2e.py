@@ -290,8 +290,9 @@ def test_chunkserve_serve_and_generate_cli(default_model_path, tmp_path):
         ["--max-num-batched-tokens", "2048"],
         ["--max-num-batched-tokens", "2048", "--no-enable-chunked-prefill"],
         ["--max-num-batched-tokens", "auto", "--target-itl-ms", "120"],  # a budget that moves every step
+        ["--max-num-batched-tokens", "64", "--async-output-processing"],  # output served after the next send
     ],
-    ids=["budget16", "budget64", "budget256", "budget2048", "unchunked", "auto"],
+    ids=["budget16", "budget64", "budget256", "budget2048", "unchunked", "auto", "async-output"],
 )
 def test_greedy_tokens_do_not_depend_on_chunking(default_model_path, prompts, expected, tmp_path, scheduler_args):
     """All prompts at once, so steps mix prefill chunks and decodes differently per budget."""

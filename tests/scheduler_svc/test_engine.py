@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import QueueFullError, UnavailableError
@@ -222,3 +224,103 @@ def test_a_refused_plan_is_resent_its_drops_and_fails_its_swap_victims(fakes, by
     assert fake.seqs == {}, "the executor still holds sequences the scheduler forgot"
     assert engine.scheduler.pool.num_free_blocks == 24
     assert engine.scheduler.host_pool.num_free_blocks == 64
+
+
+def _run_workload(fakes, tokenizer_dir, work, async_output: bool, eos_after: int | None):
+    """Runs `work` (prompt, max_tokens, stop strings, abort after k deltas or None) through an
+    engine; returns per request (token ids, text, finish reason) and the engine."""
+
+    class Counting(fakes.FakeExecutor):
+        sent = 0
+
+        async def step(self, plan, timeout):
+            self.sent += 1
+            return await super().step(plan, timeout)
+
+    async def main():
+        fake = Counting(96, 4, eos_after=eos_after)
+        sched = fakes.make_scheduler(
+            num_blocks=96, block_size=4, max_num_batched_tokens=64, async_output_processing=async_output
+        )
+        engine = Engine(sched, fake, Tokenizer(tokenizer_dir), frozenset({fakes.EOS}), 100, 5.0)
+        engine.start()
+
+        async def one(prompt, max_tokens, stop, abort_after):
+            stream = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, stop=stop))
+            deltas = []
+            while True:
+                d = await stream.queue.get()
+                deltas.append(d)
+                if d.finished or d.error:
+                    break
+                if abort_after is not None and len(deltas) >= abort_after:
+                    engine.abort(stream.request_id)
+            tokens = [t for d in deltas for t in d.token_ids]
+            return tokens, "".join(d.text for d in deltas), deltas[-1].finish_reason
+
+        # 60 s: a deadline only a hung stream reaches (this runs in well under a second)
+        results = await asyncio.wait_for(asyncio.gather(*(one(*w) for w in work)), 60)
+        while len(fake.plans) < fake.sent:  # a step sent is computed, as a real executor would
+            await asyncio.sleep(0.001)
+        await engine.stop()
+        return engine, fake, results
+
+    return asyncio.run(main())
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],  # both stateless
+)
+@given(data=st.data(), n=st.integers(1, 8), eos_after=st.sampled_from([None, 40, 70]))
+def test_async_output_processing_changes_no_request_and_leaks_no_block(fakes, byte_tokenizer_dir, data, n, eos_after):
+    """Tokens, text and finish reason of every request are the same with the next step sent
+    before a step's output is served: stop strings (which then end a request one step late),
+    EOS, max_tokens, context-filling prompts; aborted requests received a prefix of the same
+    tokens. Every block is free at the end and the fake executor's plan checks hold."""
+    base = [
+        (
+            [(i * 37 + j * 11) % 200 + 20 for j in range(data.draw(st.integers(1, 60), label="prompt_len"))],
+            data.draw(st.integers(1, 24), label="max_tokens"),
+        )
+        for i in range(n)
+    ]
+    # The fake's output is a function of each request's own history: probe the texts once,
+    # then stop on pieces of them.
+    _, _, probe = _run_workload(fakes, byte_tokenizer_dir, [(p, m, (), None) for p, m in base], False, eos_after)
+    work = []
+    for (prompt, max_tokens), (_, text, _) in zip(base, probe):
+        stop = ()
+        if text and data.draw(st.booleans(), label="stop"):
+            a = data.draw(st.integers(0, len(text) - 1), label="stop_at")
+            stop = (text[a : a + data.draw(st.integers(1, 3), label="stop_len")],)
+        abort = data.draw(st.one_of(st.none(), st.integers(1, 6)), label="abort_after")
+        work.append((prompt, max_tokens, stop, abort))
+    runs = {}
+    for async_output in (False, True):
+        engine, _, results = _run_workload(fakes, byte_tokenizer_dir, work, async_output, eos_after)
+        assert engine.scheduler.pool.num_free_blocks == 96 and not engine.scheduler.requests
+        runs[async_output] = results
+    for (_, _, stop, abort), off, on, (full, _, _) in zip(work, runs[False], runs[True], probe):
+        if abort is None:
+            assert on == off
+        else:  # where an abort lands depends on when the stream is read: a prefix, then ended
+            for tokens, _, reason in (off, on):
+                assert tokens == full[: len(tokens)] and reason is not None
+        if not stop:
+            assert on[0] == full[: len(on[0])]
+
+
+def test_async_output_processing_is_on_when_asked(fakes, byte_tokenizer_dir):
+    """The flag really defers output: a request ended by a stop string is in one more step
+    (the one sent before its output was read), and its tokens are the same."""
+    prompt = list(range(40, 60))
+    _, _, [(_, text, _)] = _run_workload(fakes, byte_tokenizer_dir, [(prompt, 12, (), None)], False, None)
+    work = [(prompt, 12, (text[5:8],), None)]
+    rows, outs = {}, {}
+    for async_output in (False, True):
+        _, fake, [outs[async_output]] = _run_workload(fakes, byte_tokenizer_dir, work, async_output, None)
+        rows[async_output] = sum(1 for plan in fake.plans for s in plan.seqs)
+    assert outs[True] == outs[False] and outs[True][2] is FinishReason.STOP_SEQUENCE
+    assert rows[True] == rows[False] + 1

@@ -1,0 +1,131 @@
+"""Executor idle time between steps, with and without --async-output-processing (issue 17,
+item 5's first half).
+
+Idle time of step N = (when step N+1 was planned) - (when step N was planned) - (the executor's
+own time for step N), from the step trace (`timestamp`, `executorNs`): what the executor waits
+for the scheduler between two steps (the result's way back, applying it, streaming its tokens,
+metrics and trace, planning the next step, the plan's way there). Async output processing moves
+the streaming, metrics and trace of step N behind the sending of step N+1.
+
+Starts two servers (off, on) with a step-trace file each and sends the same workload (N
+concurrent greedy streams, fixed lengths, ignore_eos) through `chunkserve bench`'s gRPC runner,
+rounds in the order A B B A ..., then prints per setting the median and P90 idle ms per step,
+idle as a share of the wall time, the executor's median step ms, output tok/s and median ITL.
+
+    .venv/bin/python benchmarks/step_idle.py --model tiny      # ~ms steps: what a GPU with a small model sees
+    .venv/bin/python benchmarks/step_idle.py --model default --streams 8 --output-len 32 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from chunkserve.bench.metrics import compute_metrics
+from chunkserve.bench.session import RunOptions, run_once, server_target
+from chunkserve.bench.workloads import WorkloadSpec, build_workload, corpus_ids
+from chunkserve.launch import start_server, write_tiny_model
+
+SETTINGS = {"off": [], "on": ["--async-output-processing"]}
+
+
+def idle_ms(trace_lines: list[str]) -> tuple[list[float], float, list[float]]:
+    """(idle ms per consecutive step pair, wall ms from first to last step, executor ms per step)."""
+    steps = sorted((json.loads(line) for line in trace_lines if line.strip()), key=lambda s: int(s.get("stepId", 0)))
+    idle, executor = [], []
+    for a, b in zip(steps, steps[1:]):
+        if int(b.get("stepId", 0)) != int(a.get("stepId", 0)) + 1:
+            continue
+        ex = int(a.get("executorNs", 0)) / 1e6
+        idle.append((b["timestamp"] - a["timestamp"]) * 1000 - ex)
+        executor.append(ex)
+    wall = (steps[-1]["timestamp"] - steps[0]["timestamp"]) * 1000 if len(steps) > 1 else 0.0
+    return idle, wall, executor
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", help="tiny (default), default, or a model folder")
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3, help="rounds of A,B (alternating order)")
+    p.add_argument("--dtype", default="auto", help="the executor's --dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    args = p.parse_args()
+
+    from executor_svc.config import default_cache_dir
+    from executor_svc.model_loader import resolve_model
+
+    default = resolve_model("default", default_cache_dir())
+    if args.model == "tiny":
+        model = write_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")), default)
+    else:
+        model = default if args.model == "default" else Path(args.model)
+    spec = WorkloadSpec("fixed", args.streams, (args.output_len, args.output_len), args.input_len)
+    requests = build_workload(spec, corpus_ids(model), seed=0)
+    work = Path(tempfile.mkdtemp())
+    traces = {name: work / f"trace-{name}.jsonl" for name in SETTINGS}
+    for name in SETTINGS:
+        (work / name).mkdir()
+    servers = {
+        name: start_server(
+            work / name, ["--model", str(model), "--dtype", "float32"], ["--step-trace-file", str(traces[name]), *flags]
+        )
+        for name, flags in SETTINGS.items()
+    }
+    opts = RunOptions(num_warmups=2, progress=False, backend="grpc")
+    figures: dict[str, dict[str, list[float]]] = {
+        n: {k: [] for k in ("med", "p90", "share", "ex", "tput", "itl")} for n in SETTINGS
+    }
+    try:
+        for r in range(args.rounds):
+            for name in list(SETTINGS) if r % 2 == 0 else list(SETTINGS)[::-1]:
+                start = traces[name].stat().st_size if traces[name].exists() else 0
+                run = run_once(server_target(servers[name], "grpc"), requests, [0.0] * len(requests), opts)
+                failed = [rec.error for rec in run.result.records if not rec.ok]
+                if failed:
+                    raise SystemExit(f"{name}: {len(failed)} requests failed, e.g. {failed[0]}")
+                with traces[name].open() as f:
+                    f.seek(start)
+                    idle, wall, ex = idle_ms(f.readlines())
+                m = compute_metrics(run.result.records, run.result.duration, [50], {})
+                fig = figures[name]
+                fig["med"].append(statistics.median(idle))
+                fig["p90"].append(statistics.quantiles(idle, n=10)[-1])
+                fig["share"].append(sum(idle) / wall)
+                fig["ex"].append(statistics.median(ex))
+                fig["tput"].append(m["output_throughput"])
+                fig["itl"].append(m["median_itl_ms"])
+                print(
+                    f"round {r + 1} {name:3}: idle median {fig['med'][-1]:.3f} ms, P90 {fig['p90'][-1]:.3f} ms, "
+                    f"{fig['share'][-1]:.1%} of the wall; executor median {fig['ex'][-1]:.2f} ms; "
+                    f"{fig['tput'][-1]:.0f} tok/s, median ITL {fig['itl'][-1]:.2f} ms",
+                    flush=True,
+                )
+    finally:
+        for server in servers.values():
+            server.stop()
+    med = {n: {k: statistics.median(v) for k, v in f.items()} for n, f in figures.items()}
+    print(
+        f"\n{args.streams} streams x {args.input_len} in + {args.output_len} out, model {args.model}, "
+        f"medians of {args.rounds} rounds"
+    )
+    print(f"{'':30}{'off':>10}{'on':>10}{'on/off':>9}")
+    names = (
+        ("med", "idle per step, median ms"),
+        ("p90", "idle per step, P90 ms"),
+        ("share", "idle share of the wall"),
+        ("ex", "executor per step, median ms"),
+        ("tput", "output tok/s"),
+        ("itl", "median ITL ms"),
+    )
+    for key, label in names:
+        a, b = med["off"][key], med["on"][key]
+        print(f"{label:30}{a:10.3f}{b:10.3f}{b / a if a else float('nan'):9.3f}")
+
+
+if __name__ == "__main__":
+    main()
