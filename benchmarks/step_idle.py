@@ -27,7 +27,7 @@ from pathlib import Path
 from chunkserve.bench.metrics import compute_metrics
 from chunkserve.bench.session import RunOptions, run_once, server_target
 from chunkserve.bench.workloads import WorkloadSpec, build_workload, corpus_ids
-from chunkserve.launch import start_server, write_tiny_model
+from chunkserve.launch import bench_model, start_server
 
 SETTINGS = {"off": [], "on": ["--async-output-processing"]}
 
@@ -56,14 +56,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto", help="the executor's --dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     args = p.parse_args()
 
-    from executor_svc.config import default_cache_dir
-    from executor_svc.model_loader import resolve_model
-
-    default = resolve_model("default", default_cache_dir())
-    if args.model == "tiny":
-        model = write_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")), default)
-    else:
-        model = default if args.model == "default" else Path(args.model)
+    model = bench_model(args.model)
     spec = WorkloadSpec("fixed", args.streams, (args.output_len, args.output_len), args.input_len)
     requests = build_workload(spec, corpus_ids(model), seed=0)
     work = Path(tempfile.mkdtemp())

@@ -196,3 +196,18 @@ def write_tiny_model(path: Path, tokenizer_from: Path) -> Path:
         if (tokenizer_from / name).is_file():
             shutil.copy(tokenizer_from / name, path / name)
     return path
+
+
+def bench_model(name: str) -> Path:
+    """The model folder an overhead benchmark's `--model` names: `tiny` (a fresh
+    `write_tiny_model` in a temporary folder, the default model's tokenizer), `default`, or a
+    folder. Imports the executor's loader here, so importing this module still needs no torch."""
+    import tempfile
+
+    from executor_svc.config import default_cache_dir
+    from executor_svc.model_loader import resolve_model
+
+    default = resolve_model("default", default_cache_dir())
+    if name == "tiny":
+        return write_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")), default)
+    return default if name == "default" else Path(name)
