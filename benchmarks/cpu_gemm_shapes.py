@@ -8,13 +8,18 @@ plus the 49152 x 576 head; random weights of the same shapes) applied once, medi
 - `padded`: float32 through `linear` as the executor runs it (rows padded per `padded_rows`);
 - `col-major`: float32, M rows as they are, x column-major (what silu(gate) * up of a
   transposed view gives), the layout `linear` now copies to row-major below 16 rows;
-- `bf16`, `fp16`: the 16-bit weight copies (`HalfWeights.matmul`, activations cast in).
+- `bf16`, `fp16`: the 16-bit weight copies (`HalfWeights.matmul`: activations cast in,
+  `half_linear`'s kernel for M rows);
+- `F.lin16`: bfloat16 through plain `F.linear` (oneDNN on every row count), what
+  `half_linear` improves on at one row and from 12 rows;
+- `int4`: the decoder linears' int4 copies (`Int4Weights.matmul`), the head's bfloat16 copy.
 
     .venv/bin/python benchmarks/cpu_gemm_shapes.py [--rows 1 2 3 4 5 6 7 8 12 16 31 32] [--reps 5]
 
 Run it on an otherwise idle machine; rows where `padded` is not the fastest float32 column, or
-a 16-bit column beats `padded` above --quantized-max-rows' default, mean this CPU wants another
-table (`--no-cpu-gemm-row-padding`, `--quantized-max-rows`).
+where a reduced column's win or loss against `padded` disagrees with models/quant.ROW_RULES for
+this CPU's class (printed on top), mean this CPU wants another table (`--no-cpu-gemm-row-padding`,
+`--quantized-max-rows`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc.models.layers import linear, padded_rows
+from executor_svc.models.quant import HalfWeights, Int4Weights, RowRule, native_bf16
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152  # SmolLM2-135M
 
@@ -55,11 +61,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     ws = [torch.randn(n, k) * 0.02 for n, k in shapes()]
-    w16 = {dt: [w.to(dt) for w in ws] for dt in (torch.bfloat16, torch.float16)}
+    every = RowRule(None)
+    half = {dt: [HalfWeights(w, dt, every) for w in ws] for dt in (torch.bfloat16, torch.float16)}
+    q4 = [Int4Weights(w, every) for w in ws[:-1]] + [half[torch.bfloat16][-1]]
+    wb = [h.weight for h in half[torch.bfloat16]]
     print(
-        f"torch {torch.__version__}, {args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}"
+        f"torch {torch.__version__}, {args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"native bfloat16: {native_bf16()}"
     )
-    print(f"{'rows':>5}{'padded to':>10}{'plain':>9}{'padded':>9}{'col-major':>11}{'bf16':>9}{'fp16':>9}   ms")
+    print(
+        f"{'rows':>5}{'padded to':>10}{'plain':>9}{'padded':>9}{'col-major':>11}{'bf16':>9}{'fp16':>9}{'F.lin16':>9}{'int4':>9}   ms"
+    )
     with torch.inference_mode():
         for m in args.rows:
             xs = [torch.randn(m, k) for _, k in shapes()]
@@ -69,8 +81,11 @@ def main() -> None:
                 timed(lambda xs=xs: [linear(x, w) for x, w in zip(xs, ws)], args.reps),
                 timed(lambda xc=xc: [torch.mm(w, x.t()) for x, w in zip(xc, ws)], args.reps),
             ]
-            for dt, w in w16.items():
-                row.append(timed(lambda xs=xs, w=w, dt=dt: [F.linear(x.to(dt), v) for x, v in zip(xs, w)], args.reps))
+            for hs in half.values():
+                row.append(timed(lambda xs=xs, hs=hs: [h.matmul(x) for x, h in zip(xs, hs)], args.reps))
+
+            row.append(timed(lambda xs=xs: [F.linear(x.to(v.dtype), v) for x, v in zip(xs, wb)], args.reps))
+            row.append(timed(lambda xs=xs: [q.matmul(x) for x, q in zip(xs, q4)], args.reps))
             print(
                 f"{m:5d}{padded_rows(m):10d}"
                 + "".join(f"{v:9.1f}" if i != 2 else f"{v:11.1f}" for i, v in enumerate(row))

@@ -48,7 +48,7 @@ import executor_svc.runner as R
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.config import ExecutorConfig, default_cache_dir
 from executor_svc.models.layers import linear
-from executor_svc.models.quant import HalfWeights
+from executor_svc.models.quant import HalfWeights, half_linear
 from executor_svc.server import load
 
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul_gemm"}
@@ -143,19 +143,19 @@ def gemm_alone(model, batch: int, repeats: int) -> tuple[float, int]:
             continue
         k = lin.weight.shape[1]
         q = lin.reduced
-        if isinstance(q, HalfWeights) and batch <= q.max_rows:
+        if isinstance(q, HalfWeights) and q.rows(batch):
             xh = torch.randn(batch, k).to(q.weight.dtype)
-            calls.append(lambda q=q, xh=xh: torch.nn.functional.linear(xh, q.weight))
-        elif q is not None and batch <= q.max_rows:
+            calls.append(lambda q=q, xh=xh: half_linear(xh, q.weight))
+        elif q is not None and q.rows(batch):
             xb = torch.randn(batch, k).to(torch.bfloat16)
             calls.append(lambda q=q, xb=xb: torch._weight_int4pack_mm_for_cpu(xb, q.packed, 32, q.scales_and_zeros))
         else:
             calls.append(lambda w=lin.weight, b=lin.bias, x=torch.randn(batch, k): linear(x, w, b))
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     head_bf16 = model.head_reduced
-    if head_bf16 is not None and batch <= head_bf16[1]:
+    if head_bf16 is not None and head_bf16[1](batch):
         xb = torch.randn(batch, head.shape[1]).to(head_bf16[0].dtype)
-        calls.append(lambda: torch.nn.functional.linear(xb, head_bf16[0]))
+        calls.append(lambda: half_linear(xb, head_bf16[0]))
     else:
         calls.append(lambda x=torch.randn(batch, head.shape[1]): linear(x, head))
     times = []
@@ -301,7 +301,7 @@ def components(runner, ids: list[int], ctx: int) -> dict[str, float]:
     for sid in ids:
         reply.sampled.add(seq_id=sid, token_id=1234)
     out["reply encode (proto)"] = _us(lambda: reply.SerializeToString()) / 1000
-    if model.head_reduced is not None and batch <= model.head_reduced[1]:
+    if model.head_reduced is not None and model.head_reduced[1](batch):
         lb = logits.to(torch.bfloat16)
         out["head dtype casts"] = (_us(lambda: hid.to(torch.bfloat16)) + _us(lambda: lb.float())) / 1000
     return out

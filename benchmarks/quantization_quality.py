@@ -10,9 +10,9 @@ Two measurements, both against float32 on the same weights:
    int4 path emulated: every decoder linear multiplies bfloat16-rounded activations by exactly
    the weights the int4 kernel uses (`int4_reference`) and rounds its output to bfloat16 as the
    kernel does; the head is a bfloat16 linear (16-bit modes: activations and weights rounded to
-   the 16-bit type, a 16-bit GEMM, its output widened, as models/quant.HalfWeights computes a
-   one-row step; the head the same). That is the arithmetic of a step within
-   --quantized-max-rows (decode); it differs from the kernel only in summation order
+   the 16-bit type, a 16-bit GEMM through `half_linear`, its output widened, as
+   models/quant.HalfWeights computes it; the head the same). That is the arithmetic of a step
+   the mode's row rule sends to the reduced copy; it differs from the kernel only in summation order
    (tests/executor_svc/test_quant.py checks kernel == reference to float32 rounding).
 2. Greedy generation through the real executor (`ModelRunner` as the server loads it, float32
    and int4): each prompt prefilled (chunks above --quantized-max-rows run the float32 path),
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from chunkserve.bench.workloads import corpus_text
 from executor_svc.config import ExecutorConfig, default_cache_dir
 from executor_svc.model_loader import resolve_model
-from executor_svc.models.quant import int4_reference
+from executor_svc.models.quant import half_linear, int4_reference
 
 TEXTS = {
     "english": "The old lighthouse keeper climbed the spiral stairs every evening, counting each step as his "
@@ -89,7 +89,7 @@ def emulate_half(model: torch.nn.Module, dtype: torch.dtype) -> None:
         w16, bias = lin.weight.detach().to(dtype), lin.bias
 
         def forward(x, w16=w16, bias=bias):
-            y = F.linear(x.to(w16.dtype), w16).float()
+            y = half_linear(x.reshape(-1, x.shape[-1]).to(w16.dtype), w16).float().reshape(*x.shape[:-1], -1)
             return y if bias is None else y + bias
 
         lin.forward = forward

@@ -38,8 +38,8 @@ class ExecutorConfig:
         default="auto",
         metadata={
             "help": "model dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16. On CPU "
-            "bfloat16/float16 keep the float32 model and add 16-bit copies of the linear weights for steps of at "
-            "most --quantized-max-rows tokens (default 1), where they are faster; KV cache and other math float32",
+            "bfloat16/float16 keep the float32 model and add 16-bit copies of the linear weights for the steps where "
+            "they are faster (a table per CPU class, or --quantized-max-rows); KV cache and other math float32",
             "choices": DTYPES,
         },
     )
@@ -101,8 +101,9 @@ class ExecutorConfig:
         default=None,
         metadata={
             "help": "steps with at most this many tokens use the reduced-precision weights (--quantization int4, "
-            "or --dtype bfloat16/float16 on CPU); default: 8 for int4, 1 for the 16-bit modes (measured, "
-            "benchmarks/RESULTS.md)"
+            "or --dtype bfloat16/float16 on CPU); default: a table measured per CPU class (models/quant.py "
+            "ROW_RULES): without a native bfloat16 instruction 8 for int4 and 1 for the 16-bit modes; with "
+            "AVX512-BF16/AMX int4 up to 32, bfloat16 every step but 2-token ones, float16 1"
         },
     )
     cpu_gemm_row_padding: bool = field(

@@ -35,7 +35,7 @@ from chunkserve_contracts.ownership import port_in_use
 from executor_svc.config import ExecutorConfig
 from executor_svc.model_loader import load_model, resolve_model
 from executor_svc.models.layers import set_cpu_gemm_row_padding
-from executor_svc.models.quant import DEFAULT_MAX_ROWS, half_weights_model, quantize_model
+from executor_svc.models.quant import default_rules, half_weights_model, native_bf16, quantize_model
 from executor_svc.parallel import (
     CMD_RESET,
     EXIT_GROUP_LOST,
@@ -157,7 +157,8 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
                 "use --dtype float32"
             )
     reduced = config.quantization if config.quantization != "none" else half
-    max_rows = config.quantized_max_rows or DEFAULT_MAX_ROWS.get(reduced or "", 1)
+    # which steps take the reduced copies: a measured table per CPU class, or --quantized-max-rows
+    rows, head_rows = default_rules(reduced, config.quantized_max_rows) if reduced else (None, None)
     backend_name = (
         choose_backend(device, dtype, config.block_size)
         if config.attention_backend == "auto"
@@ -171,25 +172,28 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
     if config.quantization != "none":
         if device.type != "cpu" or dtype != torch.float32 or half:
             raise ValueError("--quantization int4 is a CPU mode over float32 weights: use --device cpu --dtype float32")
-        stats = quantize_model(model, config.quantization, max_rows)
+        stats = quantize_model(model, config.quantization, rows, head_rows)
         log.info(
-            "int4 weights for %d linear layers (steps of <= %d tokens); %d of %d groups of 32 hold their "
-            "float32 weights exactly before the bf16 rounding of scale and zero",
+            "int4 weights for %d linear layers (steps of %s), a bfloat16 head (steps of %s; native bfloat16: %s); "
+            "%d of %d groups of 32 hold their float32 weights exactly before the bf16 rounding of scale and zero",
             stats["layers"],
-            max_rows,
+            rows,
+            head_rows,
+            native_bf16(),
             stats["exact_groups"],
             stats["groups"],
         )
     elif half:
-        stats = half_weights_model(model, half, max_rows)
+        stats = half_weights_model(model, half, rows, head_rows)
         log.info(
-            "--dtype %s on CPU: %s copies of %d linear weights and the head (+%.0f MB) for steps of <= %d "
-            "tokens; float32 weights for larger steps, float32 KV cache and activations",
+            "--dtype %s on CPU: %s copies of %d linear weights and the head (+%.0f MB) for steps of %s "
+            "(native bfloat16: %s); float32 weights for other steps, float32 KV cache and activations",
             half,
             half,
             stats["layers"],
             stats["bytes"] / 1e6,
-            max_rows,
+            rows,
+            native_bf16(),
         )
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads

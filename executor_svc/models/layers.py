@@ -90,7 +90,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
         self.shards = shards or {}
         # models/quant: Int4Weights (--quantization int4) or HalfWeights (--dtype bfloat16/float16
-        # on CPU), a reduced-precision copy used for steps of at most its max_rows rows
+        # on CPU), a reduced-precision copy used for the steps its RowRule admits
         self.reduced: Any = None
         self.tp = tp
         self.tp_dim = tp_dim if tp.enabled else None

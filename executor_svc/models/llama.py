@@ -27,6 +27,7 @@ from executor_svc.models.layers import (
     linear,
     rope_parameters,
 )
+from executor_svc.models.quant import RowRule, half_linear
 from executor_svc.models.weights import load_weights
 from executor_svc.parallel import NO_TP, TPInfo, all_gather_last, check_divisible, shard_rows
 
@@ -144,8 +145,8 @@ class LlamaForCausalLM(nn.Module):
             rows = shard_rows(config.vocab_size, tp) if tp.enabled else config.vocab_size
             self.lm_head = Linear(config.hidden_size, rows, False, dtype, device, None, tp, 0)
         self.max_model_len = _max_model_len(config)
-        # (16-bit head copy, max rows) set by models/quant under the int4 / CPU 16-bit modes
-        self.head_reduced: tuple[torch.Tensor, int] | None = None
+        # (16-bit head copy, its RowRule) set by models/quant under the int4 / CPU 16-bit modes
+        self.head_reduced: tuple[torch.Tensor, RowRule] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[T] token ids at [T] absolute positions -> final-normed hidden states [T, hidden]."""
@@ -158,9 +159,9 @@ class LlamaForCausalLM(nn.Module):
         Not necessarily contiguous: on CPU it is the transposed view `linear` returns, and
         copying it (6 MB at 32 rows) only to take a greedy argmax would cost more than the
         argmax; the sampler makes contiguous copies of just the rows that need more."""
-        head = self.head_reduced  # int4 / 16-bit CPU modes: small steps read half the bytes
-        if head is not None and hidden.shape[0] <= head[1]:
-            return torch.nn.functional.linear(hidden.to(head[0].dtype), head[0]).float()
+        head = self.head_reduced  # int4 / 16-bit CPU modes: the steps its rule admits
+        if head is not None and head[1](hidden.shape[0]):
+            return half_linear(hidden.to(head[0].dtype), head[0]).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.tp.enabled:  # each rank its vocabulary slice; every rank gets all of them
             return all_gather_last(linear(hidden, weight).float(), self.tp.size)[:, : self.vocab_size]

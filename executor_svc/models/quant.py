@@ -12,19 +12,22 @@ Why a per-shape choice: measured on a 2-core AVX2 EPYC (benchmarks/RESULTS.md), 
 needs bfloat16 activations to be fast (with float32 ones it is 3-25x slower than the float32
 GEMM) and then beats float32 at a few rows (in a whole decode step 1.9x at one row, 1.3x at
 8) but loses from ~32 rows on (1.5x slower at 32, 2.3x per linear at 128), so a prefill chunk
-through it would be far slower than float32. A step with at
-most `max_rows` rows therefore runs the int4 kernel; a larger one the float32 weights, which
-this mode keeps (memory: float32 plus ~0.56 byte per linear weight and a bfloat16 head). The cost of that choice:
-a request's greedy tokens can depend on the rows its steps had (each path is deterministic;
-they differ in rounding), and the int4 path's agreement with float32 is measured, not exact
-(benchmarks/quantization_quality.py). float32 stays the exact mode.
+through it would be far slower than float32. On a CPU with a native bfloat16 instruction
+(AVX512-BF16) it wins up to 64 rows (used up to 32, `ROW_RULES` says why). So a step the mode's `RowRule` admits (a table per CPU
+class, `ROW_RULES`, or --quantized-max-rows) runs the int4 kernel; any other step the
+float32 weights, which this mode keeps (memory: float32 plus ~0.56 byte per linear weight
+and a bfloat16 head). The cost of that choice: a request's greedy tokens can depend on the
+rows its steps had (each path is deterministic; they differ in rounding), and the int4
+path's agreement with float32 is measured, not exact (benchmarks/quantization_quality.py).
+float32 stays the exact mode.
 
-The vocabulary head keeps its float32 weights and gets a bfloat16 copy for one-row steps
-(16 bits, not 4: the head decides the token; at one row its float32 GEMV is a quarter of an
-int4 decode step and bfloat16 reads half the bytes, 2.4x faster here; from 4 rows on the
-bfloat16 GEMM is the slower one). Measured per linear, summed over the default model's 120
-decoder linears (ms, 2 threads): rows 1: fp32 34 / int4 11; 2: 31 / 15; 4: 32 / 22; 8: 58 /
-36; 12: 79 / 55; 16: 59 / 70, hence the default --quantized-max-rows 8.
+The vocabulary head keeps its float32 weights and gets a bfloat16 copy (16 bits, not 4: the
+head decides the token), used where the table says bfloat16 beats float32: one-row steps
+without native bfloat16 (at one row the float32 GEMV is a quarter of an int4 decode step and
+bfloat16 reads half the bytes, 2.4x faster; from 4 rows on the bfloat16 GEMM is the slower
+one), every step but 2-row ones with it. Measured per linear on the AVX2 EPYC, summed over
+the default model's 120 decoder linears (ms, 2 threads): rows 1: fp32 34 / int4 11; 2: 31 /
+15; 4: 32 / 22; 8: 58 / 36; 12: 79 / 55; 16: 59 / 70, hence 8 rows there.
 
 For the default model (linear weights from a Q4_1 GGUF: groups of 32 with an fp16 scale and
 minimum) min/max quantization recovers every weight's 4-bit code exactly; only the rounding of
@@ -34,15 +37,104 @@ the result (`quantize_int4` reports how many groups are exact before that roundi
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
 GROUP_SIZE = 32
-HEAD_BF16_MAX_ROWS = 1  # bf16 GEMV beats float32 at one row (2.4x), ties at 2, loses from 4 on
 SCHEMES = ("none", "int4")
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-# Steps of at most this many rows use the reduced copy unless --quantized-max-rows says otherwise
-# (measured per mode on a 2-core AVX2 EPYC, benchmarks/RESULTS.md).
-DEFAULT_MAX_ROWS = {"int4": 8, "bfloat16": 1, "float16": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class RowRule:
+    """Which steps (by their number of token rows) take a reduced-precision copy: those of at
+    most `max_rows` rows (None: any size), except the counts in `skip`. Every other step runs
+    the float32 weights, which these modes keep."""
+
+    max_rows: int | None
+    skip: frozenset[int] = frozenset()
+
+    def __call__(self, rows: int) -> bool:
+        return (self.max_rows is None or rows <= self.max_rows) and rows not in self.skip
+
+    def __str__(self) -> str:
+        size = "any size" if self.max_rows is None else f"<= {self.max_rows} tokens"
+        return size + "".join(f", not {n}" for n in sorted(self.skip))
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether this CPU has a bfloat16 dot-product instruction (AVX512-BF16 or AMX-BF16), read
+    from /proc/cpuinfo's flags (False where there is none to read). It decides which row
+    table below applies: with it torch's bfloat16 GEMM (oneDNN) runs at native speed and
+    reads half float32's bytes; without it it converts as it goes and wins only at one row."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+_ANY_BUT_2 = RowRule(None, frozenset({2}))
+# (decoder linears, vocabulary head) per mode, measured with benchmarks/cpu_gemm_shapes.py
+# (the default model's linears, 2 threads; tables in benchmarks/RESULTS.md):
+# - no native bf16 (2-core AVX2 EPYC): int4 wins up to ~12 rows, the 16-bit GEMMs and the
+#   bfloat16 head only at one row;
+# - native bf16 (2-core AVX512-BF16 EPYC, Zen 4): bfloat16 beats float32 1.4-2.3x at every
+#   row count but 2 (its 2-row GEMM is ~8% slower than float32's padded one), int4 beats
+#   float32 by >= 20% up to 64 rows (~5% from 128 on, inside the noise) but is kept to
+#   decode-sized steps of <= 32 rows: a prompt prefilled through int4 perturbs every
+#   position's KV (the default model's 37-token "capital of France" chat prompt then answers
+#   "L'Étoile, ..." instead of "The capital of France is Paris.", correct with 32);
+#   float16 has no native instruction on either and wins at one row only.
+ROW_RULES: dict[bool, dict[str, tuple[RowRule, RowRule]]] = {
+    False: {
+        "int4": (RowRule(8), RowRule(1)),
+        "bfloat16": (RowRule(1), RowRule(1)),
+        "float16": (RowRule(1), RowRule(1)),
+    },
+    True: {
+        "int4": (RowRule(32), _ANY_BUT_2),
+        "bfloat16": (_ANY_BUT_2, _ANY_BUT_2),
+        "float16": (RowRule(1), RowRule(1)),
+    },
+}
+
+
+def default_rules(mode: str, max_rows: int | None = None) -> tuple[RowRule, RowRule]:
+    """(linears, head) rules for `mode` on this CPU; `max_rows` (--quantized-max-rows) replaces
+    the linears' rule and, in the 16-bit modes, the head's (int4 keeps the table's head rule:
+    its head copy is 16-bit, not 4-bit)."""
+    linears, head = ROW_RULES[native_bf16()][mode]
+    if max_rows is None:
+        return linears, head
+    return RowRule(max_rows), head if mode == "int4" else RowRule(max_rows)
+
+
+def half_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times a 16-bit weight [N, K]^T, both in the weight's dtype, through the kernel
+    that is fastest here for M rows (measured, benchmarks/RESULTS.md "native bfloat16"):
+    one row: torch's own GEMV, with oneDNN switched off for the call (oneDNN's one-row
+    bfloat16 product is ~2x slower on AVX512-BF16; float16 and AVX2 CPUs take torch's GEMV
+    anyway); from 12 rows a bfloat16 product as (W @ x^T)^T, 10-15% faster there than
+    x @ W^T (like float32's `linear`, a transposed view); otherwise `F.linear`."""
+    m = x.shape[0]
+    if m == 1:
+        was = torch._C._get_mkldnn_enabled()
+        torch._C._set_mkldnn_enabled(False)
+        try:
+            return torch.nn.functional.linear(x, weight)
+        finally:
+            torch._C._set_mkldnn_enabled(was)
+    if m >= 12 and weight.dtype == torch.bfloat16:
+        return torch.mm(weight, x.t()).t()
+    return torch.nn.functional.linear(x, weight)
 
 
 def _codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -82,16 +174,16 @@ def int4_reference(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.
 
 
 class Int4Weights:
-    """A linear layer's int4 copy and the row limit up to which it is used."""
+    """A linear layer's int4 copy and the rule for which steps use it."""
 
-    __slots__ = ("packed", "scales_and_zeros", "exact_groups", "max_rows")
+    __slots__ = ("packed", "scales_and_zeros", "exact_groups", "rows")
 
-    def __init__(self, weight: torch.Tensor, max_rows: int) -> None:
+    def __init__(self, weight: torch.Tensor, rows: RowRule) -> None:
         self.packed, self.scales_and_zeros, self.exact_groups = quantize_int4(weight)
-        self.max_rows = max_rows
+        self.rows = rows
 
     def applies(self, x: torch.Tensor) -> bool:
-        return x.dim() == 2 and x.shape[0] <= self.max_rows
+        return x.dim() == 2 and self.rows(x.shape[0])
 
     def matmul(self, x: torch.Tensor, same_dtype: bool = True) -> torch.Tensor:
         """x [M, K] -> x W^T [M, N] in x's dtype (or, with `same_dtype=False`, the kernel's
@@ -101,8 +193,11 @@ class Int4Weights:
         return y.to(x.dtype) if same_dtype else y
 
 
-def quantize_model(model: torch.nn.Module, scheme: str, max_rows: int) -> dict[str, int]:
-    """Adds int4 copies to every Linear of the decoder layers (not the LM head); returns
+def quantize_model(
+    model: torch.nn.Module, scheme: str, rows: RowRule, head_rows: RowRule | None = None
+) -> dict[str, int]:
+    """Adds int4 copies to every Linear of the decoder layers (not the LM head) and a
+    bfloat16 copy of the head (used per `head_rows`, the table's rule by default); returns
     counts for the start-up log: layers, groups, groups exact before bf16 rounding."""
     from executor_svc.models.layers import Linear
 
@@ -116,12 +211,13 @@ def quantize_model(model: torch.nn.Module, scheme: str, max_rows: int) -> dict[s
             continue
         if module.weight.device.type != "cpu":
             raise ValueError("--quantization int4 is a CPU mode (torch's CPU int4 kernel)")
-        q = Int4Weights(module.weight, max_rows)
+        q = Int4Weights(module.weight, rows)
         stats["layers"] += 1
         stats["groups"] += module.weight.numel() // GROUP_SIZE
         stats["exact_groups"] += q.exact_groups
         module.reduced = q
-    model.head_reduced = (_head_weight(model).detach().to(torch.bfloat16), HEAD_BF16_MAX_ROWS)
+    head_rows = head_rows or default_rules("int4")[1]
+    model.head_reduced = (_head_weight(model).detach().to(torch.bfloat16), head_rows)
     return stats
 
 
@@ -130,35 +226,40 @@ def _head_weight(model: torch.nn.Module) -> torch.Tensor:
 
 
 class HalfWeights:
-    """A linear layer's 16-bit copy (`--dtype bfloat16` / `float16` on CPU) and its row limit.
+    """A linear layer's 16-bit copy (`--dtype bfloat16` / `float16` on CPU) and the rule for
+    which steps use it.
 
     Why float32 stays beside it: on a CPU without AVX512-BF16/AMX torch's 16-bit GEMM
     converts as it goes, so reading half the bytes wins only while the step is bound by
     reading the weights. Measured on a 2-core AVX2 EPYC, the default model's 120 decoder
     linears (ms): 1 row bf16 13 / fp16 11 vs float32 24 (2 rows padded, `padded_rows`);
-    2 rows bf16 24 / fp16 20 vs 24; 4 rows 45 / 37 vs 24; 8 rows 87 / 73 vs 42. So steps
-    of one row (batch-1 decode) take this copy and every larger step the float32 weights:
-    the mode is never slower than float32 above its row limit by construction (the same
-    arithmetic), and faster at one row. Memory: float32 plus 2 bytes per linear weight."""
+    2 rows bf16 24 / fp16 20 vs 24; 4 rows 45 / 37 vs 24; 8 rows 87 / 73 vs 42. There
+    steps of one row (batch-1 decode) take this copy and every larger step the float32
+    weights; with a native bfloat16 instruction bfloat16 wins at every row count but 2
+    (`ROW_RULES`). Either way the mode is never slower than float32 where the table says
+    float32 (the same arithmetic). Memory: float32 plus 2 bytes per linear weight."""
 
-    __slots__ = ("weight", "max_rows")
+    __slots__ = ("weight", "rows")
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, max_rows: int) -> None:
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, rows: RowRule) -> None:
         self.weight = weight.detach().to(dtype).contiguous()
-        self.max_rows = max_rows
+        self.rows = rows
 
     def applies(self, x: torch.Tensor) -> bool:
-        return x.dim() == 2 and x.shape[0] <= self.max_rows
+        return x.dim() == 2 and self.rows(x.shape[0])
 
     def matmul(self, x: torch.Tensor, same_dtype: bool = True) -> torch.Tensor:
         """x [M, K] -> x W^T [M, N] in x's dtype (or, with `same_dtype=False`, 16-bit)."""
-        y = torch.nn.functional.linear(x.to(self.weight.dtype), self.weight)
+        y = half_linear(x.to(self.weight.dtype), self.weight)
         return y.to(x.dtype) if same_dtype else y
 
 
-def half_weights_model(model: torch.nn.Module, dtype_name: str, max_rows: int) -> dict[str, int]:
-    """Gives every Linear (decoder and head) a 16-bit copy for steps of at most `max_rows`
-    rows; returns counts for the start-up log: layers and the bytes the copies add."""
+def half_weights_model(
+    model: torch.nn.Module, dtype_name: str, rows: RowRule, head_rows: RowRule | None = None
+) -> dict[str, int]:
+    """Gives every Linear (decoder and head) a 16-bit copy for the steps `rows` (the head:
+    `head_rows`, default `rows`) admits; returns counts for the start-up log: layers and the
+    bytes the copies add."""
     from executor_svc.models.layers import Linear
 
     dtype = HALF_DTYPES[dtype_name]
@@ -168,10 +269,10 @@ def half_weights_model(model: torch.nn.Module, dtype_name: str, max_rows: int) -
             continue
         if module.weight.device.type != "cpu":
             raise ValueError(f"16-bit weight copies are a CPU mode (--dtype {dtype_name} on CUDA runs in it)")
-        module.reduced = HalfWeights(module.weight, dtype, max_rows)
+        module.reduced = HalfWeights(module.weight, dtype, rows)
         stats["layers"] += 1
         stats["bytes"] += module.weight.numel() * dtype.itemsize
     head = _head_weight(model).detach().to(dtype)
-    model.head_reduced = (head, max_rows)
+    model.head_reduced = (head, head_rows or rows)
     stats["bytes"] += head.numel() * dtype.itemsize
     return stats

@@ -16,8 +16,12 @@ from executor_svc.config import ExecutorConfig
 from executor_svc.models.layers import Linear
 from executor_svc.models.quant import (
     GROUP_SIZE,
+    ROW_RULES,
     HalfWeights,
     Int4Weights,
+    RowRule,
+    default_rules,
+    half_linear,
     half_weights_model,
     int4_reference,
     quantize_int4,
@@ -33,7 +37,7 @@ def _bf16_reference(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 def test_kernel_multiplies_by_the_reference_weights():
     torch.manual_seed(0)
     w = torch.randn(48, 96)
-    q = Int4Weights(w, max_rows=8)
+    q = Int4Weights(w, RowRule(8))
     x = torch.randn(5, 96)
     out = q.matmul(x)
     want = _bf16_reference(x, int4_reference(w))
@@ -70,7 +74,7 @@ def test_steps_within_max_rows_take_the_int4_path_larger_ones_float32():
     lin.weight.data.normal_()
     lin.bias.data.normal_()
     plain = torch.nn.functional.linear
-    lin.reduced = Int4Weights(lin.weight, max_rows=4)
+    lin.reduced = Int4Weights(lin.weight, RowRule(4))
     small, big = torch.randn(4, 64), torch.randn(5, 64)
     torch.testing.assert_close(lin(small), lin.reduced.matmul(small) + lin.bias)
     torch.testing.assert_close(lin(big), plain(big, lin.weight, lin.bias), rtol=0, atol=1e-5)
@@ -91,12 +95,12 @@ def test_quantize_model_covers_every_decoder_linear_and_adds_a_bf16_head(tiny_co
     hf = hf_model_factory(config)
     model = get_model_class(config)(config, "torch", torch.float32, torch.device("cpu"))
     model.load_weights(hf.state_dict().items())
-    stats = quantize_model(model, "int4", 16)
+    stats = quantize_model(model, "int4", RowRule(16))
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert stats["layers"] == len(linears) == 4 * config.num_hidden_layers
-    assert all(m.reduced is not None and m.reduced.max_rows == 16 for m in linears)
+    assert all(m.reduced is not None and m.reduced.rows == RowRule(16) for m in linears)
     head, rows = model.head_reduced
-    assert head.dtype == torch.bfloat16 and rows == 1  # one-row steps only: bf16 GEMM loses from 4 rows
+    assert head.dtype == torch.bfloat16 and rows == default_rules("int4")[1]  # this CPU's table
     assert torch.equal(head, model.model.embed_tokens.weight.to(torch.bfloat16))
 
 
@@ -165,11 +169,11 @@ def test_half_weights_one_row_steps_16_bit_larger_ones_float32(dtype):
     lin = Linear(64, 32, True, torch.float32, "cpu")
     lin.weight.data.normal_()
     lin.bias.data.normal_()
-    lin.reduced = HalfWeights(lin.weight, dtype, max_rows=1)
+    lin.reduced = HalfWeights(lin.weight, dtype, RowRule(1))
     one, two = torch.randn(1, 64), torch.randn(2, 64)
     w16 = lin.weight.to(dtype)
     # exactly the arithmetic benchmarks/quantization_quality.py emulates
-    assert torch.equal(lin(one), torch.nn.functional.linear(one.to(dtype), w16).float() + lin.bias)
+    assert torch.equal(lin(one), half_linear(one.to(dtype), w16).float() + lin.bias)
     assert lin.reduced.matmul(one, same_dtype=False).dtype == dtype
     # two rows: the float32 weights, the float32 path bitwise
     from executor_svc.models.layers import linear
@@ -185,12 +189,12 @@ def test_half_weights_model_covers_every_linear_and_the_head(tiny_configs, hf_mo
     hf = hf_model_factory(config)
     model = get_model_class(config)(config, "torch", torch.float32, torch.device("cpu"))
     model.load_weights(hf.state_dict().items())
-    stats = half_weights_model(model, "float16", 1)
+    stats = half_weights_model(model, "float16", RowRule(1))
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert stats["layers"] == len(linears) and all(isinstance(m.reduced, HalfWeights) for m in linears)
-    assert all(m.reduced.weight.dtype == torch.float16 and m.reduced.max_rows == 1 for m in linears)
+    assert all(m.reduced.weight.dtype == torch.float16 and m.reduced.rows == RowRule(1) for m in linears)
     head, rows = model.head_reduced
-    assert rows == 1 and torch.equal(head, model.model.embed_tokens.weight.to(torch.float16))
+    assert rows == RowRule(1) and torch.equal(head, model.model.embed_tokens.weight.to(torch.float16))
     assert all(p.dtype == torch.float32 for p in model.parameters())  # float32 kept for larger steps
 
 
@@ -203,11 +207,13 @@ def test_cpu_16_bit_dtype_loads_float32_model_with_16_bit_copies(tiny_model_path
     assert loaded.handshake.dtype == f"float32+{dtype}"
     runner = loaded.runner
     assert runner.kv_cache.dtype == torch.float32
-    assert runner.model.head_reduced[1] == 1  # the measured default: one-row steps
+    rows, head_rows = default_rules(dtype)  # the table measured for this CPU's class
+    assert runner.model.head_reduced[1] == head_rows
     lin = runner.model.model.layers[0].mlp.down_proj
-    assert lin.reduced.weight.dtype == getattr(torch, dtype) and lin.reduced.max_rows == 1
+    assert lin.reduced.weight.dtype == getattr(torch, dtype) and lin.reduced.rows == rows
     loaded = load(ExecutorConfig(dtype=dtype, quantized_max_rows=3, **common))
-    assert loaded.runner.model.model.layers[0].mlp.down_proj.reduced.max_rows == 3
+    assert loaded.runner.model.model.layers[0].mlp.down_proj.reduced.rows == RowRule(3)
+    assert loaded.runner.model.head_reduced[1] == RowRule(3)
 
 
 @pytest.mark.slow  # the default model, three times
@@ -253,3 +259,60 @@ def test_a_server_with_a_cpu_16_bit_dtype_serves_and_says_so(tiny_model_path, la
     out = [m for m in stub.Generate(build_request(list(range(10, 50)), max_tokens=8, ignore_eos=True))]
     assert sum(len(m.token_ids) for m in out) == 8 and out[-1].finished
     server.assert_idle_and_no_leaks()
+
+
+def test_row_rules_admit_what_they_say():
+    assert [n for n in range(1, 10) if RowRule(4)(n)] == [1, 2, 3, 4]
+    anything_but_2 = RowRule(None, frozenset({2}))
+    assert [n for n in (1, 2, 3, 64, 4096) if anything_but_2(n)] == [1, 3, 64, 4096]
+    assert str(RowRule(8)) == "<= 8 tokens" and str(anything_but_2) == "any size, not 2"
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_default_rules_follow_the_cpu_class_and_the_flag(monkeypatch, native):
+    import executor_svc.models.quant as quant
+
+    monkeypatch.setattr(quant, "native_bf16", lambda: native)
+    for mode in ("int4", "bfloat16", "float16"):
+        assert default_rules(mode) == ROW_RULES[native][mode]
+        rows, head = default_rules(mode, 5)
+        assert rows == RowRule(5)
+        # --quantized-max-rows moves the 16-bit modes' head with the linears; int4's head is
+        # a bfloat16 copy and keeps the table's rule
+        assert head == (ROW_RULES[native][mode][1] if mode == "int4" else RowRule(5))
+    # without a native bfloat16 instruction only one-row steps take a 16-bit copy
+    assert ROW_RULES[False]["bfloat16"] == (RowRule(1), RowRule(1))
+
+
+def test_native_bf16_reads_the_cpu_flags(monkeypatch, tmp_path):
+    import builtins
+
+    import executor_svc.models.quant as quant
+
+    real_open = builtins.open
+    for flags, want in (("fpu avx2 avx512f avx512_bf16", True), ("fpu avx2 amx_bf16", True), ("fpu avx2 fma", False)):
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(
+            builtins, "open", lambda p, *a, info=info, **k: real_open(info if p == "/proc/cpuinfo" else p, *a, **k)
+        )
+        quant.native_bf16.cache_clear()
+        assert quant.native_bf16() is want
+    quant.native_bf16.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 5, 12, 40])
+def test_half_linear_is_the_16_bit_product_on_every_path(dtype, m):
+    """Each row count's kernel (one-row GEMV with oneDNN off, F.linear, (W @ x^T)^T from 12
+    rows in bfloat16) computes the product of the 16-bit operands: within the 16-bit result's
+    rounding of the float64 product, and the oneDNN switch is left as it was."""
+    torch.manual_seed(m)
+    x, w = torch.randn(m, 96).to(dtype), torch.randn(80, 96).to(dtype)
+    was = torch._C._get_mkldnn_enabled()
+    y = half_linear(x, w)
+    assert torch._C._get_mkldnn_enabled() == was
+    assert y.dtype == dtype and y.shape == (m, 80)
+    want = x.double() @ w.double().t()
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(y.double(), want, rtol=2 * eps, atol=2 * eps * want.abs().max().item())
