@@ -187,14 +187,14 @@ def main() -> None:
     base = args.modes[0]
     print(f"\nmedian of {2} passes; decode steps at context {args.ctx}")
     head = f"{'mode':10}" + "".join(f"{'B=' + str(b) + ' ms':>11}" for b in args.batch)
-    print(head + f"{'floor ms':>10}{'B=1/floor':>11}{'prefill 512':>13}{'top-1 = ' + base:>14}")
+    print(head + f"{'floor ms':>10}{'B=1/floor':>11}{'prefill 512':>13}{'top-1 = ' + base:>17}")
     for mode, runs in results.items():
         ms = {b: statistics.median(r["decode_ms"][b] for r in runs) for b in args.batch}
         floor = weight_bytes[mode] / (bw * 1e9) * 1000
         prefill = statistics.median(r["prefill_512_ms"] for r in runs)
         agree = statistics.mean(a == b for a, b in zip(runs[0]["tokens"], results[base][0]["tokens"]))
         row = f"{mode:10}" + "".join(f"{ms[b]:11.1f}" for b in args.batch)
-        print(row + f"{floor:10.1f}{ms[1] / floor:11.2f}{prefill:13.0f}{agree:14.2f}")
+        print(row + f"{floor:10.1f}{ms[1] / floor:11.2f}{prefill:13.0f}{agree:17.2f}")
     for mode, runs in results.items():
         one = statistics.median(r["decode_ms"][1] for r in runs) if 1 in args.batch else float("nan")
         print(f"{mode}: batch-1 decode step {one:.1f} ms = {hf_ms / one:.2f}x HF generate's speed ({hf_ms:.1f} ms)")
@@ -210,7 +210,7 @@ def main() -> None:
     for mode, runs in results.items():
         ms = statistics.median(r["prefill_512_ms"] for r in runs)
         print(
-            f"{mode}: 512-token prefill at {flops / (ms / 1000) / 1e9:.0f} GFLOP/s = {flops / (ms / 1000) / 1e9 / peak:.0%} of the GEMM peak"
+            f"{mode}: 512-token prefill at {flops / (ms / 1000) / 1e9:.0f} GFLOP/s = {flops / (ms / 1000) / 1e9 / peak:.0%} of the float32 GEMM peak"
         )
 
 

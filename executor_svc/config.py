@@ -103,7 +103,7 @@ class ExecutorConfig:
             "help": "steps with at most this many tokens use the reduced-precision weights (--quantization int4, "
             "or --dtype bfloat16/float16 on CPU); default: a table measured per CPU class (models/quant.py "
             "ROW_RULES): without a native bfloat16 instruction 8 for int4 and 1 for the 16-bit modes; with "
-            "AVX512-BF16/AMX int4 up to 32, bfloat16 every step but 2-token ones, float16 1"
+            "AVX512-BF16/AMX int4 up to 32, bfloat16 1 and >= 5 tokens, float16 1"
         },
     )
     cpu_gemm_row_padding: bool = field(

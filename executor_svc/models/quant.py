@@ -25,7 +25,7 @@ The vocabulary head keeps its float32 weights and gets a bfloat16 copy (16 bits,
 head decides the token), used where the table says bfloat16 beats float32: one-row steps
 without native bfloat16 (at one row the float32 GEMV is a quarter of an int4 decode step and
 bfloat16 reads half the bytes, 2.4x faster; from 4 rows on the bfloat16 GEMM is the slower
-one), every step but 2-row ones with it. Measured per linear on the AVX2 EPYC, summed over
+one), every step but those of 2-4 rows with it. Measured per linear on the AVX2 EPYC, summed over
 the default model's 120 decoder linears (ms, 2 threads): rows 1: fp32 34 / int4 11; 2: 31 /
 15; 4: 32 / 22; 8: 58 / 36; 12: 79 / 55; 16: 59 / 70, hence 8 rows there.
 
@@ -61,7 +61,7 @@ class RowRule:
 
     def __str__(self) -> str:
         size = "any size" if self.max_rows is None else f"<= {self.max_rows} tokens"
-        return size + "".join(f", not {n}" for n in sorted(self.skip))
+        return size + (" but " + ", ".join(map(str, sorted(self.skip))) if self.skip else "")
 
 
 @functools.cache
@@ -81,13 +81,15 @@ def native_bf16() -> bool:
     return False
 
 
-_ANY_BUT_2 = RowRule(None, frozenset({2}))
+_NATIVE_BF16 = RowRule(None, frozenset({2, 3, 4}))
 # (decoder linears, vocabulary head) per mode, measured with benchmarks/cpu_gemm_shapes.py
 # (the default model's linears, 2 threads; tables in benchmarks/RESULTS.md):
 # - no native bf16 (2-core AVX2 EPYC): int4 wins up to ~12 rows, the 16-bit GEMMs and the
 #   bfloat16 head only at one row;
-# - native bf16 (2-core AVX512-BF16 EPYC, Zen 4): bfloat16 beats float32 1.4-2.3x at every
-#   row count but 2 (its 2-row GEMM is ~8% slower than float32's padded one), int4 beats
+# - native bf16 (2-core AVX512-BF16 EPYC, Zen 4): bfloat16's linears beat float32's 1.9x at
+#   one row and 1.4-2.3x from 5 rows on; at 2-4 rows they tie (2 rows ~5% slower) and the
+#   casts in and out make a whole 4-row decode step ~9% slower than float32's, so those
+#   step sizes stay float32 (benchmarks/executor_modes.py, RESULTS.md); int4 beats
 #   float32 by >= 20% up to 64 rows (~5% from 128 on, inside the noise) but is kept to
 #   decode-sized steps of <= 32 rows: a prompt prefilled through int4 perturbs every
 #   position's KV (the default model's 37-token "capital of France" chat prompt then answers
@@ -100,8 +102,8 @@ ROW_RULES: dict[bool, dict[str, tuple[RowRule, RowRule]]] = {
         "float16": (RowRule(1), RowRule(1)),
     },
     True: {
-        "int4": (RowRule(32), _ANY_BUT_2),
-        "bfloat16": (_ANY_BUT_2, _ANY_BUT_2),
+        "int4": (RowRule(32), _NATIVE_BF16),
+        "bfloat16": (_NATIVE_BF16, _NATIVE_BF16),
         "float16": (RowRule(1), RowRule(1)),
     },
 }
@@ -235,7 +237,7 @@ class HalfWeights:
     linears (ms): 1 row bf16 13 / fp16 11 vs float32 24 (2 rows padded, `padded_rows`);
     2 rows bf16 24 / fp16 20 vs 24; 4 rows 45 / 37 vs 24; 8 rows 87 / 73 vs 42. There
     steps of one row (batch-1 decode) take this copy and every larger step the float32
-    weights; with a native bfloat16 instruction bfloat16 wins at every row count but 2
+    weights; with a native bfloat16 instruction bfloat16 wins at one row and from 5 rows on
     (`ROW_RULES`). Either way the mode is never slower than float32 where the table says
     float32 (the same arithmetic). Memory: float32 plus 2 bytes per linear weight."""
 
