@@ -4,7 +4,8 @@ Measures, in this order and in one process:
 - the floor: read bandwidth (sum over a 1 GiB float32 tensor, best of 5) and the float32 GEMM
   peak (2048^3 `torch.mm`, best of 5);
 - Hugging Face transformers `generate` on the same float32 weights, batch 1, ms per token;
-- per mode (`float32`; `float32-nopad` = `--no-cpu-gemm-row-padding`; `int4` = `--quantization
+- per mode (`float32`; `float32-nopad` = `--no-cpu-gemm-row-padding`; `float32-noprepack` =
+  `--no-cpu-gemm-prepack`; `int4` = `--quantization
   int4`; `bfloat16` / `float16` = that `--dtype` on CPU): the default model loaded exactly as the
   server loads it (`executor_svc.server.load`), B greedy sequences prefilled to CTX tokens, then
   the median wall time of a whole decode step `ModelRunner.execute(plan)` (validation, metadata,
@@ -70,7 +71,7 @@ def hf_decode_ms(ctx: int, new_tokens: int = 33) -> float:
         return statistics.median((gen(new_tokens) - gen(1)) / (new_tokens - 1) * 1000 for _ in range(3))
 
 
-MODES = ("float32", "float32-nopad", "int4", "bfloat16", "float16")
+MODES = ("float32", "float32-nopad", "float32-noprepack", "int4", "bfloat16", "float16")
 
 
 def build(mode: str, threads: int):
@@ -79,6 +80,7 @@ def build(mode: str, threads: int):
             model="default",
             dtype=mode if mode in ("bfloat16", "float16") else "float32",
             cpu_gemm_row_padding=mode != "float32-nopad",
+            cpu_gemm_prepack=mode != "float32-noprepack",
             device="cpu",
             kv_cache_memory_gib=1.0,
             swap_space=0.0,

@@ -114,6 +114,15 @@ class ExecutorConfig:
             "as they are"
         },
     )
+    cpu_gemm_prepack: bool = field(
+        default=True,
+        metadata={
+            "help": "float32 CPU linears: keep a second copy of every linear weight and the head in oneDNN's packed "
+            "layout and use it for steps of >= 3 tokens, where it is 1.2-2.3x faster than MKL (measured on an "
+            "AVX512-BF16 EPYC, benchmarks/RESULTS.md); costs float32's weight memory once more. Off saves that "
+            "memory"
+        },
+    )
     tensor_parallel_size: int = field(
         default=1,
         metadata={

@@ -34,7 +34,8 @@ from chunkserve_contracts.flags import config_to_argv
 from chunkserve_contracts.ownership import port_in_use
 from executor_svc.config import ExecutorConfig
 from executor_svc.model_loader import load_model, resolve_model
-from executor_svc.models.layers import set_cpu_gemm_row_padding
+from executor_svc.models.layers import PREPACK_MIN_ROWS, set_cpu_gemm_row_padding
+from executor_svc.models.llama import prepack_model
 from executor_svc.models.quant import default_rules, half_weights_model, native_bf16, quantize_model
 from executor_svc.parallel import (
     CMD_RESET,
@@ -194,6 +195,11 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
             stats["bytes"] / 1e6,
             rows,
             native_bf16(),
+        )
+    if config.cpu_gemm_prepack and device.type == "cpu" and dtype == torch.float32:
+        added = prepack_model(model)
+        log.info(
+            "float32 linears: oneDNN packed copies for steps of >= %d tokens (+%.0f MB)", PREPACK_MIN_ROWS, added / 1e6
         )
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads

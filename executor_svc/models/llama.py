@@ -18,6 +18,7 @@ from chunkserve_kernels import AttentionBackend, get_backend
 from torch import nn
 
 from executor_svc.models.layers import (
+    PREPACK_MIN_ROWS,
     Embedding,
     Linear,
     PagedAttention,
@@ -25,6 +26,8 @@ from executor_svc.models.layers import (
     RotaryEmbedding,
     apply_rotary,
     linear,
+    packed_linear,
+    prepack_weight,
     rope_parameters,
 )
 from executor_svc.models.quant import RowRule, half_linear
@@ -147,6 +150,7 @@ class LlamaForCausalLM(nn.Module):
         self.max_model_len = _max_model_len(config)
         # (16-bit head copy, its RowRule) set by models/quant under the int4 / CPU 16-bit modes
         self.head_reduced: tuple[torch.Tensor, RowRule] | None = None
+        self.head_packed: torch.Tensor | None = None  # set by prepack_model (float32 on CPU)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[T] token ids at [T] absolute positions -> final-normed hidden states [T, hidden]."""
@@ -163,9 +167,14 @@ class LlamaForCausalLM(nn.Module):
         if head is not None and head[1](hidden.shape[0]):
             return half_linear(hidden.to(head[0].dtype), head[0]).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        packed = self.head_packed  # prepack_model: oneDNN's float32 copy, from PREPACK_MIN_ROWS rows
+        if packed is not None and hidden.shape[0] >= PREPACK_MIN_ROWS:
+            logits = packed_linear(hidden, packed)
+        else:
+            logits = linear(hidden, weight)
         if self.tp.enabled:  # each rank its vocabulary slice; every rank gets all of them
-            return all_gather_last(linear(hidden, weight).float(), self.tp.size)[:, : self.vocab_size]
-        return linear(hidden, weight).float()
+            return all_gather_last(logits.float(), self.tp.size)[:, : self.vocab_size]
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors into the (fused) parameters; see weights.py."""
@@ -202,6 +211,22 @@ class LlamaForCausalLM(nn.Module):
             device=device,
             tp=tp,
         )
+
+
+def prepack_model(model: LlamaForCausalLM) -> int:
+    """Gives every float32 CPU Linear and the vocabulary head oneDNN's packed copy
+    (`prepack_weight`, used for steps of >= PREPACK_MIN_ROWS rows); returns the bytes added,
+    0 where torch has no oneDNN or the weights are not float32 on CPU."""
+    added = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
+            module.packed = prepack_weight(module.weight)
+            added += 0 if module.packed is None else module.weight.nbytes
+    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    if head.dtype == torch.float32 and head.device.type == "cpu":
+        model.head_packed = model.lm_head.packed if model.lm_head is not None else prepack_weight(head)
+        added += 0 if model.head_packed is None or model.lm_head is not None else head.nbytes
+    return added
 
 
 class MistralForCausalLM(LlamaForCausalLM):
