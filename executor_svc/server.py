@@ -34,7 +34,7 @@ from chunkserve_contracts.flags import config_to_argv
 from chunkserve_contracts.ownership import port_in_use
 from executor_svc.config import ExecutorConfig
 from executor_svc.model_loader import load_model, resolve_model
-from executor_svc.models.layers import PREPACK_MIN_ROWS, set_cpu_gemm_row_padding
+from executor_svc.models.layers import PREPACK_MIN_ROWS, prepack_measured, set_cpu_gemm_row_padding
 from executor_svc.models.llama import prepack_model
 from executor_svc.models.quant import default_rules, half_weights_model, native_bf16, quantize_model
 from executor_svc.parallel import (
@@ -197,10 +197,18 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
             native_bf16(),
         )
     if config.cpu_gemm_prepack and device.type == "cpu" and dtype == torch.float32:
-        added = prepack_model(model)
-        log.info(
-            "float32 linears: oneDNN packed copies for steps of >= %d tokens (+%.0f MB)", PREPACK_MIN_ROWS, added / 1e6
-        )
+        if prepack_measured():
+            added = prepack_model(model)
+            log.info(
+                "float32 linears: oneDNN packed copies for steps of >= %d tokens (+%.0f MB)",
+                PREPACK_MIN_ROWS,
+                added / 1e6,
+            )
+        else:
+            log.info(
+                "--cpu-gemm-prepack: not applied, measured faster on AVX512 CPUs only (this one: %s)",
+                torch.backends.cpu.get_cpu_capability(),
+            )
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     # Each rank holds its num_kv_heads / tp.size heads of every block.

@@ -86,6 +86,13 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
 
 
+def prepack_measured() -> bool:
+    """Whether this CPU is of a class where the packed copies were measured faster: AVX512
+    (torch's CPU capability). Not yet measured on AVX2, so `--cpu-gemm-prepack` applies
+    only on AVX512 CPUs for now."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b) on a `prepack_weight` copy: float32 arithmetic (oneDNN's own blocking,
     so the last bits differ from MKL's, as they do between row counts)."""

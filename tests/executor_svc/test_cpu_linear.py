@@ -135,8 +135,9 @@ def test_linear_takes_the_packed_copy_from_its_row_count_on():
 
 @needs_onednn
 def test_prepack_model_covers_every_linear_and_the_head_and_load_follows_the_flag(
-    tiny_configs, hf_model_factory, tiny_model_path, tmp_path
+    tiny_configs, hf_model_factory, tiny_model_path, tmp_path, monkeypatch
 ):
+    import executor_svc.server as server
     from executor_svc.models import get_model_class
     from executor_svc.models.llama import prepack_model
     from executor_svc.server import load
@@ -154,7 +155,10 @@ def test_prepack_model_covers_every_linear_and_the_head_and_load_follows_the_fla
     torch.testing.assert_close(model.compute_logits(hidden).double(), want, rtol=1e-5, atol=1e-5)
 
     common = dict(model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path))
+    monkeypatch.setattr(server, "prepack_measured", lambda: True)  # a CPU class where it was measured
     on = load(ExecutorConfig(**common)).runner.model
     assert on.head_packed is not None and on.model.layers[0].mlp.down_proj.packed is not None
     off = load(ExecutorConfig(cpu_gemm_prepack=False, **common)).runner.model
     assert off.head_packed is None and off.model.layers[0].mlp.down_proj.packed is None
+    monkeypatch.setattr(server, "prepack_measured", lambda: False)  # elsewhere: not applied
+    assert load(ExecutorConfig(**common)).runner.model.head_packed is None
