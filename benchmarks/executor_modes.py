@@ -188,14 +188,14 @@ def main() -> None:
         del runner
     base = args.modes[0]
     print(f"\nmedian of {2} passes; decode steps at context {args.ctx}")
-    head = f"{'mode':10}" + "".join(f"{'B=' + str(b) + ' ms':>11}" for b in args.batch)
-    print(head + f"{'floor ms':>10}{'B=1/floor':>11}{'prefill 512':>13}{'top-1 = ' + base:>17}")
+    head = f"{'mode':18}" + "".join(f"{'B=' + str(b) + ' ms':>11}" for b in args.batch)
+    print(head + f"{'floor ms':>10}{'B=1/floor':>11}{'prefill 512':>13}{'  top-1 = ' + base}")
     for mode, runs in results.items():
         ms = {b: statistics.median(r["decode_ms"][b] for r in runs) for b in args.batch}
         floor = weight_bytes[mode] / (bw * 1e9) * 1000
         prefill = statistics.median(r["prefill_512_ms"] for r in runs)
         agree = statistics.mean(a == b for a, b in zip(runs[0]["tokens"], results[base][0]["tokens"]))
-        row = f"{mode:10}" + "".join(f"{ms[b]:11.1f}" for b in args.batch)
+        row = f"{mode:18}" + "".join(f"{ms[b]:11.1f}" for b in args.batch)
         print(row + f"{floor:10.1f}{ms[1] / floor:11.2f}{prefill:13.0f}{agree:17.2f}")
     for mode, runs in results.items():
         one = statistics.median(r["decode_ms"][1] for r in runs) if 1 in args.batch else float("nan")
