@@ -119,7 +119,8 @@ class ExecutorConfig:
         metadata={
             "help": "float32 CPU linears: keep a second copy of every linear weight and the head in oneDNN's packed "
             "layout and use it for steps of >= 3 tokens, where it is 1.2-2.3x faster than MKL (measured on an "
-            "AVX512-BF16 EPYC, benchmarks/RESULTS.md); costs float32's weight memory once more. Applied on AVX512 CPUs only (not yet measured on others); off saves that "
+            "AVX512-BF16 EPYC, benchmarks/RESULTS.md); costs float32's weight memory once more. Applied on AVX512 CPUs only (not yet measured on others), and not where a "
+            "reduced-precision copy serves every large step (--dtype bfloat16 on an AVX512-BF16 CPU); off saves that "
             "memory"
         },
     )

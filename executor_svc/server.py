@@ -196,7 +196,10 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
             rows,
             native_bf16(),
         )
-    if config.cpu_gemm_prepack and device.type == "cpu" and dtype == torch.float32:
+    # Not where a reduced copy serves every large step (bfloat16 on a native-bf16 CPU): the
+    # packed copy would serve only 3-4 token steps there, for float32's memory once more.
+    reduced_covers_large = rows is not None and rows.max_rows is None
+    if config.cpu_gemm_prepack and device.type == "cpu" and dtype == torch.float32 and not reduced_covers_large:
         if prepack_measured():
             added = prepack_model(model)
             log.info(

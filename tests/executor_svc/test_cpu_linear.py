@@ -160,5 +160,13 @@ def test_prepack_model_covers_every_linear_and_the_head_and_load_follows_the_fla
     assert on.head_packed is not None and on.model.layers[0].mlp.down_proj.packed is not None
     off = load(ExecutorConfig(cpu_gemm_prepack=False, **common)).runner.model
     assert off.head_packed is None and off.model.layers[0].mlp.down_proj.packed is None
+    # --dtype bfloat16 on a native-bf16 CPU serves every large step from its bfloat16 copy:
+    # no packed float32 copy there; without native bf16 its large steps are float32, packed
+    import executor_svc.models.quant as quant
+
+    for native, packed in ((True, False), (False, True)):
+        monkeypatch.setattr(quant, "native_bf16", lambda native=native: native)
+        half = load(ExecutorConfig(dtype="bfloat16", **common)).runner.model
+        assert (half.model.layers[0].mlp.down_proj.packed is not None) is packed
     monkeypatch.setattr(server, "prepack_measured", lambda: False)  # elsewhere: not applied
     assert load(ExecutorConfig(**common)).runner.model.head_packed is None
