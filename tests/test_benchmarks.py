@@ -68,7 +68,7 @@ def test_cpu_gemm_shapes_prints_a_row_per_count_with_its_padding():
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines()[2:]]
     assert [r[:2] for r in rows] == [["1", "2"], ["3", "4"], ["8", "8"]]
-    assert all(len(r) == 7 and all(float(v) > 0 for v in r[2:]) for r in rows)
+    assert all(len(r) == 9 and all(float(v) > 0 for v in r[2:]) for r in rows)
 
 
 def test_step_idle_reads_idle_time_from_a_trace():
