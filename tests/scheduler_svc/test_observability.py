@@ -242,6 +242,10 @@ def test_metrics_and_trace_match_a_scripted_workload(server, tmp_path):
     until(lambda: list(stub.Generate(build_request([7, 8], temperature=0.0, max_tokens=1))) and traces)
     server.assert_idle_and_no_leaks()
     start_step = admin.GetConfig(pb.GetConfigRequest(), timeout=10).effective_step  # the workload's first step
+    # A stream ends before the observers hear of its last step, so the metrics may not have
+    # counted the warm-up's last step yet; its trace arriving says they have (the observers
+    # run in order, metrics then tracer), and only then is `before` taken.
+    until(lambda: any(t.step_id == start_step - 1 for t in list(traces)))
     before, _ = scrape(server)
 
     def workload_traces() -> list[pb.StepTrace]:
