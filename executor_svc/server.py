@@ -34,6 +34,7 @@ from chunkserve_contracts.flags import config_to_argv
 from chunkserve_contracts.ownership import port_in_use
 from executor_svc.config import ExecutorConfig
 from executor_svc.model_loader import load_model, resolve_model
+from executor_svc.models import linear_plan
 from executor_svc.models.layers import PREPACK_MIN_ROWS, prepack_measured, set_cpu_gemm_row_padding
 from executor_svc.models.llama import prepack_model
 from executor_svc.models.quant import default_rules, half_weights_model, native_bf16, quantize_model
@@ -196,10 +197,34 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
             rows,
             native_bf16(),
         )
+    # A measured plan (models/linear_plan) times every kernel the loaded copies allow, so it
+    # gets the packed copies wherever oneDNN is (and drops them if no step size chose them).
+    measure_plan = config.cpu_linear_plan == "measure" and device.type == "cpu" and dtype == torch.float32
+    if measure_plan and tp.enabled:
+        log.info("--cpu-linear-plan measure: not under tensor parallelism (the ranks would need one plan); table")
+        measure_plan = False
     # Not where a reduced copy serves every large step (bfloat16 on a native-bf16 CPU): the
     # packed copy would serve only 3-4 token steps there, for float32's memory once more.
     reduced_covers_large = rows is not None and rows.max_rows is None
-    if config.cpu_gemm_prepack and device.type == "cpu" and dtype == torch.float32 and not reduced_covers_large:
+    if measure_plan:
+        if config.cpu_gemm_prepack:
+            prepack_model(model)
+        measured = linear_plan.measure(
+            model, reduced=reduced, reduced_max_rows=config.quantized_max_rows, padding=config.cpu_gemm_row_padding
+        )
+        freed = linear_plan.apply(model, measured.body, measured.head)
+        packed_bytes = sum(lin.weight.nbytes for lin in linear_plan.decoder_linears(model) if lin.packed is not None)
+        log.info(
+            "CPU linear plan measured in %.1f s (step tokens: kernel): linears %s; head %s; packed float32 "
+            "copies kept: +%.0f MB (%.0f MB not chosen, dropped)",
+            measured.seconds,
+            measured.body,
+            measured.head,
+            packed_bytes / 1e6,
+            freed / 1e6,
+        )
+        log.debug("CPU linear plan, ms per candidate:\n%s", measured.table())
+    elif config.cpu_gemm_prepack and device.type == "cpu" and dtype == torch.float32 and not reduced_covers_large:
         if prepack_measured():
             added = prepack_model(model)
             log.info(

@@ -8,6 +8,7 @@ cost more than loading them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,20 +45,25 @@ def padded_rows(m: int) -> int:
     return 2 if m == 1 else 4 if m == 3 else m
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pad: bool | None = None
+) -> torch.Tensor:
     """y = x W^T + b. In float32 on CPU computed as (W @ x^T)^T with the rows padded as
     `padded_rows` says: with MKL on a 2-core AMD EPYC (W @ x^T) is 20-40% faster than
     x @ W^T for decode-sized batches and never slower, and padding saves up to 2x more
     (batch 1: 35 -> 24 ms for the default model's linears). The result is a transposed
-    view (of the padded product); ops downstream accept strides."""
+    view (of the padded product); ops downstream accept strides. `pad` None follows the
+    process-wide switch (`set_cpu_gemm_row_padding`); True/False is a measured plan's
+    choice (models/linear_plan.py), which keeps the row-major copy below either way."""
     cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32
     if not (cpu_fp32 and x.dim() == 2):
         return F.linear(x, weight, bias)
     m = x.shape[0]
-    p = padded_rows(m) if _ROW_PADDING[0] else m
+    fix_layout = _ROW_PADDING[0] if pad is None else True
+    p = padded_rows(m) if (_ROW_PADDING[0] if pad is None else pad) else m
     if p != m:
         x = F.pad(x, (0, 0, 0, p - m))
-    elif m < 16 and _ROW_PADDING[0]:
+    elif m < 16 and fix_layout:
         # A column-major x (silu(gate) * up of a transposed view is one) sends MKL down a path
         # 3.7x slower at 2-4 rows (90 vs 24 ms for the default model's linears); from 16
         # rows on both layouts cost the same.
@@ -126,6 +132,8 @@ class Linear(nn.Module):
         self.reduced: Any = None
         # prepack_model: oneDNN's blocked float32 copy for steps of >= PREPACK_MIN_ROWS rows
         self.packed: torch.Tensor | None = None
+        # models/linear_plan: the kernel per step size measured at start-up (None: the tables)
+        self.plan: Callable[[int], str] | None = None
         self.tp = tp
         self.tp_dim = tp_dim if tp.enabled else None
 
@@ -136,11 +144,33 @@ class Linear(nn.Module):
         if self.tp_dim == 1:
             y = all_reduce_(self.full_precision(x))
             return y if self.bias is None else y.add_(self.bias)
+        if self.plan is not None and x.dim() == 2:
+            return self.apply_kernel(x, self.plan(x.shape[0]), same_dtype)
         if self.reduced is not None and self.reduced.applies(x):
             if self.bias is None:
                 return self.reduced.matmul(x, same_dtype)
             return self.reduced.matmul(x).add_(self.bias)
         return self.full_precision(x, self.bias)
+
+    def apply_kernel(self, x: torch.Tensor, kernel: str, same_dtype: bool = True) -> torch.Tensor:
+        """This rank's x W^T (+ bias) through one named kernel (models/linear_plan.KERNELS):
+        "mm" / "mm-pad" `linear` without / with row padding, "packed" the oneDNN copy,
+        "reduced" the int4 or 16-bit copy as its class computes it, "half-onednn" the 16-bit
+        copy through oneDNN's F.linear. No tensor-parallel reduction (the caller's)."""
+        bias = self.bias
+        if kernel in ("reduced", "half-onednn"):
+            if kernel == "reduced":
+                y = self.reduced.matmul(x, same_dtype or bias is not None)
+            else:
+                w = self.reduced.weight
+                y = F.linear(x.to(w.dtype), w)
+                y = y.to(x.dtype) if same_dtype or bias is not None else y
+            return y if bias is None else y.add_(bias)
+        if kernel == "packed":
+            return packed_linear(x, self.packed, bias)
+        if kernel in ("mm", "mm-pad"):
+            return linear(x, self.weight, bias, pad=kernel == "mm-pad")
+        raise ValueError(f"unknown linear kernel {kernel!r}")
 
     def full_precision(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) with the model-dtype weights: oneDNN's packed copy from

@@ -8,7 +8,7 @@ dominated by weight reads and per-op overhead, so fewer, larger GEMMs win.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -151,6 +151,7 @@ class LlamaForCausalLM(nn.Module):
         # (16-bit head copy, its RowRule) set by models/quant under the int4 / CPU 16-bit modes
         self.head_reduced: tuple[torch.Tensor, RowRule] | None = None
         self.head_packed: torch.Tensor | None = None  # set by prepack_model (float32 on CPU)
+        self.head_plan: Callable[[int], str] | None = None  # models/linear_plan, measured at start-up
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[T] token ids at [T] absolute positions -> final-normed hidden states [T, hidden]."""
@@ -163,6 +164,8 @@ class LlamaForCausalLM(nn.Module):
         Not necessarily contiguous: on CPU it is the transposed view `linear` returns, and
         copying it (6 MB at 32 rows) only to take a greedy argmax would cost more than the
         argmax; the sampler makes contiguous copies of just the rows that need more."""
+        if self.head_plan is not None and not self.tp.enabled and hidden.dim() == 2:
+            return self.head_kernel(hidden, self.head_plan(hidden.shape[0]))
         head = self.head_reduced  # int4 / 16-bit CPU modes: the steps its rule admits
         if head is not None and head[1](hidden.shape[0]):
             return half_linear(hidden.to(head[0].dtype), head[0]).float()
@@ -175,6 +178,21 @@ class LlamaForCausalLM(nn.Module):
         if self.tp.enabled:  # each rank its vocabulary slice; every rank gets all of them
             return all_gather_last(logits.float(), self.tp.size)[:, : self.vocab_size]
         return logits.float()
+
+    def head_kernel(self, hidden: torch.Tensor, kernel: str) -> torch.Tensor:
+        """float32 logits through one named kernel (models/linear_plan.KERNELS), as
+        `Linear.apply_kernel` for the head: its 16-bit copy ("reduced": `half_linear`,
+        "half-onednn": F.linear), the packed copy, or the float32 weights ("mm", "mm-pad")."""
+        if kernel in ("reduced", "half-onednn"):
+            w = self.head_reduced[0]
+            h = hidden.to(w.dtype)
+            return (half_linear(h, w) if kernel == "reduced" else F.linear(h, w)).float()
+        if kernel == "packed":
+            return packed_linear(hidden, self.head_packed)
+        if kernel in ("mm", "mm-pad"):
+            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            return linear(hidden, weight, pad=kernel == "mm-pad").float()
+        raise ValueError(f"unknown head kernel {kernel!r}")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors into the (fused) parameters; see weights.py."""

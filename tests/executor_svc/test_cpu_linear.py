@@ -82,7 +82,10 @@ def test_the_executor_flag_sets_the_switch(tiny_model_path, tmp_path):
     import executor_svc.models.layers as layers
     from executor_svc.server import load
 
-    common = dict(model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path))
+    common = dict(
+        model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path),
+        cpu_linear_plan="table",  # the tables (the measured plan: test_linear_plan.py)
+    )  # fmt: skip
     load(ExecutorConfig(cpu_gemm_row_padding=False, **common))
     assert layers._ROW_PADDING[0] is False
     load(ExecutorConfig(**common))
@@ -154,7 +157,10 @@ def test_prepack_model_covers_every_linear_and_the_head_and_load_follows_the_fla
     want = hidden.double() @ model.model.embed_tokens.weight.double().t()
     torch.testing.assert_close(model.compute_logits(hidden).double(), want, rtol=1e-5, atol=1e-5)
 
-    common = dict(model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path))
+    common = dict(
+        model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path),
+        cpu_linear_plan="table",  # the tables (the measured plan: test_linear_plan.py)
+    )  # fmt: skip
     monkeypatch.setattr(server, "prepack_measured", lambda: True)  # a CPU class where it was measured
     on = load(ExecutorConfig(**common)).runner.model
     assert on.head_packed is not None and on.model.layers[0].mlp.down_proj.packed is not None

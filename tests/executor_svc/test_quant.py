@@ -202,7 +202,10 @@ def test_half_weights_model_covers_every_linear_and_the_head(tiny_configs, hf_mo
 def test_cpu_16_bit_dtype_loads_float32_model_with_16_bit_copies(tiny_model_path, tmp_path, dtype):
     from executor_svc.server import load
 
-    common = dict(model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path))
+    common = dict(
+        model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path),
+        cpu_linear_plan="table",  # the tables (the measured plan: test_linear_plan.py)
+    )  # fmt: skip
     loaded = load(ExecutorConfig(dtype=dtype, **common))
     assert loaded.handshake.dtype == f"float32+{dtype}"
     runner = loaded.runner

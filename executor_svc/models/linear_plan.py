@@ -1,0 +1,234 @@
+"""Which kernel computes a CPU linear for a step of M token rows, measured on this machine at
+start-up (`--cpu-linear-plan measure`, the default on CPU) instead of read from a table.
+
+Why measure: the fastest kernel per row count differs by CPU far more than a feature flag
+predicts. On the three 2-core machines measured so far (benchmarks/RESULTS.md, "A linear
+plan measured at start-up"), the default model's linears applied once at one row took:
+AVX2 EPYC float32 35 ms as it is vs 24 padded to 2 rows (so `padded_rows` pads); AVX512-BF16
+EPYC (Zen 4) float32 20 vs bfloat16 10; AMX Xeon float32 19-26 as it is vs 50-55 padded (the
+padding rule of the first machine doubles the third's batch-1 step) and bfloat16 24, no
+faster than float32 there although it has the "native" bfloat16 instruction the tables key
+on. A table per CPU class needs a new row for every new class and is wrong where one class
+hides two behaviours (MKL on AMD vs Intel); a measurement costs a few seconds at start-up.
+
+What is measured: for each bucket of row counts (`BUCKETS`; a step of M rows takes the
+plan of the smallest bucket >= M, the last one above it), every candidate kernel that the
+loaded copies allow (`candidates`) runs all of the model's decoder linears on one input of
+that many rows (the whole model, so that the weights stream from memory as they do in a
+step, not from a cache that one layer would fit in), and the vocabulary head separately;
+the minimum over `reps` runs counts (noise on a shared machine only adds time). The
+kernel that wins keeps the bucket, except that an earlier candidate (float32 before a
+reduced copy, the plain product before padding or packing) stays unless a later one is at
+least `MARGIN` faster (`choose`). Each kernel computes float32 products or the mode's
+reduced ones, so the plan changes speed, not the mode's contract: float32 kernels differ
+from one another in the last bits only (they already did between row counts); the reduced
+kernels are the mode's measured agreement with float32 (int4 capped to steps of
+`INT4_MAX_ROWS`: prefilling through int4 loses too much, see models/quant.py).
+
+`--cpu-linear-plan table` keeps the measured-per-class tables (`padded_rows`,
+`PREPACK_MIN_ROWS`, models/quant.ROW_RULES) and skips the measurement (tests that pin a
+path use it; so does tensor parallelism, whose ranks would have to agree on one plan).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from executor_svc.models.layers import Linear, padded_rows
+
+BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+# preference order: an earlier kernel keeps a bucket unless a later one is MARGIN faster
+KERNELS = ("mm", "mm-pad", "packed", "reduced", "half-onednn")
+MARGIN = 0.05
+INT4_MAX_ROWS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The kernel for a step of `m` rows: that of the smallest bucket >= m (the last above)."""
+
+    buckets: tuple[int, ...]
+    kernels: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.buckets) != len(self.kernels) or not self.buckets:
+            raise ValueError("a plan needs one kernel per bucket")
+        if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
+            raise ValueError(f"plan buckets must be increasing and >= 1, got {self.buckets}")
+
+    def __call__(self, m: int) -> str:
+        return self.kernels[min(bisect.bisect_left(self.buckets, m), len(self.buckets) - 1)]
+
+    def __str__(self) -> str:
+        """Runs of equal kernels, e.g. "1: mm, 2-4: reduced, 5+: packed"."""
+        parts, start = [], 1
+        for i, (b, k) in enumerate(zip(self.buckets, self.kernels, strict=True)):
+            last = i == len(self.buckets) - 1
+            if last or self.kernels[i + 1] != k:
+                span = f"{start}+" if last else (str(b) if b == start else f"{start}-{b}")
+                parts.append(f"{span}: {k}")
+                start = b + 1
+        return ", ".join(parts)
+
+
+def choose(costs: dict[str, float], margin: float = MARGIN) -> str:
+    """The kernel for one bucket from its measured seconds: walk the candidates in KERNELS
+    order; a later one replaces the current choice only if it is faster by more than
+    `margin` (a tie keeps the exact-float32, unpadded, unpacked kernel)."""
+    best = None
+    for k in sorted(costs, key=KERNELS.index):
+        if best is None or costs[k] < costs[best] * (1 - margin):
+            best = k
+    if best is None:
+        raise ValueError("no candidate kernel was measured")
+    return best
+
+
+def candidates(m: int, *, padding: bool, packed: bool, reduced: str | None, reduced_max_rows: int | None) -> list[str]:
+    """The kernels worth timing at `m` rows given the copies loaded: "mm-pad" only where
+    `padded_rows` changes m; "reduced" within the mode's row cap (--quantized-max-rows, or
+    INT4_MAX_ROWS for int4); "half-onednn" only from 12 rows (below it `half_linear` is
+    oneDNN's F.linear already, or at one row the GEMV that beats it)."""
+    out = ["mm"]
+    if padding and padded_rows(m) != m:
+        out.append("mm-pad")
+    if packed:
+        out.append("packed")
+    cap = reduced_max_rows if reduced_max_rows is not None else (INT4_MAX_ROWS if reduced == "int4" else None)
+    if reduced is not None and (cap is None or m <= cap):
+        out.append("reduced")
+        if reduced != "int4" and m >= 12:
+            out.append("half-onednn")
+    return out
+
+
+# (part, kernel, rows, run, before) -> seconds of `run`; `before` runs untimed ahead of each run
+Clock = Callable[[str, str, int, Callable[[], Any], Callable[[], Any]], float]
+
+
+def min_time(reps: int) -> Clock:
+    """A clock that runs the candidate once to warm it, then `reps` times, each after
+    `before`, and returns the fastest run's seconds."""
+
+    def clock(part: str, kernel: str, m: int, run: Callable[[], Any], before: Callable[[], Any]) -> float:
+        run()
+        best = float("inf")
+        for _ in range(reps):
+            before()
+            t0 = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    return clock
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass
+class Measured:
+    body: Plan
+    head: Plan
+    costs: dict[tuple[str, int], dict[str, float]]  # (part, bucket) -> kernel -> seconds
+    seconds: float  # the measurement's own wall time
+
+    def table(self) -> str:
+        """One line per part and bucket: each candidate's milliseconds, the choice starred."""
+        lines = []
+        for (part, m), costs in self.costs.items():
+            chosen = (self.body if part == "linears" else self.head)(m)
+            cells = [f"{k}{'*' if k == chosen else ''} {v * 1e3:.1f}" for k, v in costs.items()]
+            lines.append(f"{part:7} {m:4}: " + "  ".join(cells))
+        return "\n".join(lines)
+
+
+def decoder_linears(model: torch.nn.Module) -> list[Linear]:
+    """Every Linear of the decoder layers (the head is measured on its own)."""
+    return [m for name, m in model.named_modules() if isinstance(m, Linear) and "lm_head" not in name]
+
+
+@torch.inference_mode()
+def measure(
+    model: Any,
+    *,
+    reduced: str | None = None,
+    reduced_max_rows: int | None = None,
+    padding: bool = True,
+    buckets: Sequence[int] = BUCKETS,
+    clock: Clock | None = None,
+    reps: int = 3,
+) -> Measured:
+    """Times every candidate kernel per bucket on `model` (a LlamaForCausalLM on CPU, its
+    copies loaded: `Linear.packed` / `head_packed`, `Linear.reduced` / `head_reduced`) and
+    returns the plans; `reduced` names the mode of the reduced copies ("int4", "bfloat16",
+    "float16", or None). `clock` (tests) replaces the timing."""
+    t0 = time.perf_counter()
+    clock = clock or min_time(reps)
+    linears = decoder_linears(model)
+    packed = bool(linears) and all(lin.packed is not None for lin in linears)
+    gen = torch.Generator().manual_seed(0)
+    costs: dict[tuple[str, int], dict[str, float]] = {}
+    body, head = [], []
+    hidden = model.config.hidden_size
+    one_row = {n: torch.randn(1, n, generator=gen) for n in {lin.weight.shape[1] for lin in linears}}
+
+    def flush() -> None:
+        """What precedes the head in a step, the decoder's linears (one row, float32): without
+        it the head, timed alone and repeatedly, would stay in a large L3 cache (113 MB in
+        float32 for the default model) and look faster than in a step, the more so the more
+        bytes it reads (measured: float32's head 3.4 ms vs bfloat16's 4.0 without)."""
+        for lin in linears:
+            lin.apply_kernel(one_row[lin.weight.shape[1]], "mm")
+
+    for m in buckets:
+        xs = {n: torch.randn(m, n, generator=gen) for n in {lin.weight.shape[1] for lin in linears}}
+
+        def run_body(kernel: str, xs: dict[int, torch.Tensor] = xs) -> None:
+            for lin in linears:
+                lin.apply_kernel(xs[lin.weight.shape[1]], kernel)
+
+        opts = candidates(m, padding=padding, packed=packed, reduced=reduced, reduced_max_rows=reduced_max_rows)
+        c = {k: clock("linears", k, m, lambda k=k: run_body(k), _nothing) for k in opts}
+        costs[("linears", m)] = c
+        body.append(choose(c))
+        h = torch.randn(m, hidden, generator=gen)
+        head_opts = candidates(
+            m,
+            padding=padding,
+            packed=model.head_packed is not None,
+            reduced=None if model.head_reduced is None else "bfloat16",  # int4's head copy is 16-bit
+            reduced_max_rows=reduced_max_rows if reduced != "int4" else None,
+        )
+        c = {k: clock("head", k, m, lambda k=k, h=h: model.head_kernel(h, k), flush) for k in head_opts}
+        costs[("head", m)] = c
+        head.append(choose(c))
+    return Measured(
+        Plan(tuple(buckets), tuple(body)), Plan(tuple(buckets), tuple(head)), costs, time.perf_counter() - t0
+    )
+
+
+def apply(model: Any, body: Plan, head: Plan) -> int:
+    """Sets the plans on the model's decoder linears and head, and drops the packed float32
+    copies no bucket chose (their memory: float32's weights once more); returns bytes freed."""
+    freed = 0
+    for lin in decoder_linears(model):
+        lin.plan = body
+        if "packed" not in body.kernels and lin.packed is not None:
+            freed += lin.weight.nbytes
+            lin.packed = None
+    model.head_plan = head
+    if "packed" not in head.kernels and model.head_packed is not None:
+        weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        freed += weight.nbytes
+        model.head_packed = None
+        if model.lm_head is not None:
+            model.lm_head.packed = None
+    return freed

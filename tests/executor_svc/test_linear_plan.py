@@ -1,0 +1,237 @@
+"""The CPU linear plan measured at start-up (models/linear_plan.py, `--cpu-linear-plan`).
+
+Nothing here depends on timing: the measurement's clock is replaced by one that returns
+chosen costs (and still runs every candidate), so the tests assert which plan a set of
+costs gives, that every kernel computes the product it names, that a model follows its
+plan, and that load() measures by default and keeps the tables with `table`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from executor_svc.config import ExecutorConfig
+from executor_svc.models import get_model_class
+from executor_svc.models import linear_plan as lp
+from executor_svc.models.layers import Linear, padded_rows, prepack_weight
+from executor_svc.models.llama import prepack_model
+from executor_svc.models.quant import RowRule, half_weights_model, quantize_model
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@st.composite
+def plans(draw):
+    buckets = sorted(draw(st.sets(st.integers(1, 300), min_size=1, max_size=8)))
+    kernels = draw(st.lists(st.sampled_from(lp.KERNELS), min_size=len(buckets), max_size=len(buckets)))
+    return lp.Plan(tuple(buckets), tuple(kernels))
+
+
+@given(plans(), st.integers(1, 1000))
+def test_a_step_takes_the_kernel_of_the_smallest_bucket_at_or_above_it(plan, m):
+    above = [i for i, b in enumerate(plan.buckets) if b >= m]
+    want = plan.kernels[above[0]] if above else plan.kernels[-1]
+    assert plan(m) == want
+
+
+def test_plan_text_and_validation():
+    plan = lp.Plan((1, 2, 4, 8, 16), ("mm", "packed", "packed", "reduced", "reduced"))
+    assert str(plan) == "1: mm, 2-4: packed, 5+: reduced"
+    assert str(lp.Plan((1, 3), ("mm", "mm"))) == "1+: mm"
+    for buckets, kernels in (((), ()), ((1, 2), ("mm",)), ((2, 1), ("mm", "mm")), ((0, 2), ("mm", "mm"))):
+        with pytest.raises(ValueError):
+            lp.Plan(buckets, kernels)
+
+
+@given(
+    st.dictionaries(st.sampled_from(lp.KERNELS), st.floats(1e-4, 1.0), min_size=1), st.sampled_from([0.0, 0.05, 0.2])
+)
+def test_choose_prefers_the_earlier_kernel_unless_a_later_one_wins_by_the_margin(costs, margin):
+    best = lp.choose(costs, margin)
+    order = sorted(costs, key=lp.KERNELS.index)
+    assert best in costs and costs[best] <= costs[order[0]]
+    # nothing is more than the margin faster than the choice
+    assert all(costs[k] >= costs[best] * (1 - margin) for k in costs)
+    if margin == 0.0:  # the fastest, the earliest among equals
+        assert best == min(order, key=lambda k: costs[k])
+
+
+def test_candidates_follow_the_copies_and_the_caps():
+    base = dict(padding=True, packed=False, reduced=None, reduced_max_rows=None)
+    assert [m for m in range(1, 40) if "mm-pad" in lp.candidates(m, **base)] == [
+        m for m in range(1, 40) if padded_rows(m) != m
+    ]
+    assert lp.candidates(1, **{**base, "padding": False}) == ["mm"]
+    assert "packed" in lp.candidates(2, **{**base, "packed": True})
+    int4 = {**base, "reduced": "int4"}
+    assert [m for m in (1, 8, 32, 33, 128) if "reduced" in lp.candidates(m, **int4)] == [1, 8, 32]
+    assert "half-onednn" not in lp.candidates(16, **int4)  # int4 has one reduced kernel
+    bf16 = {**base, "reduced": "bfloat16"}
+    assert "reduced" in lp.candidates(512, **bf16)
+    assert [m for m in (1, 11, 12, 64) if "half-onednn" in lp.candidates(m, **bf16)] == [12, 64]
+    assert "reduced" not in lp.candidates(5, **{**bf16, "reduced_max_rows": 4})
+
+
+def _model(tiny_configs, hf_model_factory, name="llama", seed=0):
+    torch.manual_seed(seed)
+    config = tiny_configs[name]()
+    hf = hf_model_factory(config)
+    model = get_model_class(config)(config, "torch", torch.float32, torch.device("cpu"))
+    model.load_weights(hf.state_dict().items())
+    return model
+
+
+def _with_copies(model, mode):
+    if mode == "int4":
+        quantize_model(model, "int4", RowRule(8))
+    elif mode in ("bfloat16", "float16"):
+        half_weights_model(model, mode, RowRule(1))
+    if torch.backends.mkldnn.is_available():
+        prepack_model(model)
+    return model
+
+
+@needs_onednn
+@pytest.mark.parametrize("mode", [None, "int4", "bfloat16", "float16"])
+@pytest.mark.parametrize("m", [1, 3, 12, 40])
+def test_every_kernel_computes_the_product_it_names(tiny_configs, hf_model_factory, mode, m):
+    model = _with_copies(_model(tiny_configs, hf_model_factory, "llama_bias_headdim"), mode)
+    tol = {None: 1e-5, "int4": 0.15, "bfloat16": 0.03, "float16": 0.005}[mode]
+    cands = lp.candidates(m, padding=True, packed=True, reduced=mode, reduced_max_rows=None)
+    for lin in lp.decoder_linears(model):
+        x = torch.randn(m, lin.weight.shape[1])
+        want = x.double() @ lin.weight.double().t() + lin.bias.double()
+        scale = want.abs().max().item()
+        for k in cands:
+            got = lin.apply_kernel(x, k)
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            err = (got.double() - want).abs().max().item() / scale
+            assert err <= (tol if k in ("reduced", "half-onednn") else 1e-5), (k, err)
+    head = model.lm_head.weight.double()
+    h = torch.randn(m, model.config.hidden_size)
+    head_cands = lp.candidates(
+        m, padding=True, packed=True, reduced=None if mode is None else "bfloat16", reduced_max_rows=None
+    )
+    for k in head_cands:
+        want = h.double() @ head.t()
+        err = (model.head_kernel(h, k).double() - want).abs().max().item() / want.abs().max().item()
+        assert err <= (0.03 if k in ("reduced", "half-onednn") else 1e-5), (k, err)
+
+
+def _fake_clock(cost, calls):
+    """A clock that runs the candidate (and what precedes it) and returns cost(part, kernel, m)."""
+
+    def clock(part, kernel, m, run, before):
+        before()
+        run()
+        calls.append((part, kernel, m))
+        return cost(part, kernel, m)
+
+    return clock
+
+
+@needs_onednn
+def test_measure_picks_by_cost_and_times_every_candidate_of_every_bucket(tiny_configs, hf_model_factory):
+    model = _with_copies(_model(tiny_configs, hf_model_factory), "bfloat16")
+
+    def cost(part, kernel, m):  # packed wins from 3 rows, the 16-bit copy from 16, mm at 1-2
+        table = {"mm": 1.0, "mm-pad": 1.2, "packed": 0.5 if m >= 3 else 1.5, "reduced": 0.2 if m >= 16 else 2.0}
+        return table.get(kernel, 3.0) if part == "linears" else (0.1 if kernel == "reduced" else 1.0)
+
+    calls: list = []
+    buckets = (1, 2, 3, 4, 16, 32)
+    measured = lp.measure(model, reduced="bfloat16", buckets=buckets, clock=_fake_clock(cost, calls))
+    assert measured.body == lp.Plan(buckets, ("mm", "mm", "packed", "packed", "reduced", "reduced"))
+    assert measured.head == lp.Plan(buckets, ("reduced",) * 6)
+    for part in ("linears", "head"):
+        for m in buckets:
+            want = lp.candidates(m, padding=True, packed=True, reduced="bfloat16", reduced_max_rows=None)
+            assert [k for p, k, b in calls if p == part and b == m] == want
+    assert set(measured.costs) == {(p, m) for p in ("linears", "head") for m in buckets}
+    assert "packed*" in measured.table() and "reduced*" in measured.table()
+
+
+@needs_onednn
+def test_apply_routes_every_linear_and_the_head_and_drops_unchosen_packed_copies(tiny_configs, hf_model_factory):
+    """Routing made visible: each kernel's copy holds *other* weights, so a result says which
+    copy the step used."""
+    model = _with_copies(_model(tiny_configs, hf_model_factory), None)
+    lin = model.model.layers[1].self_attn.o_proj
+    other = torch.randn_like(lin.weight)
+    lin.packed = prepack_weight(other)
+    # not what the tables would do (they pack from 3 rows on)
+    freed = lp.apply(model, lp.Plan((1, 4, 8), ("packed", "mm", "packed")), lp.Plan((1,), ("mm",)))
+    assert freed == model.lm_head.weight.nbytes  # the head's packed copy: chosen for no step
+    assert model.head_packed is None and model.lm_head.packed is None
+    assert all(x.packed is not None and x.plan is not None for x in lp.decoder_linears(model))
+    for m in range(1, 12):
+        x = torch.randn(m, lin.weight.shape[1])
+        want = x @ (lin.weight if 2 <= m <= 4 else other).t()
+        torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
+    lp.apply(model, lp.Plan((1,), ("mm",)), lp.Plan((1,), ("mm",)))
+    assert all(x.packed is None for x in lp.decoder_linears(model))
+    other_head = torch.randn_like(model.lm_head.weight)
+    model.head_packed = prepack_weight(other_head)
+    lp.apply(model, lp.Plan((1,), ("mm",)), lp.Plan((1, 2), ("mm", "packed")))
+    for m in (1, 2, 5):
+        h = torch.randn(m, model.config.hidden_size)
+        want = h @ (model.lm_head.weight if m == 1 else other_head).t()
+        torch.testing.assert_close(model.compute_logits(h), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_any_plan_gives_the_float32_logits(tiny_configs, hf_model_factory, paged_runner, data):
+    """Whatever the measurement picks among float32 kernels, a step's logits are the float32
+    ones to rounding: the plan changes speed, not the result (the fixtures are factories)."""
+    model = _with_copies(_model(tiny_configs, hf_model_factory, "smollm_tied", seed=3), None)
+    kernels = ("mm", "mm-pad", "packed")
+    buckets = (1, 2, 4, 8)
+    body = lp.Plan(buckets, tuple(data.draw(st.sampled_from(kernels)) for _ in buckets))
+    head = lp.Plan(buckets, tuple(data.draw(st.sampled_from(kernels)) for _ in buckets))
+    m = data.draw(st.integers(1, 12))
+    tokens = torch.randint(0, model.config.vocab_size, (m,)).tolist()
+
+    def logits():
+        hidden = paged_runner(model, block_size=4).step({0: tokens})[0]
+        with torch.inference_mode():
+            return model.compute_logits(hidden)
+
+    want = logits()
+    lp.apply(model, body, head)
+    torch.testing.assert_close(logits(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_load_measures_by_default_and_keeps_the_tables_with_table(tiny_model_path, tmp_path, monkeypatch):
+    from executor_svc import server
+
+    common = dict(model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path))
+    seen = {}
+
+    def fake_measure(model, **kw):  # the real one, with a clock that says "mm" always wins
+        seen.update(kw)
+        return real(model, clock=_fake_clock(lambda p, k, m: 0.1 if k == "mm" else 1.0, []), **kw)
+
+    real = lp.measure
+    monkeypatch.setattr(lp, "measure", fake_measure)
+    model = server.load(ExecutorConfig(quantization="int4", **common)).runner.model
+    assert seen == {"reduced": "int4", "reduced_max_rows": None, "padding": True}
+    assert set(model.head_plan.kernels) == {"mm"} and model.head_packed is None  # unchosen: dropped
+    assert all(lin.plan is model.model.layers[0].mlp.down_proj.plan for lin in lp.decoder_linears(model))
+    seen.clear()
+    table = server.load(ExecutorConfig(cpu_linear_plan="table", **common)).runner.model
+    assert not seen and table.head_plan is None and table.model.layers[0].mlp.down_proj.plan is None
+    with pytest.raises(ValueError, match="--cpu-linear-plan"):
+        ExecutorConfig(cpu_linear_plan="fastest")
+
+
+def test_linear_without_a_plan_keeps_its_rules():
+    lin = Linear(32, 16, False, torch.float32, "cpu")
+    lin.weight.data.normal_()
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(lin(x), x @ lin.weight.t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown linear kernel"):
+        lin.apply_kernel(x, "fastest")
