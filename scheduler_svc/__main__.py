@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -40,8 +41,19 @@ async def _serve(config: SchedulerConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     orphaned = threading.Event()
     if tie_to_parent(orphaned) is not None:  # started by a launcher: stop when it dies
-        loop.run_in_executor(None, orphaned.wait).add_done_callback(lambda _: stop.set())
-    await run_forever(config, stop)
+        # A daemon thread, not the loop's default executor: closing the loop joins that
+        # executor's threads, and one blocked on this event held every SIGTERM'd scheduler
+        # started by a launcher until it was killed.
+        def stop_when_orphaned() -> None:
+            orphaned.wait()
+            with contextlib.suppress(RuntimeError):  # the loop is closed: it stopped already
+                loop.call_soon_threadsafe(stop.set)
+
+        threading.Thread(target=stop_when_orphaned, daemon=True, name="orphan-stop").start()
+    try:
+        await run_forever(config, stop)
+    finally:
+        orphaned.set()  # an ordinary shutdown: the parent watchdog returns
 
 
 if __name__ == "__main__":

@@ -406,6 +406,25 @@ def test_launched_pair_survives_its_spawning_thread_and_dies_with_the_process(ti
             _kill(pid)
 
 
+def test_a_launched_pair_exits_0_on_sigterm(tiny_model_path, tmp_path):
+    """SIGTERM (what Server.stop and a process manager send) ends both children with status
+    0. The scheduler used to wait on its parent watchdog's event in the loop's default
+    executor, which the loop's close joins: it never exited until killed (15 s per server at
+    the end of every test session)."""
+    server = start_server(tmp_path, ["--model", str(tiny_model_path), "--dtype", "float32"], [])
+    try:
+        _generates(server.port)
+        for proc in (server.scheduler, server.executor):
+            proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(ORPHAN_DEADLINE_S)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{proc.args[2]} ignored SIGTERM:\n{server.log.read_text()[-3000:]}") from None
+            assert code == 0, server.log.read_text()[-3000:]
+    finally:
+        server.stop()
+
+
 def test_watchdog_stops_then_exits_hard_when_the_parent_is_gone():
     """tie_to_parent with a parent pid that is not ours: stop is set at once, and a process
     that does not stop within the grace period is ended (exit 1)."""
