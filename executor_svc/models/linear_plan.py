@@ -25,6 +25,15 @@ from one another in the last bits only (they already did between row counts); th
 kernels are the mode's measured agreement with float32 (int4 capped to steps of
 `INT4_MAX_ROWS`: prefilling through int4 loses too much, see models/quant.py).
 
+The plan is kept in the cache folder (`linear-plans/<key>.json` under --cache-dir), keyed by
+what it depends on (`plan_key`: the CPU's model name and features, torch's version and
+thread count, the linears' shapes, the weight mode and the candidates allowed): a later
+start on the same machine reads it instead of measuring again (a few seconds at most
+instead of up to ~15 for the default model), and restarts keep one plan, so a reduced
+mode's tokens do not change between restarts with the noise of a measurement.
+`--cpu-linear-plan remeasure` measures again and replaces the file (after a change the key
+cannot see: a BIOS setting, a busier or quieter machine).
+
 `--cpu-linear-plan table` keeps the measured-per-class tables (`padded_rows`,
 `PREPACK_MIN_ROWS`, models/quant.ROW_RULES) and skips the measurement (tests that pin a
 path use it; so does tensor parallelism, whose ranks would have to agree on one plan).
@@ -33,9 +42,15 @@ path use it; so does tensor parallelism, whose ranks would have to agree on one 
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
+import os
+import platform
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +62,7 @@ BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 KERNELS = ("mm", "mm-pad", "packed", "reduced", "half-onednn")
 MARGIN = 0.05
 INT4_MAX_ROWS = 32
+PLAN_FORMAT = 1  # bump when what a stored plan means changes (kernels, bucket semantics)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,3 +248,82 @@ def apply(model: Any, body: Plan, head: Plan) -> int:
         if model.lm_head is not None:
             model.lm_head.packed = None
     return freed
+
+
+def _cpu_name() -> str:
+    """The CPU's model name and feature flags (two CPUs of one torch capability can want
+    different plans: AVX512 on Zen 4 vs on an AMX Xeon, RESULTS.md)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            fields = dict(
+                line.split(":", 1)
+                for line in f
+                if ":" in line and line.split(":", 1)[0].strip() in ("model name", "flags")
+            )
+    except OSError:
+        return platform.processor() or platform.machine()
+    return " ".join(v.strip() for v in fields.values())
+
+
+def plan_key(
+    model: Any, *, reduced: str | None, reduced_max_rows: int | None, padding: bool, buckets: Sequence[int] = BUCKETS
+) -> dict[str, Any]:
+    """What a measured plan depends on, as stored beside it; its hash names the file."""
+    linears = decoder_linears(model)
+    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return {
+        "format": PLAN_FORMAT,
+        "cpu": _cpu_name(),
+        "torch": torch.__version__,
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "linears": sorted([*shape, n] for shape, n in Counter(tuple(lin.weight.shape) for lin in linears).items()),
+        "head": list(head.shape),
+        "reduced": reduced,
+        "reduced_max_rows": reduced_max_rows,
+        "padding": padding,
+        "packed": bool(linears) and all(lin.packed is not None for lin in linears),
+        "head_packed": model.head_packed is not None,
+        "head_reduced": model.head_reduced is not None,
+        "buckets": list(buckets),
+        "kernels": list(KERNELS),
+        "margin": MARGIN,
+        "int4_max_rows": INT4_MAX_ROWS,
+    }
+
+
+def plan_file(folder: Path | str, key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(folder).expanduser() / f"{digest}.json"
+
+
+def load_plan(path: Path, key: dict[str, Any]) -> tuple[Plan, Plan] | None:
+    """The (body, head) plans stored at `path` for `key`, or None where there is no usable
+    file (absent, unreadable, or written for another key: a hash collision or a hand edit)."""
+    try:
+        stored = json.loads(path.read_text())
+        if stored["key"] != json.loads(json.dumps(key)):
+            return None
+        return Plan(tuple(stored["buckets"]), tuple(stored["body"])), Plan(
+            tuple(stored["buckets"]), tuple(stored["head"])
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store_plan(path: Path, key: dict[str, Any], measured: Measured) -> None:
+    """Writes the plans with their key and each candidate's milliseconds (for a reader who
+    wants to know why), atomically: a concurrent start reads the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "key": key,
+        "buckets": list(measured.body.buckets),
+        "body": list(measured.body.kernels),
+        "head": list(measured.head.kernels),
+        "seconds": round(measured.seconds, 2),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "ms": {f"{part} {m}": {k: round(v * 1e3, 3) for k, v in c.items()} for (part, m), c in measured.costs.items()},
+    }
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)

@@ -3,7 +3,8 @@
 Nothing here depends on timing: the measurement's clock is replaced by one that returns
 chosen costs (and still runs every candidate), so the tests assert which plan a set of
 costs gives, that every kernel computes the product it names, that a model follows its
-plan, and that load() measures by default and keeps the tables with `table`."""
+plan, that load() measures by default (once per machine, model and mode: the plan is kept in
+the cache folder) and keeps the tables with `table`."""
 
 from __future__ import annotations
 
@@ -226,6 +227,59 @@ def test_load_measures_by_default_and_keeps_the_tables_with_table(tiny_model_pat
     assert not seen and table.head_plan is None and table.model.layers[0].mlp.down_proj.plan is None
     with pytest.raises(ValueError, match="--cpu-linear-plan"):
         ExecutorConfig(cpu_linear_plan="fastest")
+
+
+def test_a_kept_plan_is_read_back_for_its_key_only(tiny_configs, hf_model_factory, tmp_path):
+    model = _with_copies(_model(tiny_configs, hf_model_factory), "bfloat16")
+    buckets = (1, 2, 8)
+    kw = dict(reduced="bfloat16", reduced_max_rows=None, padding=True, buckets=buckets)
+    key = lp.plan_key(model, **kw)
+    measured = lp.measure(
+        model, reduced="bfloat16", buckets=buckets, clock=_fake_clock(lambda p, k, m: m if k == "mm" else 1, [])
+    )
+    path = lp.plan_file(tmp_path, key)
+    assert lp.load_plan(path, key) is None  # nothing kept yet
+    lp.store_plan(path, key, measured)
+    assert lp.load_plan(path, key) == (measured.body, measured.head)
+    assert measured.body.kernels != ("mm",) * 3  # the fake costs made a plan that is not the default
+    # whatever the key holds names another file, and a file is used for its own key only
+    for change in ({"reduced": "int4"}, {"padding": False}, {"buckets": [1, 2]}, {"threads": key["threads"] + 1}):
+        other = {**key, **change}
+        assert lp.plan_file(tmp_path, other) != path
+        assert lp.load_plan(path, other) is None
+    assert lp.plan_key(model, **{**kw, "reduced_max_rows": 4}) != key
+    path.write_text("{not json")
+    assert lp.load_plan(path, key) is None
+    assert not list(tmp_path.glob("*.tmp"))  # the atomic write left nothing behind
+
+
+def test_load_keeps_the_measured_plan_for_the_next_start(tiny_model_path, tmp_path, monkeypatch):
+    from executor_svc import server
+
+    common = dict(model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path))
+    calls = []
+    winner = ["packed"]
+
+    def fake_measure(model, **kw):  # the real one; the fake clock makes `winner` the fastest kernel
+        calls.append(kw)
+        return real(model, clock=_fake_clock(lambda p, k, m: 0.1 if k == winner[0] else 1.0, []), **kw)
+
+    real = lp.measure
+    monkeypatch.setattr(lp, "measure", fake_measure)
+
+    def plans(**kw):
+        model = server.load(ExecutorConfig(**common, **kw)).runner.model
+        return model.model.layers[0].mlp.down_proj.plan, model.head_plan
+
+    first = plans()
+    assert len(calls) == 1 and len(list((tmp_path / "linear-plans").glob("*.json"))) == 1
+    winner[0] = "mm"  # a second measurement would now pick another plan
+    assert plans() == first and len(calls) == 1  # read back, not measured
+    again = plans(cpu_linear_plan="remeasure")
+    assert len(calls) == 2 and again != first and set(again[0].kernels) == {"mm"}
+    assert plans() == again and len(calls) == 2  # remeasure replaced the kept plan
+    plans(quantization="int4")  # another mode: its own measurement and file
+    assert len(calls) == 3 and len(list((tmp_path / "linear-plans").glob("*.json"))) == 2
 
 
 def test_linear_without_a_plan_keeps_its_rules():
