@@ -6,8 +6,9 @@ Measures, in this order and in one process:
 - Hugging Face transformers `generate` on the same float32 weights, batch 1, ms per token;
 - per mode (`float32`; `float32-nopad` = `--no-cpu-gemm-row-padding`; `float32-noprepack` =
   `--no-cpu-gemm-prepack`; `int4` = `--quantization int4`; `bfloat16` / `float16` = that
-  `--dtype` on CPU; each with the linear plan measured at load, the default, or with
-  `-table` appended, `--cpu-linear-plan table`): the default model loaded exactly as the
+  `--dtype` on CPU; each with the linear plan measured at load as a first start measures it
+  (`--cpu-linear-plan remeasure`: every load measures, none reads a kept plan), or with
+  `-table` appended, `--cpu-linear-plan table`; the plan and its measuring time are printed): the default model loaded exactly as the
   server loads it (`executor_svc.server.load`), B greedy sequences prefilled to CTX tokens, then
   the median wall time of a whole decode step `ModelRunner.execute(plan)` (validation, metadata,
   forward, logits, sampling, reply proto) at each batch size, and a 512-token prefill chunk;
@@ -85,7 +86,7 @@ def build(mode: str, threads: int):
             dtype=mode if mode in ("bfloat16", "float16") else "float32",
             cpu_gemm_row_padding=mode != "float32-nopad",
             cpu_gemm_prepack=mode != "float32-noprepack",
-            cpu_linear_plan="table" if table else "measure",
+            cpu_linear_plan="table" if table else "remeasure",
             device="cpu",
             kv_cache_memory_gib=1.0,
             swap_space=0.0,
@@ -196,7 +197,10 @@ def main() -> None:
         with torch.inference_mode():
             results[mode].append(run_mode(runner, args.batch, args.ctx, args.steps))
         r = results[mode][-1]
-        print(f"{mode}: " + ", ".join(f"B={b} {ms:.1f} ms" for b, ms in r["decode_ms"].items()), flush=True)
+        model = runner.model
+        plan = model.model.layers[0].mlp.down_proj.plan
+        plan_text = f" (plan: linears {plan}; head {model.head_plan})" if plan is not None else ""
+        print(f"{mode}: " + ", ".join(f"B={b} {ms:.1f} ms" for b, ms in r["decode_ms"].items()) + plan_text, flush=True)
         del runner
     base = args.modes[0]
     print(f"\nmedian of {2} passes; decode steps at context {args.ctx}")
