@@ -16,7 +16,8 @@ plan of the smallest bucket >= M, the last one above it), every candidate kernel
 loaded copies allow (`candidates`) runs all of the model's decoder linears on one input of
 that many rows (the whole model, so that the weights stream from memory as they do in a
 step, not from a cache that one layer would fit in), and the vocabulary head separately;
-the minimum over `reps` runs counts (noise on a shared machine only adds time). The
+the minimum over `reps` runs counts (noise on a shared machine only adds time), the
+candidates taking turns so that a burst of load falls on all of them. The
 kernel that wins keeps the bucket, except that an earlier candidate (float32 before a
 reduced copy, the plain product before padding or packing) stays unless a later one is at
 least `MARGIN` faster (`choose`). Each kernel computes float32 products or the mode's
@@ -124,25 +125,16 @@ def candidates(m: int, *, padding: bool, packed: bool, reduced: str | None, redu
     return out
 
 
-# (part, kernel, rows, run, before) -> seconds of `run`; `before` runs untimed ahead of each run
+# (part, kernel, rows, run, before) -> seconds of one `run`; `before` runs untimed ahead of it
 Clock = Callable[[str, str, int, Callable[[], Any], Callable[[], Any]], float]
 
 
-def min_time(reps: int) -> Clock:
-    """A clock that runs the candidate once to warm it, then `reps` times, each after
-    `before`, and returns the fastest run's seconds."""
-
-    def clock(part: str, kernel: str, m: int, run: Callable[[], Any], before: Callable[[], Any]) -> float:
-        run()
-        best = float("inf")
-        for _ in range(reps):
-            before()
-            t0 = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - t0)
-        return best
-
-    return clock
+def wall_clock(part: str, kernel: str, m: int, run: Callable[[], Any], before: Callable[[], Any]) -> float:
+    """Seconds of one `run`, after an untimed `before`."""
+    before()
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0
 
 
 def _nothing() -> None:
@@ -180,14 +172,27 @@ def measure(
     padding: bool = True,
     buckets: Sequence[int] = BUCKETS,
     clock: Clock | None = None,
-    reps: int = 3,
+    reps: int = 5,
 ) -> Measured:
     """Times every candidate kernel per bucket on `model` (a LlamaForCausalLM on CPU, its
     copies loaded: `Linear.packed` / `head_packed`, `Linear.reduced` / `head_reduced`) and
     returns the plans; `reduced` names the mode of the reduced copies ("int4", "bfloat16",
     "float16", or None). `clock` (tests) replaces the timing."""
     t0 = time.perf_counter()
-    clock = clock or min_time(reps)
+    clock = clock or wall_clock
+
+    def best_of(part: str, m: int, runs: dict[str, Callable[[], Any]], before: Callable[[], Any]) -> dict[str, float]:
+        """Each candidate's fastest of `reps` runs, the candidates taking turns (A B C A B C
+        ...) after one warm-up run each: a burst of load from another process then falls
+        on all of them, not on whichever happened to be running (noise only adds time)."""
+        for run in runs.values():
+            run()
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(reps):
+            for k, run in runs.items():
+                best[k] = min(best[k], clock(part, k, m, run, before))
+        return best
+
     linears = decoder_linears(model)
     packed = bool(linears) and all(lin.packed is not None for lin in linears)
     gen = torch.Generator().manual_seed(0)
@@ -212,7 +217,7 @@ def measure(
                 lin.apply_kernel(xs[lin.weight.shape[1]], kernel)
 
         opts = candidates(m, padding=padding, packed=packed, reduced=reduced, reduced_max_rows=reduced_max_rows)
-        c = {k: clock("linears", k, m, lambda k=k: run_body(k), _nothing) for k in opts}
+        c = best_of("linears", m, {k: lambda k=k: run_body(k) for k in opts}, _nothing)
         costs[("linears", m)] = c
         body.append(choose(c))
         h = torch.randn(m, hidden, generator=gen)
@@ -223,7 +228,7 @@ def measure(
             reduced=None if model.head_reduced is None else "bfloat16",  # int4's head copy is 16-bit
             reduced_max_rows=reduced_max_rows if reduced != "int4" else None,
         )
-        c = {k: clock("head", k, m, lambda k=k, h=h: model.head_kernel(h, k), flush) for k in head_opts}
+        c = best_of("head", m, {k: lambda k=k, h=h: model.head_kernel(h, k) for k in head_opts}, flush)
         costs[("head", m)] = c
         head.append(choose(c))
     return Measured(

@@ -149,9 +149,25 @@ def test_measure_picks_by_cost_and_times_every_candidate_of_every_bucket(tiny_co
     for part in ("linears", "head"):
         for m in buckets:
             want = lp.candidates(m, padding=True, packed=True, reduced="bfloat16", reduced_max_rows=None)
-            assert [k for p, k, b in calls if p == part and b == m] == want
+            assert [k for p, k, b in calls if p == part and b == m] == want * 5  # 5 rounds, taking turns
     assert set(measured.costs) == {(p, m) for p in ("linears", "head") for m in buckets}
     assert "packed*" in measured.table() and "reduced*" in measured.table()
+
+
+@needs_onednn
+def test_each_candidate_keeps_its_fastest_round(tiny_configs, hf_model_factory):
+    """A burst of load in one round (mm's third, packed's first) does not decide the plan."""
+    model = _with_copies(_model(tiny_configs, hf_model_factory), None)
+    rounds = {"mm": [2.0, 1.0, 9.0, 3.0, 3.0], "packed": [9.0, 0.9, 0.8, 9.0, 9.0]}
+    seen: dict = {}
+
+    def cost(part, kernel, m):
+        n = seen[(part, kernel)] = seen.get((part, kernel), -1) + 1
+        return rounds[kernel][n]
+
+    measured = lp.measure(model, buckets=(4,), padding=False, clock=_fake_clock(cost, []))
+    assert measured.costs[("linears", 4)] == {"mm": 1.0, "packed": 0.8}
+    assert measured.body(4) == "packed" and measured.head(4) == "packed"
 
 
 @needs_onednn
