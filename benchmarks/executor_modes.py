@@ -2,7 +2,8 @@
 
 Measures, in this order and in one process:
 - the floor: read bandwidth (sum over a 1 GiB float32 tensor, best of 5) and the float32 GEMM
-  peak (2048^3 `torch.mm`, best of 5, before and after the modes: the higher);
+  peak (2048^3, the faster of `torch.mm` and oneDNN on a packed weight, best of 5 each, before
+  and after the modes: the higher);
 - Hugging Face transformers `generate` on the same float32 weights, batch 1, ms per token;
 - per mode (`float32`; `float32-nopad` = `--no-cpu-gemm-row-padding`; `float32-noprepack` =
   `--no-cpu-gemm-prepack`; `int4` = `--quantization int4`; `bfloat16` / `float16` = that
@@ -17,8 +18,8 @@ Measures, in this order and in one process:
 
     timeout 1800 .venv/bin/python benchmarks/executor_modes.py [--batch 1 8 32] [--modes float32 int4 bfloat16]
 
-Modes run in the order given, then again reversed (A B B A), and the figures are medians of
-both passes, so drift on a shared machine falls on both alike. Greedy tokens of each mode's
+Modes run in the order given, then again reversed (A B B A; `--repeat N` runs that N
+times), and the figures are medians of all passes, so drift on a shared machine falls on both alike. Greedy tokens of each mode's
 batch-1 run are printed as agreement with float32's (same prompt ids, same positions).
 """
 
@@ -32,7 +33,7 @@ import torch
 
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.config import ExecutorConfig, default_cache_dir
-from executor_svc.models.layers import Linear
+from executor_svc.models.layers import Linear, packed_linear, prepack_weight
 from executor_svc.server import load
 
 
@@ -43,8 +44,14 @@ def read_bandwidth_gbs() -> float:
 
 
 def gemm_peak_gflops(n: int = 2048) -> float:
+    """The faster of torch.mm (MKL) and oneDNN on a packed weight (the executor's
+    `packed_linear`) for n^3: on an AMD CPU MKL's GEMM stays below what oneDNN reaches,
+    and a prefill through the packed copies ran above the MKL-only figure."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     best = min(_timed(lambda: torch.mm(a, b)) for _ in range(5))
+    if torch.backends.mkldnn.is_available():
+        packed = prepack_weight(b)
+        best = min(best, *(_timed(lambda: packed_linear(a, packed)) for _ in range(5)))
     return 2 * n**3 / best / 1e9
 
 
@@ -182,6 +189,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=1, help="run the A..Z, Z..A block this many times (2 passes each)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bw, peak = read_bandwidth_gbs(), gemm_peak_gflops()
@@ -190,7 +198,7 @@ def main() -> None:
     print(f"HF transformers generate, float32, batch 1: {hf_ms:.1f} ms per decoded token", flush=True)
     results: dict[str, list[dict]] = {m: [] for m in args.modes}
     weight_bytes: dict[str, int] = {}
-    for mode in args.modes + args.modes[::-1]:
+    for mode in (args.modes + args.modes[::-1]) * args.repeat:
         runner = build(mode, args.threads)
         weight_bytes[mode] = decode_bytes(runner.model)
         linear_params = sum(m.weight.numel() for m in runner.model.modules() if isinstance(m, Linear))
@@ -207,7 +215,7 @@ def main() -> None:
         print(f"float32 GEMM peak measured again after the modes: {again:.0f} GFLOP/s (the higher one counts)")
         peak = again
     base = args.modes[0]
-    print(f"\nmedian of {2} passes; decode steps at context {args.ctx}")
+    print(f"\nmedian of {2 * args.repeat} passes; decode steps at context {args.ctx}")
     head = f"{'mode':18}" + "".join(f"{'B=' + str(b) + ' ms':>11}" for b in args.batch)
     print(head + f"{'floor ms':>10}{'B=1/floor':>11}{'prefill 512':>13}{'  top-1 = ' + base}")
     for mode, runs in results.items():
