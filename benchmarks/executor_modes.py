@@ -19,7 +19,10 @@ Measures, in this order and in one process:
     timeout 1800 .venv/bin/python benchmarks/executor_modes.py [--batch 1 8 32] [--modes float32 int4 bfloat16]
 
 Modes run in the order given, then again reversed (A B B A; `--repeat N` runs that N
-times), and the figures are medians of all passes, so drift on a shared machine falls on both alike. Greedy tokens of each mode's
+times), and the figures are medians of all passes, so drift on a shared machine falls on both
+alike; or, with `--interleave`, every mode is loaded at once and their decode steps (and three
+512-token prefills) take turns, step by step: on a VM whose speed moves 2x within minutes,
+the only comparison whose ratios hold. Greedy tokens of each mode's
 batch-1 run are printed as agreement with float32's (same prompt ids, same positions).
 """
 
@@ -136,35 +139,28 @@ def run_mode(runner, batches: list[int], ctx: int, steps: int) -> dict:
     greedy = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1)
     out: dict = {"decode_ms": {}, "tokens": None}
     for batch in batches:
-        runner.reset()
-        nb = -(-(ctx + steps + 8) // runner.block_size)
-        ids = list(range(1, batch + 1))
-        for k, sid in enumerate(ids):
-            plan = epb.StepRequest(step_id=k)
-            plan.new_seqs.add(seq_id=sid, sampling=greedy)
-            prompt = [(sid * 7 + i) % 49000 + 10 for i in range(ctx)]
-            plan.seqs.add(
-                seq_id=sid,
-                num_computed_tokens=0,
-                num_new_tokens=ctx,
-                token_ids=prompt,
-                block_ids=list(range(k * nb, (k + 1) * nb)),
-                sample=True,
-            )
-            runner.execute(plan)
+        ids = _prefill(runner, batch, ctx, steps, greedy)
         times, tokens = [], []
         for k in range(steps + 3):
-            seqs = [
-                epb.ScheduledSequence(seq_id=s, num_computed_tokens=ctx + k, num_new_tokens=1, sample=True) for s in ids
-            ]
             t = time.perf_counter()
-            resp = runner.execute(epb.StepRequest(step_id=1000 + k, seqs=seqs))
+            resp = runner.execute(_decode_plan(ids, ctx, k))
             if k >= 3:
                 times.append((time.perf_counter() - t) * 1000)
             tokens.append(resp.sampled[0].token_id)
         out["decode_ms"][batch] = statistics.median(times)
         if batch == 1:
             out["tokens"] = tokens
+    out["prefill_512_ms"] = _prefill_512_ms(runner, greedy)
+    return out
+
+
+def _decode_plan(ids: list[int], ctx: int, k: int):
+    seqs = [epb.ScheduledSequence(seq_id=s, num_computed_tokens=ctx + k, num_new_tokens=1, sample=True) for s in ids]
+    return epb.StepRequest(step_id=1000 + k, seqs=seqs)
+
+
+def _prefill_512_ms(runner, greedy) -> float:
+    """One 512-token prefill chunk from an empty cache, ms."""
     runner.reset()
     plan = epb.StepRequest(step_id=1)
     plan.new_seqs.add(seq_id=1, sampling=greedy)
@@ -178,8 +174,64 @@ def run_mode(runner, batches: list[int], ctx: int, steps: int) -> dict:
     )
     t = time.perf_counter()
     runner.execute(plan)
-    out["prefill_512_ms"] = (time.perf_counter() - t) * 1000
+    return (time.perf_counter() - t) * 1000
+
+
+def _prefill(runner, batch: int, ctx: int, steps: int, greedy) -> list[int]:
+    """B sequences prefilled to `ctx` tokens, one step each; returns their ids."""
+    runner.reset()
+    nb = -(-(ctx + steps + 8) // runner.block_size)
+    ids = list(range(1, batch + 1))
+    for k, sid in enumerate(ids):
+        plan = epb.StepRequest(step_id=k)
+        plan.new_seqs.add(seq_id=sid, sampling=greedy)
+        prompt = [(sid * 7 + i) % 49000 + 10 for i in range(ctx)]
+        plan.seqs.add(
+            seq_id=sid,
+            num_computed_tokens=0,
+            num_new_tokens=ctx,
+            token_ids=prompt,
+            block_ids=list(range(k * nb, (k + 1) * nb)),
+            sample=True,
+        )
+        runner.execute(plan)
+    return ids
+
+
+def run_interleaved(runners: dict, batches: list[int], ctx: int, steps: int) -> dict[str, dict]:
+    """`run_mode` for all modes at once, their steps taking turns (mode order rotated each
+    step): a burst of load on a shared machine falls on every mode alike, which passes
+    minutes apart cannot promise (step times of one mode moved 2x between passes)."""
+    greedy = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1)
+    modes = list(runners)
+    out = {m: {"decode_ms": {}, "tokens": None} for m in modes}
+    for batch in batches:
+        ids = {m: _prefill(runners[m], batch, ctx, steps, greedy) for m in modes}
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        tokens: dict[str, list[int]] = {m: [] for m in modes}
+        for k in range(steps + 3):
+            for m in modes[k % len(modes) :] + modes[: k % len(modes)]:
+                t = time.perf_counter()
+                resp = runners[m].execute(_decode_plan(ids[m], ctx, k))
+                if k >= 3:
+                    times[m].append((time.perf_counter() - t) * 1000)
+                tokens[m].append(resp.sampled[0].token_id)
+        for m in modes:
+            out[m]["decode_ms"][batch] = statistics.median(times[m])
+            if batch == 1:
+                out[m]["tokens"] = tokens[m]
+    prefill: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(3):
+        for m in modes[r % len(modes) :] + modes[: r % len(modes)]:
+            prefill[m].append(_prefill_512_ms(runners[m], greedy))
+    for m in modes:
+        out[m]["prefill_512_ms"] = statistics.median(prefill[m])
     return out
+
+
+def _plan_text(model) -> str:
+    plan = model.model.layers[0].mlp.down_proj.plan
+    return f" (plan: linears {plan}; head {model.head_plan})" if plan is not None else ""
 
 
 def main() -> None:
@@ -189,6 +241,11 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="load every mode at once and time their steps in turn (one pass; memory: all modes' weights)",
+    )
     ap.add_argument("--repeat", type=int, default=1, help="run the A..Z, Z..A block this many times (2 passes each)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -198,24 +255,33 @@ def main() -> None:
     print(f"HF transformers generate, float32, batch 1: {hf_ms:.1f} ms per decoded token", flush=True)
     results: dict[str, list[dict]] = {m: [] for m in args.modes}
     weight_bytes: dict[str, int] = {}
-    for mode in (args.modes + args.modes[::-1]) * args.repeat:
+    if args.interleave:
+        runners = {m: build(m, args.threads) for m in args.modes}
+        for mode, runner in runners.items():
+            weight_bytes[mode] = decode_bytes(runner.model)
+            linear_params = sum(m.weight.numel() for m in runner.model.modules() if isinstance(m, Linear))
+            print(f"{mode}: loaded{_plan_text(runner.model)}", flush=True)
+        with torch.inference_mode():
+            for mode, r in run_interleaved(runners, args.batch, args.ctx, args.steps).items():
+                results[mode].append(r)
+        del runners
+    for mode in [] if args.interleave else (args.modes + args.modes[::-1]) * args.repeat:
         runner = build(mode, args.threads)
         weight_bytes[mode] = decode_bytes(runner.model)
         linear_params = sum(m.weight.numel() for m in runner.model.modules() if isinstance(m, Linear))
         with torch.inference_mode():
             results[mode].append(run_mode(runner, args.batch, args.ctx, args.steps))
         r = results[mode][-1]
-        model = runner.model
-        plan = model.model.layers[0].mlp.down_proj.plan
-        plan_text = f" (plan: linears {plan}; head {model.head_plan})" if plan is not None else ""
-        print(f"{mode}: " + ", ".join(f"B={b} {ms:.1f} ms" for b, ms in r["decode_ms"].items()) + plan_text, flush=True)
+        text = ", ".join(f"B={b} {ms:.1f} ms" for b, ms in r["decode_ms"].items())
+        print(f"{mode}: {text}{_plan_text(runner.model)}", flush=True)
         del runner
     again = gemm_peak_gflops()  # a burst of load at the start must not set the peak low
     if again > peak:
         print(f"float32 GEMM peak measured again after the modes: {again:.0f} GFLOP/s (the higher one counts)")
         peak = again
     base = args.modes[0]
-    print(f"\nmedian of {2 * args.repeat} passes; decode steps at context {args.ctx}")
+    how = "all modes loaded, steps taking turns" if args.interleave else f"median of {2 * args.repeat} passes"
+    print(f"\n{how}; decode steps at context {args.ctx}")
     head = f"{'mode':18}" + "".join(f"{'B=' + str(b) + ' ms':>11}" for b in args.batch)
     print(head + f"{'floor ms':>10}{'B=1/floor':>11}{'prefill 512':>13}{'  top-1 = ' + base}")
     for mode, runs in results.items():
