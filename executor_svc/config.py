@@ -134,7 +134,7 @@ class ExecutorConfig:
         metadata={
             "help": "how a CPU executor picks the kernel of each linear per step size: measure (time every "
             "candidate, float32 as it is / row-padded / oneDNN-packed and the reduced-precision copies, at "
-            "the first start, up to ~15 s for the default model, and keep the plan under --cache-dir/linear-plans "
+            "the first start, 15-25 s for the default model on 2 cores, and keep the plan under --cache-dir/linear-plans "
             "for later starts with the same CPU, torch, threads, model shapes and mode; models/linear_plan.py), "
             "remeasure (measure again and replace the kept plan) or table (the tables measured per CPU class: "
             "--cpu-gemm-row-padding, --cpu-gemm-prepack, --quantized-max-rows). Tensor parallelism uses table"
