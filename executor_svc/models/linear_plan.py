@@ -298,16 +298,21 @@ def plan_key(
 
 
 def plan_file(folder: Path | str, key: dict[str, Any]) -> Path:
+    """Where the plan for `key` is kept: named by the key's hash, so another CPU, thread
+    count, model or mode gets a file of its own beside it."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(folder).expanduser() / f"{digest}.json"
 
 
 def load_plan(path: Path, key: dict[str, Any]) -> tuple[Plan, Plan] | None:
     """The (body, head) plans stored at `path` for `key`, or None where there is no usable
-    file (absent, unreadable, or written for another key: a hash collision or a hand edit)."""
+    file (absent, unreadable, written for another key, or naming a kernel or buckets this
+    version does not have: a hand edit that would otherwise fail every step)."""
     try:
         stored = json.loads(path.read_text())
-        if stored["key"] != json.loads(json.dumps(key)):
+        if stored["key"] != json.loads(json.dumps(key)) or stored["buckets"] != key["buckets"]:
+            return None
+        if not set(stored["body"]) | set(stored["head"]) <= set(KERNELS):
             return None
         return Plan(tuple(stored["buckets"]), tuple(stored["body"])), Plan(
             tuple(stored["buckets"]), tuple(stored["head"])

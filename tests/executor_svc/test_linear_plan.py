@@ -8,6 +8,8 @@ the cache folder) and keeps the tables with `table`."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -264,6 +266,10 @@ def test_a_kept_plan_is_read_back_for_its_key_only(tiny_configs, hf_model_factor
         assert lp.plan_file(tmp_path, other) != path
         assert lp.load_plan(path, other) is None
     assert lp.plan_key(model, **{**kw, "reduced_max_rows": 4}) != key
+    doc = json.loads(path.read_text())
+    for edit in ({"body": ["mm", "fastest", "mm"]}, {"buckets": [1, 2, 9]}, {"head": None}):
+        path.write_text(json.dumps({**doc, **edit}))
+        assert lp.load_plan(path, key) is None, edit
     path.write_text("{not json")
     assert lp.load_plan(path, key) is None
     assert not list(tmp_path.glob("*.tmp"))  # the atomic write left nothing behind
