@@ -10,10 +10,10 @@ Per weight mode (`none` = float32, `int4` = `--quantization int4`, loaded as the
 it) and batch size it prints:
 - the median wall time of a whole `execute()` of a decode step (no profiler);
 - GEMM time: the same 4 x layers + 1 linears (same weights, same shapes, same kernel: the
-  float32 `linear`, or the int4 kernel on bfloat16 activations and the bfloat16 head) run
-  alone, median of the same number of repeats; the non-GEMM share of the step is 1 - GEMM / step;
-- non-GEMM in situ: the same decode steps with every GEMM (float32 `linear`, `F.linear`, the
-  int4 kernel) replaced by a preallocated zero result, so what is left is all the rest of
+  measured plan's for this step size (`--cpu-linear-plan`, the default), else the float32
+  `linear`, or the int4 kernel on bfloat16 activations and the bfloat16 head) run alone, median of the same number of repeats; the non-GEMM share of the step is 1 - GEMM / step;
+- non-GEMM in situ: the same decode steps with every GEMM (float32 `linear`, oneDNN's
+  `packed_linear`, `F.linear`, the int4 kernel) replaced by a preallocated zero result, so what is left is all the rest of
   the step (validation, metadata, embedding, norms, rotary, attention, activations, dtype
   casts, sampling, reply, Python); its share of the real step is the second non-GEMM figure;
 - per-component ms per step: each piece of the step timed alone on the step's real shapes
@@ -143,7 +143,10 @@ def gemm_alone(model, batch: int, repeats: int) -> tuple[float, int]:
             continue
         k = lin.weight.shape[1]
         q = lin.reduced
-        if isinstance(q, HalfWeights) and q.rows(batch):
+        kernel = lin.plan(batch) if lin.plan is not None else None
+        if kernel is not None:  # a measured plan (the default): its kernel, inputs in its dtype
+            calls.append(_planned(lin, kernel, batch))
+        elif isinstance(q, HalfWeights) and q.rows(batch):
             xh = torch.randn(batch, k).to(q.weight.dtype)
             calls.append(lambda q=q, xh=xh: half_linear(xh, q.weight))
         elif q is not None and q.rows(batch):
@@ -153,7 +156,16 @@ def gemm_alone(model, batch: int, repeats: int) -> tuple[float, int]:
             calls.append(lambda w=lin.weight, b=lin.bias, x=torch.randn(batch, k): linear(x, w, b))
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     head_bf16 = model.head_reduced
-    if head_bf16 is not None and head_bf16[1](batch):
+    if model.head_plan is not None:
+        kernel = model.head_plan(batch)
+        x = torch.randn(batch, head.shape[1])
+        if kernel in ("reduced", "half-onednn"):
+            xb = x.to(head_bf16[0].dtype)
+            fn = half_linear if kernel == "reduced" else torch.nn.functional.linear
+            calls.append(lambda xb=xb, fn=fn: fn(xb, head_bf16[0]))
+        else:
+            calls.append(lambda x=x, kernel=kernel: model.head_kernel(x, kernel))
+    elif head_bf16 is not None and head_bf16[1](batch):
         xb = torch.randn(batch, head.shape[1]).to(head_bf16[0].dtype)
         calls.append(lambda: half_linear(xb, head_bf16[0]))
     else:
@@ -169,6 +181,23 @@ def gemm_alone(model, batch: int, repeats: int) -> tuple[float, int]:
     return statistics.median(times), len(calls)
 
 
+def _planned(lin, kernel: str, batch: int):
+    """One linear's GEMM through a measured plan's kernel, its input already in the kernel's
+    dtype (the casts are not GEMM work)."""
+    x = torch.randn(batch, lin.weight.shape[1])
+    q = lin.reduced
+    if kernel == "reduced" and isinstance(q, HalfWeights):
+        xh = x.to(q.weight.dtype)
+        return lambda: half_linear(xh, q.weight)
+    if kernel == "reduced":  # int4
+        xb = x.to(torch.bfloat16)
+        return lambda: torch._weight_int4pack_mm_for_cpu(xb, q.packed, 32, q.scales_and_zeros)
+    if kernel == "half-onednn":
+        xh = x.to(q.weight.dtype)
+        return lambda: torch.nn.functional.linear(xh, q.weight)
+    return lambda: lin.apply_kernel(x, kernel)  # mm, mm-pad, packed: float32 in, float32 out
+
+
 class NoGemm:
     """Context manager: every GEMM of a step (the float32 `linear`, `F.linear`, the int4
     kernel) returns a cached zero tensor of the right shape instead of computing."""
@@ -178,6 +207,7 @@ class NoGemm:
         import executor_svc.models.llama as llama_mod
 
         self.targets = [(layers_mod, "linear"), (llama_mod, "linear"), (torch.nn.functional, "linear")]
+        self.targets += [(layers_mod, "packed_linear"), (llama_mod, "packed_linear")]  # a plan's "packed"
         self.targets.append((torch, "_weight_int4pack_mm_for_cpu"))
         self.saved: list = []
         self.cache: dict = {}
@@ -190,7 +220,8 @@ class NoGemm:
 
     def __enter__(self):
         fakes = {
-            "linear": lambda x, w, b=None: self._zeros(x.shape[0], w.shape[0], x.dtype),
+            "linear": lambda x, w, b=None, pad=None: self._zeros(x.shape[0], w.shape[0], x.dtype),
+            "packed_linear": lambda x, p, b=None: self._zeros(x.shape[0], p.shape[0], x.dtype),
             "_weight_int4pack_mm_for_cpu": lambda x, p, g, sz: self._zeros(x.shape[0], p.shape[0], x.dtype),
         }
         for mod, name in self.targets:
