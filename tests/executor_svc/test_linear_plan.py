@@ -304,6 +304,35 @@ def test_load_keeps_the_measured_plan_for_the_next_start(tiny_model_path, tmp_pa
     assert len(calls) == 3 and len(list((tmp_path / "linear-plans").glob("*.json"))) == 2
 
 
+@needs_onednn
+def test_the_step_profile_script_times_and_zeroes_the_planned_kernels(tiny_configs, hf_model_factory, paged_runner):
+    """benchmarks/decode_step_profile.py splits a step into GEMM and the rest: under a plan
+    its "linears alone" must run the planned kernels and its no-GEMM step must zero every
+    one of them (it missed oneDNN's packed product once and reported a -13% share)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_step_profile.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_step_profile", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = _with_copies(_model(tiny_configs, hf_model_factory, "smollm_tied"), "int4")
+    buckets = (1, 3, 64)
+    lp.apply(model, lp.Plan(buckets, ("reduced", "packed", "mm")), lp.Plan(buckets, ("reduced", "packed", "mm-pad")))
+    for batch in (1, 3, 40):
+        ms, calls = bench.gemm_alone(model, batch, repeats=1)
+        assert calls == 4 * len(model.model.layers) + 1 and ms > 0
+    tokens = [5, 6, 7]
+    with bench.NoGemm():
+        hidden = paged_runner(model, block_size=4).step({0: tokens})[0]
+        with torch.inference_mode():
+            logits = model.compute_logits(hidden)
+            # every GEMM zero: the residual stream is the embedding alone, the logits zero
+            want = model.model.norm(model.model.embed_tokens(torch.tensor(tokens)))
+    torch.testing.assert_close(hidden, want)
+    assert not logits.any()
+
+
 def test_linear_without_a_plan_keeps_its_rules():
     lin = Linear(32, 16, False, torch.float32, "cpu")
     lin.weight.data.normal_()
