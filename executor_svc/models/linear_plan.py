@@ -16,8 +16,9 @@ plan of the smallest bucket >= M, the last one above it), every candidate kernel
 loaded copies allow (`candidates`) runs all of the model's decoder linears on one input of
 that many rows (the whole model, so that the weights stream from memory as they do in a
 step, not from a cache that one layer would fit in), and the vocabulary head separately;
-the minimum over `reps` runs counts (noise on a shared machine only adds time), the
-candidates taking turns so that a burst of load falls on all of them. The
+the minimum over `reps` rounds counts (noise on a shared machine only adds time); each
+round runs every candidate of every bucket in turn, so a candidate's runs are spread over
+the whole measurement and a burst of load or a slow minute falls on all of them alike. The
 kernel that wins keeps the bucket, except that an earlier candidate (float32 before a
 reduced copy, the plain product before padding or packing) stays unless a later one is at
 least `MARGIN` faster (`choose`). Each kernel computes float32 products or the mode's
@@ -180,26 +181,12 @@ def measure(
     "float16", or None). `clock` (tests) replaces the timing."""
     t0 = time.perf_counter()
     clock = clock or wall_clock
-
-    def best_of(part: str, m: int, runs: dict[str, Callable[[], Any]], before: Callable[[], Any]) -> dict[str, float]:
-        """Each candidate's fastest of `reps` runs, the candidates taking turns (A B C A B C
-        ...) after one warm-up run each: a burst of load from another process then falls
-        on all of them, not on whichever happened to be running (noise only adds time)."""
-        for run in runs.values():
-            run()
-        best = dict.fromkeys(runs, float("inf"))
-        for _ in range(reps):
-            for k, run in runs.items():
-                best[k] = min(best[k], clock(part, k, m, run, before))
-        return best
-
     linears = decoder_linears(model)
     packed = bool(linears) and all(lin.packed is not None for lin in linears)
     gen = torch.Generator().manual_seed(0)
-    costs: dict[tuple[str, int], dict[str, float]] = {}
-    body, head = [], []
     hidden = model.config.hidden_size
-    one_row = {n: torch.randn(1, n, generator=gen) for n in {lin.weight.shape[1] for lin in linears}}
+    widths = {lin.weight.shape[1] for lin in linears}
+    one_row = {n: torch.randn(1, n, generator=gen) for n in widths}
 
     def flush() -> None:
         """What precedes the head in a step, the decoder's linears (one row, float32): without
@@ -209,17 +196,16 @@ def measure(
         for lin in linears:
             lin.apply_kernel(one_row[lin.weight.shape[1]], "mm")
 
+    def run_body(kernel: str, xs: dict[int, torch.Tensor]) -> None:
+        for lin in linears:
+            lin.apply_kernel(xs[lin.weight.shape[1]], kernel)
+
+    # (part, bucket) -> (what runs untimed before each run, kernel -> run)
+    work: dict[tuple[str, int], tuple[Callable[[], Any], dict[str, Callable[[], Any]]]] = {}
     for m in buckets:
-        xs = {n: torch.randn(m, n, generator=gen) for n in {lin.weight.shape[1] for lin in linears}}
-
-        def run_body(kernel: str, xs: dict[int, torch.Tensor] = xs) -> None:
-            for lin in linears:
-                lin.apply_kernel(xs[lin.weight.shape[1]], kernel)
-
+        xs = {n: torch.randn(m, n, generator=gen) for n in widths}
         opts = candidates(m, padding=padding, packed=packed, reduced=reduced, reduced_max_rows=reduced_max_rows)
-        c = best_of("linears", m, {k: lambda k=k: run_body(k) for k in opts}, _nothing)
-        costs[("linears", m)] = c
-        body.append(choose(c))
+        work[("linears", m)] = _nothing, {k: lambda k=k, xs=xs: run_body(k, xs) for k in opts}
         h = torch.randn(m, hidden, generator=gen)
         head_opts = candidates(
             m,
@@ -228,12 +214,22 @@ def measure(
             reduced=None if model.head_reduced is None else "bfloat16",  # int4's head copy is 16-bit
             reduced_max_rows=reduced_max_rows if reduced != "int4" else None,
         )
-        c = best_of("head", m, {k: lambda k=k, h=h: model.head_kernel(h, k) for k in head_opts}, flush)
-        costs[("head", m)] = c
-        head.append(choose(c))
-    return Measured(
-        Plan(tuple(buckets), tuple(body)), Plan(tuple(buckets), tuple(head)), costs, time.perf_counter() - t0
-    )
+        work[("head", m)] = flush, {k: lambda k=k, h=h: model.head_kernel(h, k) for k in head_opts}
+    # One warm-up run of each, then `reps` rounds over everything: a candidate's runs are
+    # spread over the whole measurement (seconds), not over the ~1 s of its bucket, and the
+    # candidates of a bucket take turns, so neither a burst of load nor a slow minute on a
+    # shared machine lands on one candidate alone (noise only adds time: the fastest counts).
+    for _, runs in work.values():
+        for run in runs.values():
+            run()
+    costs = {key: dict.fromkeys(runs, float("inf")) for key, (_, runs) in work.items()}
+    for _ in range(reps):
+        for (part, m), (before, runs) in work.items():
+            for k, run in runs.items():
+                costs[(part, m)][k] = min(costs[(part, m)][k], clock(part, k, m, run, before))
+    body = Plan(tuple(buckets), tuple(choose(costs[("linears", m)]) for m in buckets))
+    head = Plan(tuple(buckets), tuple(choose(costs[("head", m)]) for m in buckets))
+    return Measured(body, head, costs, time.perf_counter() - t0)
 
 
 def apply(model: Any, body: Plan, head: Plan) -> int:

@@ -152,6 +152,9 @@ def test_measure_picks_by_cost_and_times_every_candidate_of_every_bucket(tiny_co
         for m in buckets:
             want = lp.candidates(m, padding=True, packed=True, reduced="bfloat16", reduced_max_rows=None)
             assert [k for p, k, b in calls if p == part and b == m] == want * 5  # 5 rounds, taking turns
+    # each round runs every candidate of every bucket before the next round starts
+    per_round = len(calls) // 5
+    assert len(set(calls[:per_round])) == per_round and set(calls[:per_round]) == set(calls[-per_round:])
     assert set(measured.costs) == {(p, m) for p in ("linears", "head") for m in buckets}
     assert "packed*" in measured.table() and "reduced*" in measured.table()
 
