@@ -30,9 +30,9 @@ kernels are the mode's measured agreement with float32 (int4 capped to steps of
 The plan is kept in the cache folder (`linear-plans/<key>.json` under --cache-dir), keyed by
 what it depends on (`plan_key`: the CPU's model name and features, torch's version and
 thread count, the linears' shapes, the weight mode and the candidates allowed): a later
-start on the same machine reads it instead of measuring again (a file read instead
-of 17 s (float32) to 24 s (int4) for the default model on 2 cores), and restarts keep one plan, so a reduced
-mode's tokens do not change between restarts with the noise of a measurement.
+start on the same machine reads it instead of measuring again (a file read instead of 17 s
+for float32 to 24 s for int4, the default model on 2 cores), and restarts keep one plan, so
+a reduced mode's tokens do not change between restarts with the noise of a measurement.
 `--cpu-linear-plan remeasure` measures again and replaces the file (after a change the key
 cannot see: a BIOS setting, a busier or quieter machine).
 
