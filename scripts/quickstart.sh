@@ -13,7 +13,7 @@ out=$(mktemp)
 server=$!
 trap 'kill $server 2>/dev/null || true; wait $server 2>/dev/null || true; rm -f "$out"' EXIT
 trap 'exit 130' INT TERM
-echo "waiting for the server (the first start converts the model, ~30 s)..."
+echo "waiting for the server (the first start converts the model and times its CPU kernels, ~1 min)..."
 while :; do
   address=$(sed -n '/^chunkserve: serving on /{s///p;q}' "$out")
   [ -n "$address" ] && break
