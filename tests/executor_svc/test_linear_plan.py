@@ -312,13 +312,7 @@ def test_the_step_profile_script_times_and_zeroes_the_planned_kernels(tiny_confi
     """benchmarks/decode_step_profile.py splits a step into GEMM and the rest: under a plan
     its "linears alone" must run the planned kernels and its no-GEMM step must zero every
     one of them (it missed oneDNN's packed product once and reported a -13% share)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_step_profile.py"
-    spec = importlib.util.spec_from_file_location("bench_decode_step_profile", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench("decode_step_profile")
     model = _with_copies(_model(tiny_configs, hf_model_factory, "smollm_tied"), "int4")
     buckets = (1, 3, 64)
     lp.apply(model, lp.Plan(buckets, ("reduced", "packed", "mm")), lp.Plan(buckets, ("reduced", "packed", "mm-pad")))
@@ -334,6 +328,38 @@ def test_the_step_profile_script_times_and_zeroes_the_planned_kernels(tiny_confi
             want = model.model.norm(model.model.embed_tokens(torch.tensor(tokens)))
     torch.testing.assert_close(hidden, want)
     assert not logits.any()
+
+
+def _bench(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_executor_modes_interleaved_steps_give_each_mode_its_own_tokens(tiny_model_path, tmp_path):
+    """benchmarks/executor_modes.py --interleave: modes loaded side by side take turns without
+    sharing state (a table and a measured float32 plan give the same greedy tokens), and every
+    mode gets a time per batch size and a prefill time."""
+    from executor_svc import server
+
+    bench = _bench("executor_modes")
+    common = dict(model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.02, cache_dir=str(tmp_path))
+    runners = {
+        plan: server.load(ExecutorConfig(cpu_linear_plan=plan, swap_space=0.0, **common)).runner
+        for plan in ("table", "measure")
+    }
+    with torch.inference_mode():
+        out = bench.run_interleaved(runners, [1, 3], ctx=16, steps=4)
+    assert set(out) == {"table", "measure"}
+    for r in out.values():
+        assert set(r["decode_ms"]) == {1, 3} and all(ms > 0 for ms in r["decode_ms"].values())
+        assert r["prefill_512_ms"] > 0 and len(r["tokens"]) == 4 + 3
+    assert out["table"]["tokens"] == out["measure"]["tokens"]
 
 
 def test_linear_without_a_plan_keeps_its_rules():
