@@ -34,6 +34,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
@@ -97,6 +99,23 @@ def port_in_use(host: str, port: int, flag: str = "--executor-port") -> str:
         f"cannot listen on {host}:{port}: the port is in use (another chunkserve server's executor? "
         f"each server needs its own {flag})"
     )
+
+
+def stop_on_signal(stop: threading.Event) -> Callable[[int, Any], None]:
+    """A signal handler that sets `stop` without ever blocking: from a short-lived thread,
+    once. Why not `stop.set()` in the handler itself: a handler runs on the main thread
+    between two bytecodes, so a second SIGTERM can arrive while the first handler is inside
+    `Event.set` holding the event's lock, and that lock is not reentrant: the nested handler
+    waited on its own thread forever. Seen: a `chunkserve serve` SIGKILLed left its executor
+    child alive (1 in 6 tries), four handlers deep in `Event.set`."""
+    fired: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if not fired:
+            fired.append(signum)
+            threading.Thread(target=stop.set, name="stop-on-signal", daemon=True).start()
+
+    return handler
 
 
 def tie_to_parent(

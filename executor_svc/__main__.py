@@ -10,7 +10,7 @@ import sys
 import threading
 
 from chunkserve_contracts.flags import add_config_flags, config_from_args
-from chunkserve_contracts.ownership import EXIT_CONFIG_ERROR, ensure_port_free, tie_to_parent
+from chunkserve_contracts.ownership import EXIT_CONFIG_ERROR, ensure_port_free, stop_on_signal, tie_to_parent
 from executor_svc.config import ExecutorConfig
 
 
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s executor: %(message)s")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, stop_on_signal(stop))  # not stop.set() in the handler: see there
     # Started as a child (`chunkserve serve`, chunkserve.launch): die with the parent, even
     # when it is SIGKILLed, so no orphan keeps the port and a KV cache nobody owns.
     tie_to_parent(stop)

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from chunkserve.client import Completion, build_request
 from chunkserve.launch import child_pids, free_port, start_server
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.executor.v1 import executor_pb2_grpc as epb_grpc
+from chunkserve_contracts.ownership import stop_on_signal
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 
@@ -423,6 +425,27 @@ def test_a_launched_pair_exits_0_on_sigterm(tiny_model_path, tmp_path):
             assert code == 0, server.log.read_text()[-3000:]
     finally:
         server.stop()
+
+
+def test_the_stop_signal_handler_never_waits_on_the_event_it_sets():
+    """A signal that lands while the main thread is inside `Event.set` of the same event (a
+    second SIGTERM during the first one's handler) must not wait for the event's lock: that
+    deadlock left an executor alive after its `chunkserve serve` was SIGKILLed. Simulated
+    on a worker thread that holds the event's lock while the handler runs, twice."""
+    stop = threading.Event()
+    handler = stop_on_signal(stop)
+
+    def signalled_inside_set() -> None:
+        with stop._cond:  # what Event.set holds while it runs
+            handler(signal.SIGTERM, None)
+            handler(signal.SIGTERM, None)
+
+    worker = threading.Thread(target=signalled_inside_set, daemon=True)
+    worker.start()
+    worker.join(ORPHAN_DEADLINE_S)
+    assert not worker.is_alive(), "the handler blocked on the lock its own thread holds"
+    assert stop.wait(ORPHAN_DEADLINE_S)
+    assert sum(t.name == "stop-on-signal" for t in threading.enumerate()) <= 1
 
 
 def test_watchdog_stops_then_exits_hard_when_the_parent_is_gone():
