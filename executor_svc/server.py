@@ -209,21 +209,14 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
     if measure_plan:
         if config.cpu_gemm_prepack:
             prepack_model(model)
-        kw = dict(reduced=reduced, reduced_max_rows=config.quantized_max_rows, padding=config.cpu_gemm_row_padding)
-        key = linear_plan.plan_key(model, **kw)
-        plan_path = linear_plan.plan_file(Path(config.cache_dir) / "linear-plans", key)
-        plans = linear_plan.load_plan(plan_path, key) if config.cpu_linear_plan == "measure" else None
-        if plans is not None:
-            source = f"read from {plan_path} (--cpu-linear-plan remeasure measures again)"
-        else:
-            measured = linear_plan.measure(model, **kw)
-            plans = measured.body, measured.head
-            try:
-                linear_plan.store_plan(plan_path, key, measured)
-                source = f"measured in {measured.seconds:.1f} s, kept in {plan_path}"
-            except OSError as e:
-                source = f"measured in {measured.seconds:.1f} s (not kept: {e})"
-            log.debug("CPU linear plan, ms per candidate:\n%s", measured.table())
+        plans, source = linear_plan.kept_or_measured(
+            model,
+            Path(config.cache_dir) / "linear-plans",
+            remeasure=config.cpu_linear_plan == "remeasure",
+            reduced=reduced,
+            reduced_max_rows=config.quantized_max_rows,
+            padding=config.cpu_gemm_row_padding,
+        )
         freed = linear_plan.apply(model, *plans)
         packed_bytes = sum(lin.weight.nbytes for lin in linear_plan.decoder_linears(model) if lin.packed is not None)
         log.info(

@@ -46,6 +46,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import logging
 import os
 import platform
 import time
@@ -58,6 +59,8 @@ from typing import Any
 import torch
 
 from executor_svc.models.layers import Linear, padded_rows
+
+log = logging.getLogger(__name__)
 
 BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 # preference order: an earlier kernel keeps a bucket unless a later one is MARGIN faster
@@ -333,3 +336,25 @@ def store_plan(path: Path, key: dict[str, Any], measured: Measured) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(doc, indent=1))
     os.replace(tmp, path)
+
+
+def kept_or_measured(
+    model: Any, folder: Path, *, remeasure: bool, reduced: str | None, reduced_max_rows: int | None, padding: bool
+) -> tuple[tuple[Plan, Plan], str]:
+    """The (body, head) plans for `model`: the one kept in `folder` for this key, else (or
+    with `remeasure`) a new measurement, kept there for the next start; and where it came
+    from, for the log. A folder that cannot be written costs only the keeping."""
+    kw = dict(reduced=reduced, reduced_max_rows=reduced_max_rows, padding=padding)
+    key = plan_key(model, **kw)
+    path = plan_file(folder, key)
+    plans = None if remeasure else load_plan(path, key)
+    if plans is not None:
+        return plans, f"read from {path} (--cpu-linear-plan remeasure measures again)"
+    measured = measure(model, **kw)
+    log.debug("CPU linear plan, ms per candidate:\n%s", measured.table())
+    try:
+        store_plan(path, key, measured)
+        source = f"measured in {measured.seconds:.1f} s, kept in {path}"
+    except OSError as e:
+        source = f"measured in {measured.seconds:.1f} s (not kept: {e})"
+    return (measured.body, measured.head), source
