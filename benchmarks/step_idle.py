@@ -1,16 +1,20 @@
-"""Executor idle time between steps, with and without --async-output-processing (issue 17,
-item 5's first half).
+"""Executor idle time between steps: plain, --async-output-processing, --async-scheduling
+(issue 17, item 5).
 
 Idle time of step N = (when step N+1 was planned) - (when step N was planned) - (the executor's
 own time for step N), from the step trace (`timestamp`, `executorNs`): what the executor waits
 for the scheduler between two steps (the result's way back, applying it, streaming its tokens,
 metrics and trace, planning the next step, the plan's way there). Async output processing moves
-the streaming, metrics and trace of step N behind the sending of step N+1.
+the streaming, metrics and trace of step N behind the sending of step N+1; async scheduling
+also plans and sends step N+1 before step N's result is back, so the executor finds its next
+plan waiting. Summed over a run, idle = wall - executor time, whatever the overlap: the "idle
+share of the wall" row is that sum over the wall from the first step planned to the last one.
 
-Starts two servers (off, on) with a step-trace file each and sends the same workload (N
+Starts one server per setting with a step-trace file each and sends the same workload (N
 concurrent greedy streams, fixed lengths, ignore_eos) through `chunkserve bench`'s gRPC runner,
-rounds in the order A B B A ..., then prints per setting the median and P90 idle ms per step,
-idle as a share of the wall time, the executor's median step ms, output tok/s and median ITL.
+rounds in the order A B C C B A ..., then prints per setting the median and P90 idle ms per
+step, the mean, idle as a share of the wall time, the executor's median step ms, output tok/s
+and median ITL, with each setting's ratio to the plain one.
 
     .venv/bin/python benchmarks/step_idle.py --model tiny      # ~ms steps: what a GPU with a small model sees
     .venv/bin/python benchmarks/step_idle.py --model default --streams 8 --output-len 32 --rounds 2
@@ -29,7 +33,7 @@ from chunkserve.bench.session import RunOptions, run_once, server_target
 from chunkserve.bench.workloads import WorkloadSpec, build_workload, corpus_ids
 from chunkserve.launch import bench_model, start_server
 
-SETTINGS = {"off": [], "on": ["--async-output-processing"]}
+SETTINGS = {"off": [], "async-output": ["--async-output-processing"], "async-sched": ["--async-scheduling"]}
 
 
 def idle_ms(trace_lines: list[str]) -> tuple[list[float], float, list[float]]:
@@ -54,28 +58,33 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="rounds of A,B (alternating order)")
     p.add_argument("--dtype", default="auto", help="the executor's --dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), help="which to run")
     args = p.parse_args()
+    settings = {name: SETTINGS[name] for name in args.settings}
+    base = next(iter(settings))
 
     model = bench_model(args.model)
     spec = WorkloadSpec("fixed", args.streams, (args.output_len, args.output_len), args.input_len)
     requests = build_workload(spec, corpus_ids(model), seed=0)
     work = Path(tempfile.mkdtemp())
-    traces = {name: work / f"trace-{name}.jsonl" for name in SETTINGS}
-    for name in SETTINGS:
+    traces = {name: work / f"trace-{name}.jsonl" for name in settings}
+    for name in settings:
         (work / name).mkdir()
     servers = {
         name: start_server(
-            work / name, ["--model", str(model), "--dtype", "float32"], ["--step-trace-file", str(traces[name]), *flags]
+            work / name,
+            ["--model", str(model), "--dtype", args.dtype],
+            ["--step-trace-file", str(traces[name]), *flags],
         )
-        for name, flags in SETTINGS.items()
+        for name, flags in settings.items()
     }
     opts = RunOptions(num_warmups=2, progress=False, backend="grpc")
     figures: dict[str, dict[str, list[float]]] = {
-        n: {k: [] for k in ("med", "p90", "share", "ex", "tput", "itl")} for n in SETTINGS
+        n: {k: [] for k in ("med", "p90", "mean", "share", "ex", "tput", "itl")} for n in settings
     }
     try:
         for r in range(args.rounds):
-            for name in list(SETTINGS) if r % 2 == 0 else list(SETTINGS)[::-1]:
+            for name in list(settings) if r % 2 == 0 else list(settings)[::-1]:
                 start = traces[name].stat().st_size if traces[name].exists() else 0
                 run = run_once(server_target(servers[name], "grpc"), requests, [0.0] * len(requests), opts)
                 failed = [rec.error for rec in run.result.records if not rec.ok]
@@ -88,12 +97,13 @@ def main() -> None:
                 fig = figures[name]
                 fig["med"].append(statistics.median(idle))
                 fig["p90"].append(statistics.quantiles(idle, n=10)[-1])
+                fig["mean"].append(statistics.fmean(idle))
                 fig["share"].append(sum(idle) / wall)
                 fig["ex"].append(statistics.median(ex))
                 fig["tput"].append(m["output_throughput"])
                 fig["itl"].append(m["median_itl_ms"])
                 print(
-                    f"round {r + 1} {name:3}: idle median {fig['med'][-1]:.3f} ms, P90 {fig['p90'][-1]:.3f} ms, "
+                    f"round {r + 1} {name:12}: idle median {fig['med'][-1]:.3f} ms, P90 {fig['p90'][-1]:.3f} ms, "
                     f"{fig['share'][-1]:.1%} of the wall; executor median {fig['ex'][-1]:.2f} ms; "
                     f"{fig['tput'][-1]:.0f} tok/s, median ITL {fig['itl'][-1]:.2f} ms",
                     flush=True,
@@ -106,18 +116,22 @@ def main() -> None:
         f"\n{args.streams} streams x {args.input_len} in + {args.output_len} out, model {args.model}, "
         f"medians of {args.rounds} rounds"
     )
-    print(f"{'':30}{'off':>10}{'on':>10}{'on/off':>9}")
+    others = [n for n in settings if n != base]
+    print(f"{'':30}" + "".join(f"{n:>13}" for n in settings) + "".join(f"{n + '/' + base:>20}" for n in others))
     names = (
         ("med", "idle per step, median ms"),
         ("p90", "idle per step, P90 ms"),
+        ("mean", "idle per step, mean ms"),
         ("share", "idle share of the wall"),
         ("ex", "executor per step, median ms"),
         ("tput", "output tok/s"),
         ("itl", "median ITL ms"),
     )
     for key, label in names:
-        a, b = med["off"][key], med["on"][key]
-        print(f"{label:30}{a:10.3f}{b:10.3f}{b / a if a else float('nan'):9.3f}")
+        a = med[base][key]
+        row = "".join(f"{med[n][key]:13.3f}" for n in settings)
+        row += "".join(f"{med[n][key] / a if a else float('nan'):20.3f}" for n in others)
+        print(f"{label:30}{row}")
 
 
 if __name__ == "__main__":

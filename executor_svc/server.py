@@ -312,14 +312,30 @@ class ExecutorServicer(epb_grpc.ExecutorServicer):
     def __init__(self, loaded: Loaded, compute: futures.ThreadPoolExecutor) -> None:
         self._loaded = loaded
         self._compute = compute
+        # Async scheduling sends step N+1 while N runs, on another gRPC thread: it is queued on
+        # the compute thread (first in, first out) only once N is, as follows_step_id says.
+        self._order = threading.Condition()
+        self._last_queued: int | None = None  # step id last queued since start or Reset
 
     def Handshake(self, request: epb.HandshakeRequest, context: grpc.ServicerContext) -> epb.HandshakeResponse:
         log.debug("handshake from %s", request.scheduler_version or "a probe")
         return self._loaded.handshake
 
     def Step(self, request: epb.StepRequest, context: grpc.ServicerContext) -> epb.StepResponse:
+        with self._order:
+            if request.HasField("follows_step_id"):
+                follows = request.follows_step_id
+                remaining = context.time_remaining()
+                if not self._order.wait_for(lambda: self._last_queued == follows, timeout=remaining):
+                    context.abort(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"step {request.step_id} follows step {follows}, which never arrived",
+                    )
+            step = self._compute.submit(self._loaded.step, request)
+            self._last_queued = request.step_id
+            self._order.notify_all()
         try:
-            return self._compute.submit(self._loaded.step, request).result()
+            return step.result()
         except PlanError as exc:
             log.error("rejected plan: %s", exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -329,7 +345,10 @@ class ExecutorServicer(epb_grpc.ExecutorServicer):
         raise AssertionError("unreachable: abort raises")
 
     def Reset(self, request: epb.ResetRequest, context: grpc.ServicerContext) -> epb.ResetResponse:
-        self._compute.submit(self._loaded.reset).result()
+        with self._order:
+            self._last_queued = None  # a new scheduler numbers its steps from 0 again
+            reset = self._compute.submit(self._loaded.reset)
+        reset.result()
         return epb.ResetResponse()
 
 

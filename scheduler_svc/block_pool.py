@@ -141,12 +141,13 @@ class BlockPool:
             parent = block_hash
         return len(request.block_ids) * bs
 
-    def cache_full_blocks(self, request: Request, salt: str | None) -> None:
-        """Registers request's blocks that became full of computed tokens (after a step)."""
+    def cache_full_blocks(self, request: Request, salt: str | None, num_computed: int) -> None:
+        """Registers request's blocks that became full once its first num_computed tokens are
+        in the KV (a step's result applied: its cursor may already be ahead, planned on)."""
         if not self.enable_caching:
             return
         bs = self.block_size
-        full = request.num_computed_tokens // bs
+        full = num_computed // bs
         for i in range(len(request.block_hashes), full):
             parent = request.block_hashes[-1] if request.block_hashes else None
             chunk = tuple(request.token_ids(i * bs, (i + 1) * bs))

@@ -168,6 +168,16 @@ class SchedulerConfig:
             "stop string then ends its request one step late (that extra token is computed and dropped)"
         },
     )
+    async_scheduling: bool = field(
+        default=False,
+        metadata={
+            "help": "plan step N+1 and send it while the executor computes step N (vLLM's --async-scheduling, "
+            "SGLang's overlap scheduler): a decode of the token step N samples is planned before its id is "
+            "known, and the executor feeds it back; the executor then waits for no plan between steps. Output "
+            "is served while the next step runs (as with --async-output-processing); a request ended by EOS or "
+            "a stop string computes one token more, which is dropped. Greedy tokens are the same either way"
+        },
+    )
     step_timeout_s: float = field(
         default=120.0, metadata={"help": "a step the executor has not answered after this long fails its requests"}
     )

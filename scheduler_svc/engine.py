@@ -2,6 +2,8 @@
 
 One asyncio task runs the loop; it sleeps on an event when there is no work and on the
 executor's reply otherwise, so the scheduler never busy-polls a core the executor needs.
+Under --async-scheduling it plans and sends step N+1 before awaiting step N's result
+(`_loop_async`): the executor then has its next plan when it finishes a step.
 Requests talk to the loop through `add_request` / `abort` and read their tokens from a
 per-request `RequestStream`. Everything runs on one event loop, so the scheduler's state is
 only touched between awaits and needs no locks.
@@ -43,6 +45,17 @@ class StepRecord:
     planned_at: float  # wall clock, seconds since the epoch
     step_ns: int  # from planning to the result applied
     state: SchedulerSnapshot  # queues and KV usage after the step
+
+
+@dataclass(slots=True)
+class _Sent:
+    """A step sent to the executor whose result is not applied yet (async scheduling)."""
+
+    plan: StepPlan
+    stats: StepStats
+    future: asyncio.Future[StepResult]
+    planned_at: float  # wall clock
+    started: int  # perf_counter_ns when planned
 
 
 @dataclass(slots=True)
@@ -205,7 +218,10 @@ class Engine:
 
     async def _run(self) -> None:
         try:
-            await self._loop()
+            if self.scheduler.config.async_scheduling:
+                await self._loop_async()
+            else:
+                await self._loop()
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug: never leave streams waiting on a dead loop
@@ -271,6 +287,101 @@ class Engine:
             if self.scheduler.config.target_itl_ms is not None:
                 # The auto budget learns what a stream waits per step: this whole iteration.
                 self.scheduler.budget.observe(plan, stats, (time.perf_counter_ns() - cycle_start) / 1e9)
+
+    async def _loop_async(self) -> None:
+        """The loop under async scheduling: plan and send step N+1, then await step N's result,
+        apply it and serve it while N+1 runs. At most two steps are at the executor; N+1's
+        follows_step_id makes the executor run it after N. The scheduler committed N when it
+        planned it (scheduler.py), so N+1 can hold a decode of the token N samples."""
+        inflight: _Sent | None = None
+        done: _Sent | None = None
+        last_applied = time.perf_counter_ns()
+        try:
+            while True:
+                sent = self._plan_and_send(inflight)
+                if inflight is None:
+                    if sent is None:
+                        self._wake.clear()
+                        await self._wake.wait()
+                    inflight = sent
+                    continue
+                done, inflight = inflight, sent
+                if sent is not None:
+                    # Two turns of the loop: the step's coroutine builds its call, the call's
+                    # task hands it to gRPC's core; only then is the finished step served.
+                    await asyncio.sleep(0)
+                    await asyncio.sleep(0)
+                try:
+                    result = await done.future
+                except StepFailedError as exc:  # the executor is fine; this step's requests are not
+                    log.error("%s; failing its %d requests", exc, len(done.plan.seqs))
+                    self._fail_step(done.plan, exc)
+                    if inflight is not None:  # planned on top of the failed step: start its requests over
+                        later, inflight = inflight, None
+                        if not await self._restart_step(later):
+                            return
+                    continue
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the executor failed or vanished
+                    log.exception("step %d failed", done.plan.step_id)
+                    self._fail_all(f"executor unavailable: step failed: {type(exc).__name__}: {exc}")
+                    return
+                now = time.perf_counter_ns()
+                outputs = self.scheduler.update(done.plan, result)
+                record = StepRecord(
+                    done.plan, done.stats, result, done.planned_at, now - done.started, self.scheduler.snapshot()
+                )
+                self._deliver(_Done(outputs, record))
+                if self.scheduler.config.target_itl_ms is not None:
+                    # What a stream waits per step: from the later of this step's planning and
+                    # the previous result to this result.
+                    self.scheduler.budget.observe(done.plan, done.stats, (now - max(done.started, last_applied)) / 1e9)
+                last_applied = now
+        finally:  # stopped or failed: no step result is awaited any more
+            for pending in (done, inflight):
+                if pending is not None:
+                    pending.future.cancel()
+
+    def _plan_and_send(self, inflight: _Sent | None) -> _Sent | None:
+        """Plans the next step and sends it (after `inflight`); None when there is nothing to send."""
+        if not self.scheduler.has_work():
+            return None
+        plan, stats = self.scheduler.schedule(), self.scheduler.step_stats
+        if plan.is_empty:  # nothing fits now (or everything waits for a token in flight)
+            return None
+        plan.follows_step_id = None if inflight is None else inflight.plan.step_id
+        planned_at, started = time.time(), time.perf_counter_ns()
+        return _Sent(
+            plan, stats, asyncio.ensure_future(self.executor.step(plan, self.step_timeout_s)), planned_at, started
+        )
+
+    async def _restart_step(self, sent: _Sent) -> bool:
+        """Waits out a step planned on top of one that failed and starts its live requests over
+        (Scheduler.restart: new sequence ids, their old results ignored), its swap victims
+        too: whether the executor refused it (its sequences were unknown or behind there) or
+        ran it on state the failure left, nothing it computed is used. False when the
+        executor is gone (every request failed)."""
+        try:
+            await sent.future
+        except StepFailedError:
+            pass
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("step %d failed", sent.plan.step_id)
+            self._fail_all(f"executor unavailable: step failed: {type(exc).__name__}: {exc}")
+            return False
+        plan, sched = sent.plan, self.scheduler
+        sched.drop_on_executor(plan.finished_seq_ids)  # refused or not, dropping again is harmless
+        restarted = 0
+        for request_id in [entry.request_id for entry in plan.seqs] + plan.preempted:
+            request = sched.requests.get(request_id)
+            if request is not None and (request_id not in plan.preempted or request.status is RequestStatus.SWAPPED):
+                sched.restart(request, next(self._seq_ids))
+                restarted += 1
+        log.warning("step %d followed a failed step: %d of its requests start over", plan.step_id, restarted)
+        return True
 
     def _deliver(self, done: _Done | None) -> None:
         """Streams a step's tokens and tells the observers; returns None (the new `done`).

@@ -50,6 +50,7 @@ def plan_to_proto(plan: StepPlan) -> epb.StepRequest:
         finished_seq_ids=plan.finished_seq_ids,
         swap_out=[epb.BlockCopy(src=d, dst=h) for d, h in plan.swap_out],
         swap_in=[epb.BlockCopy(src=h, dst=d) for h, d in plan.swap_in],
+        follows_step_id=plan.follows_step_id,
     )
 
 

@@ -56,6 +56,9 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     # (host block, device block) copies.
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Async scheduling: the step in flight when this one was planned; the executor runs this
+    # one after it (None: nothing in flight).
+    follows_step_id: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,11 @@ A step gives a request `n = num_tokens - num_computed_tokens` tokens (capped by 
 budget). It is prefilling while `num_computed_tokens < num_prompt_tokens`; a decode is just
 `n == 1`. Chunked prefill, recompute after preemption and prefix-cache hits only move
 `num_computed_tokens`.
+
+A plan moves the cursor when it is built, not when its result comes back: a step that will
+sample a token adds an in-flight token, counted in `num_tokens` but with no id yet. Under
+async scheduling the next step is planned while one is in flight, so a decode of that token
+can be planned (the executor feeds back the token it sampled); only its id waits for the result.
 """
 
 from __future__ import annotations
@@ -83,6 +88,8 @@ class Request:
     # Whether the executor sampled this sequence's last token itself, so a decode entry needs
     # no token id.
     executor_has_last_token: bool = False
+    # Tokens a step in flight will sample (0 or 1): in num_tokens, ids not known yet.
+    num_inflight_tokens: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     # Monotonic timestamps for the latency metrics (one clock: this process's).
@@ -100,7 +107,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt, output and in-flight tokens: what the KV will hold once all are computed."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight_tokens
 
     @property
     def num_remaining_tokens(self) -> int:
@@ -116,14 +124,25 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Token ids at positions start..end-1 across prompt and output."""
+        """Token ids at positions start..end-1 across prompt and output (all known: an
+        in-flight token has no id yet, and asking for it is a scheduler bug)."""
         p = self.prompt_token_ids
+        if end > len(p) + len(self.output_token_ids):
+            raise RuntimeError(f"request {self.request_id}: token ids up to {end} asked, an in-flight token has none")
         if end <= len(p):
             return p[start:end]
         out = self.output_token_ids
         if start >= len(p):
             return out[start - len(p) : end - len(p)]
         return p[start:] + out[: end - len(p)]
+
+    def ends_by_length(self, max_model_len: int) -> bool:
+        """Whether the request ends by its in-flight tokens whatever their ids (max_tokens or
+        the context is reached): then no step after them is planned for it."""
+        return self.num_inflight_tokens > 0 and (
+            self.num_output_tokens + self.num_inflight_tokens >= self.sampling.max_tokens
+            or self.num_tokens >= max_model_len
+        )
 
     def stop_reason(self, token_id: int, max_model_len: int) -> FinishReason | None:
         """Why the request ends with token_id just appended (token-based conditions only: stop
@@ -134,6 +153,7 @@ class Request:
                 return FinishReason.STOP
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return FinishReason.STOP
-        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+        known = self.num_prompt_tokens + self.num_output_tokens  # not a later step's in-flight token
+        if self.num_output_tokens >= params.max_tokens or known >= max_model_len:
             return FinishReason.LENGTH
         return None

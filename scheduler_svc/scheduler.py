@@ -8,6 +8,10 @@ tokens and exactly the KV blocks those tokens need. Running out of blocks preemp
 (recompute or swap) instead of failing; a request preempted `max_preemptions` times is
 pinned: placed first, oldest first, and never its own victim while another exists, so it
 always progresses. docs/architecture.md ("Building a step") has the whole order and why.
+
+A plan is committed when it is built: cursors move and a sampling entry leaves an in-flight
+token (request.py), so the next plan can be built before this one's result is back (async
+scheduling, engine.py). `update` then only fills in the sampled ids and caches full blocks.
 """
 
 from __future__ import annotations
@@ -177,6 +181,34 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.insert(0, request)
 
+    def restart(self, request: Request, seq_id: int) -> None:
+        """Starts a live request over under a new sequence id: its blocks are freed, its old
+        executor state dropped by the next plan, and it prefills what it has again, first in
+        line. For the requests of a step planned on top of one that failed (async scheduling):
+        whatever that step did or did not do on the executor, the old id's results are
+        ignored from now on (update finds no request for them), so none is applied twice."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self._free_host(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            return
+        self.pool.free(request)
+        if request.known_to_executor:
+            self._dropped_seq_ids.append(request.seq_id)
+        request.known_to_executor = False
+        request.executor_has_last_token = False
+        request.num_computed_tokens = 0
+        request.num_inflight_tokens = 0  # the failed steps sampled nothing that will be read
+        del self._by_seq[request.seq_id]
+        request.seq_id = seq_id
+        self._by_seq[seq_id] = request
+        request.status = RequestStatus.WAITING
+        self.waiting.insert(0, request)
+
     def _free_host(self, request: Request) -> None:
         if self.host_pool is not None and request.host_block_ids:
             self.host_pool.release(request.host_block_ids)
@@ -221,7 +253,12 @@ class Scheduler:
             self.host_pool.release(self._host_blocks_read)
             self._host_blocks_read = []
         for entry in plan.seqs:
-            self.policy.on_scheduled(self._by_seq[entry.seq_id], entry.num_new_tokens)
+            request = self._by_seq[entry.seq_id]
+            self.policy.on_scheduled(request, entry.num_new_tokens)
+            request.num_computed_tokens = entry.num_computed_tokens + entry.num_new_tokens
+            if entry.sample:  # the executor samples it and keeps it for the next decode
+                request.num_inflight_tokens += 1
+                request.executor_has_last_token = True
         return plan
 
     def _is_long(self, request: Request) -> bool:
@@ -238,6 +275,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if request.ends_by_length(self.max_model_len):
+                continue  # a step in flight gives it its last token: nothing more to compute
             n = self._chunk(request, max(1, budget - reserve))
             if n > 1:
                 # Shrink a chunk to the free blocks rather than preempt for it; with nothing
@@ -255,6 +294,8 @@ class Scheduler:
         for request in self.policy.order_waiting(self.swapped, self.num_steps):
             if budget == 0 or len(plan.seqs) >= self.config.max_num_seqs:
                 break
+            if request.num_inflight_tokens:
+                continue  # swapped out while a step computed it: resumes once its token is back
             n = min(request.num_remaining_tokens, budget)
             if not self.pool.can_allocate(request, n):
                 break
@@ -283,6 +324,8 @@ class Scheduler:
         for request in self.policy.order_waiting(self.waiting, self.num_steps):
             if budget == 0 or len(plan.seqs) >= self.config.max_num_seqs:
                 break
+            if request.num_inflight_tokens:
+                continue  # preempted while a step computed it: its prompt needs that token's id
             # The whole known sequence is matched against the prefix cache before chunking.
             request.num_computed_tokens = self.pool.match_prefix(request, request.cache_salt)
             n = self._chunk(request, budget)
@@ -374,24 +417,28 @@ class Scheduler:
     # ---- applying a step's result ------------------------------------------------------
 
     def update(self, plan: StepPlan, result: StepResult) -> list[TokenOutput]:
-        """Advances the cursors of plan's sequences and appends what was sampled.
+        """Applies a step's result: its in-flight tokens get their ids, blocks it filled are cached.
 
-        Requests that ended while the step ran (aborted) are skipped: their late result is
-        dropped. Token-based stop conditions are checked here; stop strings need text and
-        are checked by the caller, which then calls finish().
+        Requests that ended while the step ran (aborted, or finished by an earlier step's
+        token under async scheduling) are skipped: their late result is dropped. A request
+        preempted while the step ran (async scheduling) still gets its token: the step
+        computed it before the preemption's swap-out or drop. Token-based stop conditions
+        are checked here; stop strings need text and are checked by the caller, which then
+        calls finish().
         """
         for entry in plan.seqs:
             request = self._by_seq.get(entry.seq_id)
             if request is not None and request.status is RequestStatus.RUNNING:
-                request.num_computed_tokens = entry.num_computed_tokens + entry.num_new_tokens
-                self.pool.cache_full_blocks(request, request.cache_salt)
+                self.pool.cache_full_blocks(
+                    request, request.cache_salt, entry.num_computed_tokens + entry.num_new_tokens
+                )
         outputs: list[TokenOutput] = []
         for sampled in result.sampled:
             request = self._by_seq.get(sampled.seq_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            if request is None or request.is_finished or request.num_inflight_tokens == 0:
                 continue
+            request.num_inflight_tokens -= 1
             request.output_token_ids.append(sampled.token_id)
-            request.executor_has_last_token = True
             reason = request.stop_reason(sampled.token_id, self.max_model_len)
             outputs.append(TokenOutput(request, sampled, reason))
             if reason is not None:

@@ -291,8 +291,9 @@ def test_chunkserve_serve_and_generate_cli(default_model_path, tmp_path):
         ["--max-num-batched-tokens", "2048", "--no-enable-chunked-prefill"],
         ["--max-num-batched-tokens", "auto", "--target-itl-ms", "120"],  # a budget that moves every step
         ["--max-num-batched-tokens", "64", "--async-output-processing"],  # output served after the next send
+        ["--max-num-batched-tokens", "64", "--async-scheduling"],  # step N+1 planned and sent while N runs
     ],
-    ids=["budget16", "budget64", "budget256", "budget2048", "unchunked", "auto", "async-output"],
+    ids=["budget16", "budget64", "budget256", "budget2048", "unchunked", "auto", "async-output", "async-scheduling"],
 )
 def test_greedy_tokens_do_not_depend_on_chunking(default_model_path, prompts, expected, tmp_path, scheduler_args):
     """All prompts at once, so steps mix prefill chunks and decodes differently per budget."""
@@ -322,10 +323,15 @@ def test_greedy_tokens_do_not_depend_on_chunking(default_model_path, prompts, ex
         server.stop()
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_forced_preemption_gives_the_same_tokens(default_model_path, prompts, expected, tmp_path, mode):
+@pytest.mark.parametrize(
+    ("mode", "extra"),
+    [("recompute", []), ("swap", []), ("swap", ["--async-scheduling"])],
+    ids=["recompute", "swap", "swap-async-scheduling"],
+)
+def test_forced_preemption_gives_the_same_tokens(default_model_path, prompts, expected, tmp_path, mode, extra):
     """A 16-block pool (256 tokens) for 5 concurrent requests of 49..232 tokens: preemption
-    is certain; greedy tokens must not change."""
+    is certain; greedy tokens must not change (under async scheduling a victim may be in
+    the step in flight when it is preempted)."""
     import urllib.request
 
     from chunkserve.launch import start_server
@@ -344,7 +350,7 @@ def test_forced_preemption_gives_the_same_tokens(default_model_path, prompts, ex
             "--swap-space",
             "0.05",
         ],
-        ["--max-num-batched-tokens", "64", "--preemption-mode", mode],
+        ["--max-num-batched-tokens", "64", "--preemption-mode", mode, *extra],
     )
     try:
         stub = server.stub()

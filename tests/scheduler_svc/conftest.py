@@ -7,12 +7,14 @@ import asyncio
 import json
 from pathlib import Path
 
+import grpc
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from scheduler_svc.block_pool import BlockPool, blocks_needed
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.errors import StepFailedError
 from scheduler_svc.plan import Sampled, StepPlan, StepResult
 from scheduler_svc.policy import create_policy
 from scheduler_svc.request import Request, SamplingParams
@@ -33,8 +35,17 @@ class FakeExecutor:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, eos_after: int | None = None, num_host_blocks: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        eos_after: int | None = None,
+        num_host_blocks: int = 0,
+        refuse_bad_plans: bool = False,
     ) -> None:
+        """refuse_bad_plans: a plan naming an unknown sequence or a wrong cursor is refused
+        whole (StepFailedError, INVALID_ARGUMENT) as the real executor's validation does,
+        instead of tripping an assertion: for tests of steps planned on a failed one."""
+        self.refuse_bad_plans = refuse_bad_plans
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.block_size = block_size
@@ -44,6 +55,12 @@ class FakeExecutor:
         self.plans: list[StepPlan] = []
         self.eos_after = eos_after
         self.seq_of: dict[str, int] = {}  # request id -> seq id, as seen in plans
+        # step() runs a plan only after the one it follows (async scheduling), as the real
+        # executor does; it checks that at most two steps are in flight, the second one
+        # following the first.
+        self._handled: dict[int, asyncio.Event] = {}
+        self.in_flight = 0
+        self.max_in_flight = 0
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
@@ -105,9 +122,41 @@ class FakeExecutor:
             return EOS
         return 97 + (sum(h * (i + 1) for i, h in enumerate(history)) * 31 + len(history)) % 26
 
+    def refusal(self, plan: StepPlan) -> StepFailedError | None:
+        """Override to fail a step (in its turn, changing nothing) with the error returned."""
+        return None
+
+    def _consistent(self, plan: StepPlan) -> bool:
+        dropped, new = set(plan.finished_seq_ids), {n.seq_id for n in plan.new_seqs}
+        for s in plan.seqs:
+            st = None if s.seq_id in dropped else self.seqs.get(s.seq_id)
+            if s.seq_id in new:
+                continue
+            if st is None or st["computed"] not in (None, s.num_computed_tokens):
+                return False
+            if not s.token_ids and st["last"] is None:
+                return False
+        return True
+
     async def step(self, plan: StepPlan, timeout: float) -> StepResult:
-        await asyncio.sleep(0.001)  # a real step awaits the network: let other tasks run
-        return self.execute(plan)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        assert self.in_flight == 1 or (plan.follows_step_id is not None and self.in_flight == 2), (
+            f"step {plan.step_id} sent with {self.in_flight - 1} in flight, following {plan.follows_step_id}"
+        )
+        try:
+            await asyncio.sleep(0.001)  # a real step awaits the network: let other tasks run
+            if plan.follows_step_id is not None:
+                await self._handled.setdefault(plan.follows_step_id, asyncio.Event()).wait()
+            refusal = self.refusal(plan)
+            if refusal is not None:
+                raise refusal
+            if self.refuse_bad_plans and not self._consistent(plan):
+                raise StepFailedError(f"step {plan.step_id} refused", grpc.StatusCode.INVALID_ARGUMENT)
+            return self.execute(plan)
+        finally:
+            self.in_flight -= 1
+            self._handled.setdefault(plan.step_id, asyncio.Event()).set()
 
 
 def fake_handshake(model_path="", **overrides) -> epb.HandshakeResponse:

@@ -24,7 +24,7 @@ def fill(pool: BlockPool, r: Request, salt=None) -> None:
     """Allocate and 'compute' all of r's tokens, registering full blocks."""
     pool.allocate(r, r.num_tokens - r.num_computed_tokens)
     r.num_computed_tokens = r.num_tokens
-    pool.cache_full_blocks(r, salt)
+    pool.cache_full_blocks(r, salt, r.num_computed_tokens)
 
 
 def test_share_free_reuse_and_ref_counts():

@@ -548,9 +548,16 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
             if r.num_preemptions >= sc.max_preemptions:
                 trace.first_pinned_step.setdefault(r.request_id, step)
             assert r.status is RequestStatus.RUNNING, f"{where}: {r.request_id} scheduled but {r.status}"
-            assert e.num_new_tokens >= 1 and e.num_computed_tokens == r.num_computed_tokens
-            assert e.num_computed_tokens + e.num_new_tokens <= r.num_tokens
-            assert e.sample == (e.num_computed_tokens + e.num_new_tokens == r.num_tokens)
+            # The plan is committed as it is built: the cursor is past the entry, and a
+            # sampling entry left one in-flight token.
+            known = r.num_prompt_tokens + r.num_output_tokens
+            assert e.num_new_tokens >= 1 and e.num_computed_tokens + e.num_new_tokens == r.num_computed_tokens
+            assert (
+                before[r.request_id][1] == e.num_computed_tokens or before[r.request_id][0] is not RequestStatus.RUNNING
+            )
+            assert e.num_computed_tokens + e.num_new_tokens <= known
+            assert e.sample == (e.num_computed_tokens + e.num_new_tokens == known)
+            assert r.num_inflight_tokens == e.sample
             assert len(r.block_ids) == blocks_needed(e.num_computed_tokens + e.num_new_tokens, bs), (
                 f"{where}: {r.request_id} holds {len(r.block_ids)} blocks for {e.num_computed_tokens}+{e.num_new_tokens}"
             )
@@ -559,7 +566,7 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
                     trace.cache_hits += 1
                     event("prefix-cache hit")
                 if not config.enable_chunked_prefill:
-                    assert e.num_computed_tokens + e.num_new_tokens == r.num_tokens, (
+                    assert e.num_computed_tokens + e.num_new_tokens == known, (
                         f"{where}: chunking off but {r.request_id}'s prompt was admitted in part"
                     )
         if not config.enable_chunked_prefill:

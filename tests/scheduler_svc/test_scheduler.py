@@ -18,10 +18,9 @@ def test_budget_seq_cap_and_blocks_follow_the_work(fakes):
         assert plan.num_tokens <= 64
         assert len(plan.seqs) <= 5
         for req in s.running:
-            # A request holds exactly the blocks its computed tokens plus this step's need.
-            entry = next((e for e in plan.seqs if e.seq_id == req.seq_id), None)
-            n = entry.num_new_tokens if entry else 0
-            assert len(req.block_ids) == blocks_needed(req.num_computed_tokens + n, 4)
+            # A request holds exactly the blocks its computed tokens need, this step's
+            # included (the plan moved the cursor when it was built).
+            assert len(req.block_ids) == blocks_needed(req.num_computed_tokens, 4)
 
     outputs = fakes.run_to_completion(sched, fake, check=check)
     assert all(len(o) == 6 for o in outputs.values())
@@ -182,9 +181,8 @@ def test_partial_prefill_caps_hold_in_every_step(fakes):
 
     def check(s, plan):
         nonlocal seen_long
-        # After this step: who is mid-prefill?
-        n = {e.seq_id: e.num_new_tokens for e in plan.seqs}
-        mid = [r for r in s.running if 0 < r.num_computed_tokens + n.get(r.seq_id, 0) < r.num_prompt_tokens]
+        # After this step (its plan moved the cursors): who is mid-prefill?
+        mid = [r for r in s.running if 0 < r.num_computed_tokens < r.num_prompt_tokens]
         assert len(mid) <= 3
         longs = [r for r in mid if r.num_prompt_tokens == 3000]
         assert len(longs) <= 1

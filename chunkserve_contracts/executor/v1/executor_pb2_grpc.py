@@ -64,7 +64,8 @@ class ExecutorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
-        """Executes one step plan: swaps, then one forward pass, then sampling. The whole plan is
+        """Executes one step plan: swaps, then one forward pass, then sampling. At most two are in
+        flight (async scheduling), run in the order follows_step_id says. The whole plan is
         checked first (ids, cursors, positions < max_model_len, block ids and ownership, swaps,
         budget, sampling parameters); a plan that fails any check is refused with
         INVALID_ARGUMENT and changes nothing: its finished_seq_ids and swaps are not applied
