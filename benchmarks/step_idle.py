@@ -1,19 +1,21 @@
 """Executor idle time between steps: plain, --async-output-processing, --async-scheduling
 (issue 17, item 5).
 
-Idle time of step N = (when step N+1 was planned) - (when step N was planned) - (the executor's
-own time for step N), from the step trace (`timestamp`, `executorNs`): what the executor waits
-for the scheduler between two steps (the result's way back, applying it, streaming its tokens,
+Idle time after step N = (when the executor began step N+1) - (when it began step N) - (its
+own time for step N), from the step trace: what the executor waits for the scheduler between
+two steps (the result's way back, applying it, streaming its tokens,
 metrics and trace, planning the next step, the plan's way there). Async output processing moves
 the streaming, metrics and trace of step N behind the sending of step N+1; async scheduling
 also plans and sends step N+1 before step N's result is back, so the executor finds its next
-plan waiting. Summed over a run, idle = wall - executor time, whatever the overlap: the "idle
-share of the wall" row is that sum over the wall from the first step planned to the last one.
+plan waiting. The executor reports when it began each step on its own clock
+(`executorStartUnixNs` in the trace), so the gap between one step's end and the next one's
+start is measured there, with or without overlap; "idle share" is idle / (idle + executor)
+over the pairs counted (not the gaps where no request was running or waiting).
 
 Starts one server per setting with a step-trace file each and sends the same workload (N
 concurrent greedy streams, fixed lengths, ignore_eos) through `chunkserve bench`'s gRPC runner,
 rounds in the order A B C C B A ..., then prints per setting the median and P90 idle ms per
-step, the mean, idle as a share of the wall time, the executor's median step ms, output tok/s
+step, the mean, idle as a share of idle + executor time, the executor's median step ms, output tok/s
 and median ITL, with each setting's ratio to the plain one.
 
     .venv/bin/python benchmarks/step_idle.py --model tiny      # ~ms steps: what a GPU with a small model sees
@@ -37,14 +39,25 @@ SETTINGS = {"off": [], "async-output": ["--async-output-processing"], "async-sch
 
 
 def idle_ms(trace_lines: list[str]) -> tuple[list[float], float, list[float]]:
-    """(idle ms per consecutive step pair, wall ms from first to last step, executor ms per step)."""
+    """(idle ms per consecutive step pair, wall ms from first to last step, executor ms per step).
+
+    Idle between steps N and N+1 = N+1's start - (N's start + N's executor time), both on the
+    executor's clock (`executorStartUnixNs`); in a trace without it, N+1's planning time - N's
+    - N's executor time (right only without async scheduling, where N+1 is planned after N's
+    result). A pair is left out where nothing ran or waited after N (the gap is the clients'),
+    or where the ids are not consecutive (a restart)."""
     steps = sorted((json.loads(line) for line in trace_lines if line.strip()), key=lambda s: int(s.get("stepId", 0)))
     idle, executor = [], []
     for a, b in zip(steps, steps[1:]):
         if int(b.get("stepId", 0)) != int(a.get("stepId", 0)) + 1:
             continue
+        if not int(a.get("numRunning", 0)) and not int(a.get("numWaiting", 0)):  # JSON omits zeros
+            continue
         ex = int(a.get("executorNs", 0)) / 1e6
-        idle.append((b["timestamp"] - a["timestamp"]) * 1000 - ex)
+        if "executorStartUnixNs" in a and "executorStartUnixNs" in b:
+            idle.append((int(b["executorStartUnixNs"]) - int(a["executorStartUnixNs"])) / 1e6 - ex)
+        else:
+            idle.append((b["timestamp"] - a["timestamp"]) * 1000 - ex)
         executor.append(ex)
     wall = (steps[-1]["timestamp"] - steps[0]["timestamp"]) * 1000 if len(steps) > 1 else 0.0
     return idle, wall, executor
@@ -98,13 +111,13 @@ def main() -> None:
                 fig["med"].append(statistics.median(idle))
                 fig["p90"].append(statistics.quantiles(idle, n=10)[-1])
                 fig["mean"].append(statistics.fmean(idle))
-                fig["share"].append(sum(idle) / wall)
+                fig["share"].append(sum(idle) / (sum(idle) + sum(ex)))
                 fig["ex"].append(statistics.median(ex))
                 fig["tput"].append(m["output_throughput"])
                 fig["itl"].append(m["median_itl_ms"])
                 print(
                     f"round {r + 1} {name:12}: idle median {fig['med'][-1]:.3f} ms, P90 {fig['p90'][-1]:.3f} ms, "
-                    f"{fig['share'][-1]:.1%} of the wall; executor median {fig['ex'][-1]:.2f} ms; "
+                    f"{fig['share'][-1]:.1%} of the time; executor median {fig['ex'][-1]:.2f} ms; "
                     f"{fig['tput'][-1]:.0f} tok/s, median ITL {fig['itl'][-1]:.2f} ms",
                     flush=True,
                 )
@@ -122,7 +135,7 @@ def main() -> None:
         ("med", "idle per step, median ms"),
         ("p90", "idle per step, P90 ms"),
         ("mean", "idle per step, mean ms"),
-        ("share", "idle share of the wall"),
+        ("share", "idle / (idle + executor)"),
         ("ex", "executor per step, median ms"),
         ("tput", "output tok/s"),
         ("itl", "median ITL ms"),

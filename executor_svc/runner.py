@@ -138,13 +138,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: epb.StepRequest) -> epb.StepResponse:
-        start = time.perf_counter_ns()
+        start, start_unix = time.perf_counter_ns(), time.time_ns()
         checked = self.validate(plan)
         self._apply(plan, checked)
         validated = time.perf_counter_ns()
         self._swap(plan)
         swapped = time.perf_counter_ns()
-        response = epb.StepResponse(step_id=plan.step_id, swap_ns=swapped - validated)
+        response = epb.StepResponse(step_id=plan.step_id, swap_ns=swapped - validated, start_unix_ns=start_unix)
         if not plan.seqs:
             response.execute_ns = time.perf_counter_ns() - start
             return response

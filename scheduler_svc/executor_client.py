@@ -64,6 +64,7 @@ def result_from_proto(msg: epb.StepResponse) -> StepResult:
         forward_ns=msg.forward_ns,
         sample_ns=msg.sample_ns,
         swap_ns=msg.swap_ns,
+        start_unix_ns=msg.start_unix_ns,
     )
 
 

@@ -103,3 +103,4 @@ class StepResult:
     forward_ns: int = 0
     sample_ns: int = 0
     swap_ns: int = 0
+    start_unix_ns: int = 0  # the executor's wall clock when it began the step (0: unknown)

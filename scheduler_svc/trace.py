@@ -72,6 +72,7 @@ class StepTracer(Observer):
             num_cached_tokens=stats.prefix_hits,
             executor_ns=record.result.execute_ns,
             step_ns=record.step_ns,
+            executor_start_unix_ns=record.result.start_unix_ns,
             num_running=record.state.num_running,
             num_waiting=record.state.num_waiting,
             kv_cache_usage=record.state.kv_cache_usage,

@@ -76,11 +76,21 @@ def test_step_idle_reads_idle_time_from_a_trace():
     import step_idle
 
     lines = [
-        '{"timestamp": 10.0, "executorNs": "4000000"}',  # step 0: stepId omitted, as JSON does
-        '{"stepId": "1", "timestamp": 10.010, "executorNs": "5000000"}',
-        '{"stepId": "2", "timestamp": 10.020, "executorNs": "6000000"}',
+        '{"timestamp": 10.0, "executorNs": "4000000", "numRunning": 1}',  # step 0: stepId omitted, as JSON does
+        '{"stepId": "1", "timestamp": 10.010, "executorNs": "5000000", "numRunning": 1}',
+        '{"stepId": "2", "timestamp": 10.020, "executorNs": "6000000", "numWaiting": 1}',
         '{"stepId": "7", "timestamp": 11.0, "executorNs": "1000000"}',  # after a restart: not a pair
     ]
     idle, wall, executor = step_idle.idle_ms(lines)
     assert [round(x, 6) for x in idle] == [6.0, 5.0] and executor == [4.0, 5.0]
     assert round(wall, 6) == 1000.0
+    # With the executor's start times (async scheduling plans step 2 before step 1 ends: the
+    # planning times say nothing), and a gap with nothing running or waiting left out.
+    lines = [
+        '{"stepId": "1", "timestamp": 10.0, "executorNs": "4000000", "executorStartUnixNs": "100000000", "numRunning": 2}',
+        '{"stepId": "2", "timestamp": 10.001, "executorNs": "5000000", "executorStartUnixNs": "104500000", "numRunning": 2}',
+        '{"stepId": "3", "timestamp": 10.002, "executorNs": "6000000", "executorStartUnixNs": "109600000"}',
+        '{"stepId": "4", "timestamp": 10.5, "executorNs": "6000000", "executorStartUnixNs": "600000000", "numWaiting": 1}',
+    ]
+    idle, _, executor = step_idle.idle_ms(lines)
+    assert [round(x, 6) for x in idle] == [0.5, 0.1] and executor == [4.0, 5.0]

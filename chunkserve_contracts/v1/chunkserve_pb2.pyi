@@ -263,7 +263,7 @@ class StepTraceEntry(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., is_prefill: _Optional[bool] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prefix_hash: _Optional[str] = ...) -> None: ...
 
 class StepTrace(_message.Message):
-    __slots__ = ("step_id", "timestamp", "num_tokens", "token_budget", "num_prefill_tokens", "num_decode_tokens", "num_preempted", "num_swapped_out", "num_swapped_in", "num_cached_tokens", "executor_ns", "step_ns", "num_running", "num_waiting", "kv_cache_usage", "seqs", "policy", "budget_reason", "predicted_step_ms")
+    __slots__ = ("step_id", "timestamp", "num_tokens", "token_budget", "num_prefill_tokens", "num_decode_tokens", "num_preempted", "num_swapped_out", "num_swapped_in", "num_cached_tokens", "executor_ns", "step_ns", "executor_start_unix_ns", "num_running", "num_waiting", "kv_cache_usage", "seqs", "policy", "budget_reason", "predicted_step_ms")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +276,7 @@ class StepTrace(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_NS_FIELD_NUMBER: _ClassVar[int]
     STEP_NS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_START_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +296,7 @@ class StepTrace(_message.Message):
     num_cached_tokens: int
     executor_ns: int
     step_ns: int
+    executor_start_unix_ns: int
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -302,4 +304,4 @@ class StepTrace(_message.Message):
     policy: str
     budget_reason: str
     predicted_step_ms: float
-    def __init__(self, step_id: _Optional[int] = ..., timestamp: _Optional[float] = ..., num_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_preempted: _Optional[int] = ..., num_swapped_out: _Optional[int] = ..., num_swapped_in: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., executor_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., seqs: _Optional[_Iterable[_Union[StepTraceEntry, _Mapping]]] = ..., policy: _Optional[str] = ..., budget_reason: _Optional[str] = ..., predicted_step_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., timestamp: _Optional[float] = ..., num_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_preempted: _Optional[int] = ..., num_swapped_out: _Optional[int] = ..., num_swapped_in: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., executor_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., executor_start_unix_ns: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., seqs: _Optional[_Iterable[_Union[StepTraceEntry, _Mapping]]] = ..., policy: _Optional[str] = ..., budget_reason: _Optional[str] = ..., predicted_step_ms: _Optional[float] = ...) -> None: ...

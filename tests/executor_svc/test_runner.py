@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -120,6 +121,7 @@ def test_logprobs_are_log_softmax_of_the_logits(tiny):
     loaded.runner.reset()
     params = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=3)
     prompt = [5, 6, 7, 8, 9]
+    before = time.time_ns()
     r = loaded.runner.execute(
         epb.StepRequest(
             step_id=1,
@@ -127,6 +129,7 @@ def test_logprobs_are_log_softmax_of_the_logits(tiny):
             seqs=[entry(3, 0, 5, prompt, [0, 1], True)],
         )
     )
+    assert before <= r.start_unix_ns <= time.time_ns()  # the executor's wall clock, for idle time
     with torch.inference_mode():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
     s = r.sampled[0]
