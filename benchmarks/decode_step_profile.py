@@ -466,7 +466,9 @@ def run_mode(args, runner, quantization: str) -> None:
             with torch.inference_mode():
                 changed_pieces(model, batch)
         if not args.no_profile:
-            cats = profile_split(runner, ids, ctx3 + 1, args.steps, vocab)
+            # The executor's cursor, whatever the runs above left it at (components() computes
+            # no step; the timed runs each moved it).
+            cats = profile_split(runner, ids, runner.seqs[ids[0]].num_computed_tokens, args.steps, vocab)
             wall = cats.pop("_wall_profiled")
             print(f"  torch.profiler split (step under profiler: {wall:.2f} ms):")
             for name, ms in sorted(cats.items(), key=lambda kv: -kv[1]):

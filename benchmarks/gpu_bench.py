@@ -11,6 +11,10 @@ weights by swapping the backend of every attention layer.
 - decode: one step of B sequences with ~1024 tokens of context each (metadata built on the
   host every step, as the executor does; logits for B rows). The floor is the weights
   read once from HBM (bytes / 4.3 TB/s); the second floor adds the KV cache the step reads.
+  For a backend that can be captured (`graph_safe`: triton) the same step again through
+  executor_svc/cuda_graphs.py (static buffers filled from the host, one graph replay per
+  step, a graph captured per measured batch size): the "graph ms" column, and its ratio.
+  With --tiny on CPU that path runs its padded forward eagerly (checks the script only).
 - prefill: one step of 8 fresh sequences x 2048 tokens; achieved TFLOP/s counts the
   matmuls (2 x non-embedding params per token) plus causal attention, against ~790 TFLOP/s
   (dense bf16 on an H200; the peak a product of 8192^3 reaches, measured).
@@ -34,6 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from chunkserve_kernels import build_metadata, choose_backend, get_backend, set_forward_context  # noqa: E402
+
+from executor_svc.cuda_graphs import DecodeGraphs  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12  # H200, measured device-to-device copy
 PEAK_FLOPS = 790e12  # H200 dense bf16, measured 8192^3 product
@@ -118,7 +124,20 @@ def make_step(model, kv_cache, seqs: list[tuple[int, int]], block_size: int, dev
             hidden = model(ids, positions)
         model.compute_logits(hidden.index_select(0, last))
 
-    return step, next_block
+    return step, tables
+
+
+def graph_step(model, graphs: DecodeGraphs, tables: list[list[int]], context: int):
+    """The decode step of make_step's `tables` (one new token at position `context` each)
+    through DecodeGraphs: buffers filled from host lists, a replay, logits for every row."""
+    token_ids = [(7 * i) % model.config.vocab_size for i in range(len(tables))]
+    computed = [context] * len(tables)
+
+    @torch.inference_mode()
+    def step() -> None:
+        model.compute_logits(graphs.run(token_ids, computed, tables))
+
+    return step
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -155,16 +174,23 @@ def run(args: argparse.Namespace) -> dict:
         kv_cache = torch.zeros(
             cfg.num_hidden_layers,
             2,
-            num_blocks,
+            num_blocks + 1,  # the last: the CUDA graphs' scratch block
             block_size,
             cfg.num_key_value_heads,
             head_dim,
             dtype=dtype,
             device=device,
         )
+        graphs = None
+        if get_backend(name).graph_safe or device.type != "cuda":
+            capture = device.type == "cuda"
+            graphs = DecodeGraphs(model, kv_cache, model.max_model_len, num_blocks, sorted(args.batches), capture)
         for batch in args.batches:
-            step, _ = make_step(model, kv_cache, [(args.context, 1)] * batch, block_size, device)
+            step, tables = make_step(model, kv_cache, [(args.context, 1)] * batch, block_size, device)
             seconds = timed(step, args.warmup, args.iters, device)
+            graph_seconds = None
+            if graphs is not None:
+                graph_seconds = timed(graph_step(model, graphs, tables, args.context), args.warmup, args.iters, device)
             floor = weight_bytes / HBM_BYTES_PER_S
             floor_kv = (weight_bytes + batch * (args.context + 1) * kv_bytes_per_token) / HBM_BYTES_PER_S
             result["decode"].append(
@@ -178,8 +204,11 @@ def run(args: argparse.Namespace) -> dict:
                     "floor_ms": floor * 1e3,
                     "floor_with_kv_ms": floor_kv * 1e3,
                     "floor_fraction": floor / seconds,
+                    "graph_step_ms": None if graph_seconds is None else graph_seconds * 1e3,
+                    "graph_floor_fraction": None if graph_seconds is None else floor / graph_seconds,
                 }
             )
+        del graphs
         seqs = [(0, args.prefill_len)] * args.prefill_seqs
         step, _ = make_step(model, kv_cache, seqs, block_size, device)
         seconds = timed(step, max(1, args.warmup // 2), max(1, args.iters // 2), device)
@@ -227,12 +256,19 @@ def print_table(result: dict, tiny: bool) -> None:
         f"\n{result['device']}, torch {result['torch']}, {result['dtype']}, "
         f"weights {result['weight_bytes'] / 2**30:.2f} GiB" + ("  (--tiny: floors are H200 figures)" if tiny else "")
     )
-    print("\ndecode  backend      block batch ctx   step ms  tok/s      floor ms  +KV ms  of floor")
+    print(
+        "\ndecode  backend      block batch ctx   step ms  tok/s      floor ms  +KV ms  of floor"
+        "  graph ms  of floor  eager/graph"
+    )
     for r in result["decode"]:
+        graph = ""
+        if r.get("graph_step_ms"):
+            g = r["graph_step_ms"]
+            graph = f" {g:>9.2f} {r['graph_floor_fraction']:>9.0%} {r['step_ms'] / g:>12.2f}"
         print(
             f"        {r['backend']:<12} {r['block_size']:>5} {r['batch']:>5} {r['context']:>5} "
             f"{r['step_ms']:>8.2f} {r['tokens_per_s']:>9.0f} {r['floor_ms']:>9.3f} {r['floor_with_kv_ms']:>7.3f}"
-            f" {r['floor_fraction']:>8.0%}"
+            f" {r['floor_fraction']:>8.0%}{graph}"
         )
     print("\nprefill backend      block tokens      step ms  tok/s      TFLOP/s  of 790")
     for r in result["prefill"]:

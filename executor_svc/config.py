@@ -140,6 +140,17 @@ class ExecutorConfig:
             "--cpu-gemm-row-padding, --cpu-gemm-prepack, --quantized-max-rows). Tensor parallelism uses table"
         },
     )
+    cuda_graphs: bool = field(
+        default=True,
+        metadata={
+            "help": "on CUDA, replay decode-only steps of up to --cuda-graph-max-batch sequences from CUDA graphs "
+            "captured at start-up per padded batch size (executor_svc/cuda_graphs.py); needs a graph-safe attention "
+            "backend (triton) and no tensor parallelism, else every step runs eagerly (said in the log). No effect on CPU"
+        },
+    )
+    cuda_graph_max_batch: int = field(
+        default=128, metadata={"help": "largest decode batch captured as a CUDA graph (larger ones run eagerly)"}
+    )
     tensor_parallel_size: int = field(
         default=1,
         metadata={
@@ -178,6 +189,8 @@ class ExecutorConfig:
             raise ValueError(
                 f"--cpu-linear-plan must be one of {', '.join(CPU_LINEAR_PLANS)}, got {self.cpu_linear_plan!r}"
             )
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError(f"--cuda-graph-max-batch must be >= 1, got {self.cuda_graph_max_batch}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_timeout_s <= 0:

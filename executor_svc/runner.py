@@ -39,6 +39,7 @@ from chunkserve_kernels.forward_context import set_forward_context
 from chunkserve_kernels.metadata import build_metadata
 
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.parallel import NO_TP, PlanChannel, TPInfo
 from executor_svc.sampler import SamplingSpec, sample
 
@@ -114,16 +115,19 @@ class ModelRunner:
         max_model_len: int | None = None,
         tp: TPInfo = NO_TP,
         channel: PlanChannel | None = None,
+        reserved_blocks: int = 0,
     ) -> None:
         """Under tensor parallelism (`tp`, executor_svc/parallel.py) every rank runs the same
-        plans on its shard; rank 0 samples and shares the token ids over `channel`."""
+        plans on its shard; rank 0 samples and shares the token ids over `channel`. The last
+        `reserved_blocks` blocks of `kv_cache` are the executor's own (the CUDA graphs'
+        scratch block): no plan may name them."""
         self.model = model
         self.tp = tp
         self.channel = channel
         self.kv_cache = kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
         self.host_cache = host_cache  # same shape with host blocks, or None
         self.block_size = kv_cache.shape[3]
-        self.num_blocks = kv_cache.shape[2]
+        self.num_blocks = kv_cache.shape[2] - reserved_blocks
         self.num_host_blocks = 0 if host_cache is None else host_cache.shape[2]
         self.vocab_size = vocab_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -131,6 +135,8 @@ class ModelRunner:
         self.device = kv_cache.device
         self.seqs: dict[int, SeqState] = {}
         self.holders = [0] * self.num_blocks
+        # Decode-only steps of up to its largest bucket run through it (executor_svc/cuda_graphs.py).
+        self.graphs: DecodeGraphs | None = None
 
     def reset(self) -> None:
         self.seqs.clear()
@@ -151,12 +157,16 @@ class ModelRunner:
 
         states = [self.seqs[s.seq_id] for s in plan.seqs]
         query_lens = checked.query_lens
-        meta, positions = build_metadata(
-            query_lens, checked.computed, [st.block_table for st in states], self.block_size, self.device
-        )
-        input_ids = torch.tensor(checked.token_ids, dtype=torch.long, device=self.device)
-        with set_forward_context(meta, self.kv_cache):
-            hidden = self.model(input_ids, positions)
+        graphs = self.graphs
+        if graphs is not None and len(query_lens) == len(checked.token_ids) and graphs.bucket(len(query_lens)):
+            hidden = graphs.run(checked.token_ids, checked.computed, [st.block_table for st in states])
+        else:
+            meta, positions = build_metadata(
+                query_lens, checked.computed, [st.block_table for st in states], self.block_size, self.device
+            )
+            input_ids = torch.tensor(checked.token_ids, dtype=torch.long, device=self.device)
+            with set_forward_context(meta, self.kv_cache):
+                hidden = self.model(input_ids, positions)
         forwarded = time.perf_counter_ns()
 
         if checked.sampling:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 import torch
-from chunkserve_kernels.backend import choose_backend, get_backend
+from chunkserve_kernels.backend import AttentionBackend, choose_backend, get_backend
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from chunkserve_contracts import __version__
@@ -33,6 +33,7 @@ from chunkserve_contracts.executor.v1 import executor_pb2_grpc as epb_grpc
 from chunkserve_contracts.flags import config_to_argv
 from chunkserve_contracts.ownership import port_in_use
 from executor_svc.config import ExecutorConfig
+from executor_svc.cuda_graphs import DecodeGraphs, capture_sizes
 from executor_svc.model_loader import load_model, resolve_model
 from executor_svc.models import linear_plan
 from executor_svc.models.layers import PREPACK_MIN_ROWS, prepack_measured, set_cpu_gemm_row_padding
@@ -133,6 +134,21 @@ class Loaded:
         if self.leader is None:
             return self.runner.reset()
         return self.leader.run(self.runner.reset, cmd=CMD_RESET)
+
+
+def use_cuda_graphs(config: ExecutorConfig, device: torch.device, backend: AttentionBackend, tp: TPInfo) -> bool:
+    """Whether decode steps replay CUDA graphs (--cuda-graphs, on CUDA only); says why not."""
+    if not config.cuda_graphs or device.type != "cuda":
+        return False
+    if not backend.graph_safe:
+        log.info(
+            "CUDA graphs off: attention backend %r is not graph-safe (use --attention-backend triton)", backend.name
+        )
+        return False
+    if tp.enabled:
+        log.info("CUDA graphs off: not under tensor parallelism (its collectives are not captured)")
+        return False
+    return True
 
 
 def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
@@ -249,7 +265,11 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
     device_blocks, host_blocks = kv_block_counts(config, bytes_per_block, device)
     if tp.enabled:  # the block ids the scheduler hands out must be valid on every rank
         device_blocks, host_blocks = min_over_group([device_blocks, host_blocks], device)
-    kv_cache = torch.zeros(shape_per_block[:2] + (device_blocks,) + shape_per_block[3:], dtype=dtype, device=device)
+    graphs = use_cuda_graphs(config, device, backend, tp)
+    # With CUDA graphs one more block than reported: the padding rows' scratch block.
+    kv_cache = torch.zeros(
+        shape_per_block[:2] + (device_blocks + graphs,) + shape_per_block[3:], dtype=dtype, device=device
+    )
     host_cache = None
     if host_blocks:
         host_cache = torch.empty(
@@ -257,8 +277,19 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
         )
     channel = PlanChannel(device) if tp.enabled else None
     runner = ModelRunner(
-        model, kv_cache, host_cache, hf.vocab_size, config.max_num_batched_tokens, model.max_model_len, tp, channel
+        model,
+        kv_cache,
+        host_cache,
+        hf.vocab_size,
+        config.max_num_batched_tokens,
+        model.max_model_len,
+        tp,
+        channel,
+        reserved_blocks=int(graphs),
     )
+    if graphs:
+        sizes = capture_sizes(min(config.cuda_graph_max_batch, config.max_num_batched_tokens))
+        runner.graphs = DecodeGraphs(model, kv_cache, model.max_model_len, device_blocks, sizes, capture=True)
     name = "SmolLM2-135M-Instruct" if config.model in ("default", "") else config.model
     handshake = epb.HandshakeResponse(
         model=epb.ModelConfig(

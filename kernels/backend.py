@@ -25,6 +25,10 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]]
+    # Whether a decode step through this backend can be captured as a CUDA graph
+    # (executor_svc/cuda_graphs.py): its kernels read every length from the metadata's device
+    # tensors, never from its host fields, which a graph freezes at capture.
+    graph_safe: ClassVar[bool] = False
 
     def check_block_size(self, block_size: int) -> None:
         """Raise ValueError if this backend cannot use `block_size` (default: any positive)."""

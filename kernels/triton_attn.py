@@ -276,6 +276,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    graph_safe = True  # grid from num_seqs and max_seqlen_q (1 for decodes); lengths from SEQUSED_K
 
     def check_head_size(self, head_size: int) -> None:
         if not 1 <= head_size <= MAX_HEAD_SIZE:

@@ -226,3 +226,47 @@ def test_executor_greedy_matches_hf_default_model(name, dtype, block_size, tol, 
     ids = transformers.AutoTokenizer.from_pretrained(path)(text, add_special_tokens=False)["input_ids"]
     prompts = [ids[:5], ids[100:400], ids[50:67], ids[500:1500]]
     _e2e(path, prompts, name, dtype, block_size, tol, tmp_path)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_replay_decode_steps(random_checkpoint, dtype, tmp_path):
+    """--cuda-graphs (on by default) with triton: graphs captured per bucket up to 8, decode
+    steps of 1..5 sequences replayed from them (padding rows included), tokens as without
+    graphs (float32: equal; bfloat16, where a padded batch may round differently: near HF)."""
+    import transformers
+
+    from executor_svc.config import ExecutorConfig
+    from executor_svc.cuda_graphs import capture_sizes
+
+    server = _executor()
+    prompts = RANDOM_PROMPTS + [[(13 * i) % 500 + 1 for i in range(70)], [(17 * i) % 500 + 1 for i in range(9)]]
+    got = {}
+    for graphs in (False, True):
+        loaded = server.load(
+            ExecutorConfig(
+                model=str(random_checkpoint),
+                device=DEVICE,
+                dtype=dtype,
+                block_size=16,
+                attention_backend="triton",
+                num_gpu_blocks_override=512,
+                swap_space=0.0,
+                max_num_batched_tokens=2048,
+                cache_dir=str(tmp_path),
+                cuda_graphs=graphs,
+                cuda_graph_max_batch=8,
+            )
+        )
+        runner = loaded.runner
+        got[graphs] = _greedy_via_runner(runner, prompts, new_tokens=24)
+        if graphs:
+            assert sorted(runner.graphs.graphs) == capture_sizes(8) and runner.graphs.replays > 10
+            assert runner.num_blocks == 512 and runner.kv_cache.shape[2] == 513
+        else:
+            assert runner.graphs is None
+    if dtype == "float32":
+        assert got[True] == got[False]
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(random_checkpoint, dtype=torch.bfloat16).to(DEVICE)
+        _assert_near_greedy(hf.eval(), prompts, got[True], 0.5)
