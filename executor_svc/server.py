@@ -289,7 +289,12 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
     )
     if graphs:
         sizes = capture_sizes(min(config.cuda_graph_max_batch, config.max_num_batched_tokens))
-        runner.graphs = DecodeGraphs(model, kv_cache, model.max_model_len, device_blocks, sizes, capture=True)
+        try:
+            runner.graphs = DecodeGraphs(model, kv_cache, model.max_model_len, device_blocks, sizes, capture=True)
+        except Exception as exc:  # noqa: BLE001 - never yet run on hardware: serve eagerly rather than not at all
+            log.warning("CUDA graphs off: capture failed (%r); every step runs eagerly", exc)
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
     name = "SmolLM2-135M-Instruct" if config.model in ("default", "") else config.model
     handshake = epb.HandshakeResponse(
         model=epb.ModelConfig(
