@@ -361,8 +361,14 @@ class ExecutorServicer(epb_grpc.ExecutorServicer):
         with self._order:
             if request.HasField("follows_step_id"):
                 follows = request.follows_step_id
-                remaining = context.time_remaining()
-                if not self._order.wait_for(lambda: self._last_queued == follows, timeout=remaining):
+                context.add_callback(self._notify)  # a cancelled call stops waiting at once
+                if (
+                    not self._order.wait_for(
+                        lambda: self._last_queued == follows or not context.is_active(),
+                        timeout=context.time_remaining(),
+                    )
+                    or not context.is_active()
+                ):
                     context.abort(
                         grpc.StatusCode.FAILED_PRECONDITION,
                         f"step {request.step_id} follows step {follows}, which never arrived",
@@ -379,6 +385,10 @@ class ExecutorServicer(epb_grpc.ExecutorServicer):
             log.error("out of memory in step %d: %s", request.step_id, exc)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory in step {request.step_id}")
         raise AssertionError("unreachable: abort raises")
+
+    def _notify(self) -> None:
+        with self._order:  # reentrant: gRPC may call this on the thread that holds it
+            self._order.notify_all()
 
     def Reset(self, request: epb.ResetRequest, context: grpc.ServicerContext) -> epb.ResetResponse:
         with self._order:

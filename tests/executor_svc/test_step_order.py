@@ -16,9 +16,23 @@ from executor_svc.server import ExecutorServicer
 class _Context:
     def __init__(self, remaining: float | None) -> None:
         self.remaining = remaining
+        self.active = True
+        self.callbacks = []
 
     def time_remaining(self) -> float | None:
         return self.remaining
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def add_callback(self, fn) -> bool:
+        self.callbacks.append(fn)
+        return True
+
+    def cancel(self) -> None:
+        self.active = False
+        for fn in self.callbacks:
+            fn()
 
     def abort(self, code, details):
         raise grpc.RpcError(code, details)
@@ -54,7 +68,7 @@ def test_the_executor_runs_a_step_after_the_one_it_follows(servicer):
         threading.Event().wait(0.001)
     assert loaded.ran == [6]
     svc.Step(epb.StepRequest(step_id=7, follows_step_id=6), _Context(30.0))
-    later.join()
+    later.join(60)  # only a hang reaches this
     assert loaded.ran == [6, 7, 8]
 
 
@@ -68,3 +82,25 @@ def test_a_step_following_a_step_that_never_came_fails_precondition(servicer):
         svc.Step(epb.StepRequest(step_id=4, follows_step_id=3), _Context(0.01))
     assert info.value.args[0] is grpc.StatusCode.FAILED_PRECONDITION
     assert loaded.ran == [3, -1]
+
+
+def test_a_cancelled_follower_stops_waiting(servicer):
+    """A scheduler that went away (its calls cancelled) leaves no handler thread waiting for
+    a step that will never come: the waiting call ends when it is cancelled, queuing nothing."""
+    svc, loaded = servicer
+    context = _Context(300.0)
+    errors = []
+
+    def follower():
+        try:
+            svc.Step(epb.StepRequest(step_id=2, follows_step_id=1), context)
+        except grpc.RpcError as exc:
+            errors.append(exc)
+
+    waiting = threading.Thread(target=follower)
+    waiting.start()
+    while not svc._order._waiters:
+        threading.Event().wait(0.001)
+    context.cancel()
+    waiting.join(60)  # only a hang reaches this
+    assert not waiting.is_alive() and errors and loaded.ran == []
