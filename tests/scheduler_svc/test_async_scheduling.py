@@ -3,11 +3,14 @@
 The fake executor (conftest.py) runs a plan only after the one it follows, checks that at
 most two steps are in flight, and derives each sampled token from the KV it reads back, so a
 wrong cursor, block table, swap or fed-back token changes the output or trips a check.
+The suite runs 25 random workloads; a longer run:
+`CHUNKSERVE_ASYNC_EXAMPLES=3000 .venv/bin/python -m pytest tests/scheduler_svc/test_async_scheduling.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import grpc
 import pytest
@@ -61,7 +64,7 @@ def run_workload(fakes, tokenizer_dir, work, *, fake, **cfg):
 
 
 @settings(
-    max_examples=25,
+    max_examples=int(os.environ.get("CHUNKSERVE_ASYNC_EXAMPLES", "25")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],  # both stateless
 )
