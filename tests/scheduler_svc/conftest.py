@@ -4,13 +4,12 @@ standing in for ExecutorClient, and a byte-level tokenizer."""
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import grpc
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from chunkserve.launch import write_byte_tokenizer
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from scheduler_svc.block_pool import BlockPool, blocks_needed
 from scheduler_svc.config import SchedulerConfig
@@ -261,37 +260,10 @@ def run_to_completion(sched: Scheduler, fake: FakeExecutor, max_steps: int = 10_
     return outputs
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, so token id == byte value."""
-    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
-
-
 @pytest.fixture
 def byte_tokenizer_dir(tmp_path: Path) -> Path:
     """A byte-level tokenizer: one token per UTF-8 byte, so multi-byte characters split."""
-    tok = Tokenizer(models.BPE(vocab={c: b for b, c in _bytes_to_unicode().items()}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<eos>"])
-    tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "eos_token": "<eos>",
-                "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-                "{% if add_generation_prompt %}<assistant>{% endif %}",
-            }
-        )
-    )
-    return tmp_path
+    return write_byte_tokenizer(tmp_path)
 
 
 @pytest.fixture
