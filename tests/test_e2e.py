@@ -482,7 +482,8 @@ def test_hot_swap_policy_and_budget_under_load(server, prompts, expected):
 
 
 def test_executor_killed_under_load_then_restarted(tiny_model_path, tmp_path):
-    """kill -9 the executor mid-stream: every open stream ends UNAVAILABLE within 5 s, health
+    """kill -9 the executor mid-stream: every open stream ends UNAVAILABLE from the lost
+    connection (well inside the 120 s step timeout, which would otherwise end them), health
     flips to NOT_SERVING, and once an executor is back new requests succeed on a clean pool."""
     import os
     import signal
@@ -521,8 +522,10 @@ def test_executor_killed_under_load_then_restarted(tiny_model_path, tmp_path):
                 for _ in call:
                     pass
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert time.time() - killed < 5
-        deadline = time.time() + 5
+        # Half the step timeout: a bound only a stream left to time out reaches, even on a
+        # machine many times slower than this one (the lost connection ends them at once).
+        assert time.time() - killed < 60
+        deadline = time.time() + 60
         while check() != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert time.time() < deadline
             time.sleep(0.1)
