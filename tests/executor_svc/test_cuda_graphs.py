@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from chunkserve_kernels.backend import get_backend
 
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
@@ -24,21 +23,11 @@ BLOCK, BLOCKS, PER_SEQ = 4, 32, 6  # each test sequence owns PER_SEQ blocks: up 
 SAMPLING = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=3)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-graphs")
-    torch.manual_seed(1)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-        initializer_range=0.2,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+@pytest.fixture
+def model(tmp_path, tiny_configs, hf_model_factory):
+    """The executor's model of conftest's tiny random Llama, loaded as the server loads it."""
+    path = tmp_path / "tiny"
+    hf_model_factory(tiny_configs["llama"](), seed=1).save_pretrained(path)
     cfg = ExecutorConfig(
         model=str(path),
         dtype="float32",

@@ -260,6 +260,47 @@ def run_to_completion(sched: Scheduler, fake: FakeExecutor, max_steps: int = 10_
     return outputs
 
 
+def run_workload(tokenizer_dir: Path, work, *, fake: FakeExecutor, **cfg):
+    """Runs `work` (prompt, max_tokens, stop strings, abort after k deltas or None) through an
+    Engine on `fake` (scheduler settings `cfg`, the fake's pool); returns the engine and, per
+    request, (token ids, text, finish reason, error code or None), once every request ended
+    and the executor holds no sequence and no step in flight."""
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.tokenizer import Tokenizer as ServingTokenizer
+
+    async def main():
+        sched = make_scheduler(
+            num_blocks=fake.num_blocks, block_size=fake.block_size, num_host_blocks=fake.num_host_blocks, **cfg
+        )
+        engine = Engine(sched, fake, ServingTokenizer(tokenizer_dir), frozenset({EOS}), 100, 5.0)
+        engine.start()
+
+        async def one(prompt, max_tokens, stop, abort_after):
+            stream = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=stop))
+            deltas = []
+            while True:
+                d = await stream.queue.get()
+                deltas.append(d)
+                if d.finished or d.error:
+                    break
+                if abort_after is not None and len(deltas) >= abort_after:
+                    engine.abort(stream.request_id)
+            tokens = [t for d in deltas for t in d.token_ids]
+            error = None if deltas[-1].error is None else deltas[-1].error.code
+            return tokens, "".join(d.text for d in deltas), deltas[-1].finish_reason, error
+
+        # 60 s: a deadline only a hung stream reaches (this runs in well under a second)
+        results = await asyncio.wait_for(asyncio.gather(*(one(*w) for w in work)), 60)
+        for _ in range(10_000):  # a step sent is computed, as a real executor would; the last
+            if not sched.has_work() and not fake.seqs and not fake.in_flight:  # drops travel in one more
+                break
+            await asyncio.sleep(0.001)
+        await engine.stop()
+        return engine, results
+
+    return asyncio.run(main())
+
+
 @pytest.fixture
 def byte_tokenizer_dir(tmp_path: Path) -> Path:
     """A byte-level tokenizer: one token per UTF-8 byte, so multi-byte characters split."""
@@ -277,6 +318,7 @@ def fakes():
         make_scheduler = staticmethod(make_scheduler)
         make_request = staticmethod(make_request)
         run_to_completion = staticmethod(run_to_completion)
+        run_workload = staticmethod(run_workload)
         EOS = EOS
         VOCAB = VOCAB
 

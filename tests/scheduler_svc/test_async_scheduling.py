@@ -9,7 +9,6 @@ The suite runs 25 random workloads; a longer run:
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 import grpc
@@ -17,50 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.engine import Engine
 from scheduler_svc.errors import StepFailedError
-from scheduler_svc.request import FinishReason, SamplingParams
-from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.request import FinishReason
 
 BLOCK = 4
-
-
-def run_workload(fakes, tokenizer_dir, work, *, fake, **cfg):
-    """Runs `work` (prompt, max_tokens, stop strings, abort after k deltas or None) through an
-    engine on `fake`; returns per request (token ids, text, finish reason, error code) and the
-    engine, once every request ended and the executor holds no sequence."""
-
-    async def main():
-        sched = fakes.make_scheduler(
-            num_blocks=fake.num_blocks, block_size=BLOCK, num_host_blocks=fake.num_host_blocks, **cfg
-        )
-        engine = Engine(sched, fake, Tokenizer(tokenizer_dir), frozenset({fakes.EOS}), 100, 5.0)
-        engine.start()
-
-        async def one(prompt, max_tokens, stop, abort_after):
-            stream = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=stop))
-            deltas = []
-            while True:
-                d = await stream.queue.get()
-                deltas.append(d)
-                if d.finished or d.error:
-                    break
-                if abort_after is not None and len(deltas) >= abort_after:
-                    engine.abort(stream.request_id)
-            tokens = [t for d in deltas for t in d.token_ids]
-            error = None if deltas[-1].error is None else deltas[-1].error.code
-            return tokens, "".join(d.text for d in deltas), deltas[-1].finish_reason, error
-
-        # 60 s: a deadline only a hung stream reaches (this runs in well under a second)
-        results = await asyncio.wait_for(asyncio.gather(*(one(*w) for w in work)), 60)
-        for _ in range(10_000):  # the last drops travel in one more plan: let it run
-            if not sched.has_work() and not fake.seqs and not fake.in_flight:
-                break
-            await asyncio.sleep(0.001)
-        await engine.stop()
-        return engine, results
-
-    return asyncio.run(main())
 
 
 @settings(
@@ -104,8 +63,8 @@ def test_async_scheduling_changes_no_request_and_leaks_no_block(
 
     def go(work, async_scheduling):
         fake = fakes.FakeExecutor(num_blocks, BLOCK, eos_after=eos_after, num_host_blocks=64)
-        engine, results = run_workload(
-            fakes, byte_tokenizer_dir, work, fake=fake, async_scheduling=async_scheduling, **cfg
+        engine, results = fakes.run_workload(
+            byte_tokenizer_dir, work, fake=fake, async_scheduling=async_scheduling, **cfg
         )
         sched = engine.scheduler
         assert sched.pool.num_free_blocks == num_blocks and sched.host_pool.num_free_blocks == 64
@@ -144,8 +103,8 @@ def test_async_scheduling_overlaps_and_computes_one_token_more_per_eos(fakes, by
     for async_scheduling in (False, True):
         fake = fakes.FakeExecutor(96, BLOCK, eos_after=len(prompt) + 6)
         work = [(prompt, 12, (), None), (list(range(70, 80)), 5, (), None)]
-        _, outs[async_scheduling] = run_workload(
-            fakes, byte_tokenizer_dir, work, fake=fake, async_scheduling=async_scheduling
+        _, outs[async_scheduling] = fakes.run_workload(
+            byte_tokenizer_dir, work, fake=fake, async_scheduling=async_scheduling
         )
         rows[async_scheduling] = sum(1 for plan in fake.plans for s in plan.seqs)
         fakes_used[async_scheduling] = fake
@@ -183,11 +142,11 @@ def test_a_failed_step_under_async_scheduling(fakes, byte_tokenizer_dir):
             return None
 
     work = [(p, 10, (), None) for p in prompts]
-    _, reference = run_workload(fakes, byte_tokenizer_dir, work, fake=fakes.FakeExecutor(96, BLOCK))
+    _, reference = fakes.run_workload(byte_tokenizer_dir, work, fake=fakes.FakeExecutor(96, BLOCK))
     fake = OomOnce()
     fake.victim_seq = 1  # the first request's sequence (the engine numbers them from 1)
-    engine, results = run_workload(
-        fakes, byte_tokenizer_dir, work, fake=fake, async_scheduling=True, max_num_batched_tokens=8
+    engine, results = fakes.run_workload(
+        byte_tokenizer_dir, work, fake=fake, async_scheduling=True, max_num_batched_tokens=8
     )
     assert fake.failed_step is not None, "the workload no longer reaches the failure: adjust it"
     failed = [i for i, r in enumerate(results) if r[3] is not None]

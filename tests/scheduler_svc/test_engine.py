@@ -228,44 +228,12 @@ def test_a_refused_plan_is_resent_its_drops_and_fails_its_swap_victims(fakes, by
 
 def _run_workload(fakes, tokenizer_dir, work, async_output: bool, eos_after: int | None):
     """Runs `work` (prompt, max_tokens, stop strings, abort after k deltas or None) through an
-    engine; returns per request (token ids, text, finish reason) and the engine."""
-
-    class Counting(fakes.FakeExecutor):
-        sent = 0
-
-        async def step(self, plan, timeout):
-            self.sent += 1
-            return await super().step(plan, timeout)
-
-    async def main():
-        fake = Counting(96, 4, eos_after=eos_after)
-        sched = fakes.make_scheduler(
-            num_blocks=96, block_size=4, max_num_batched_tokens=64, async_output_processing=async_output
-        )
-        engine = Engine(sched, fake, Tokenizer(tokenizer_dir), frozenset({fakes.EOS}), 100, 5.0)
-        engine.start()
-
-        async def one(prompt, max_tokens, stop, abort_after):
-            stream = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, stop=stop))
-            deltas = []
-            while True:
-                d = await stream.queue.get()
-                deltas.append(d)
-                if d.finished or d.error:
-                    break
-                if abort_after is not None and len(deltas) >= abort_after:
-                    engine.abort(stream.request_id)
-            tokens = [t for d in deltas for t in d.token_ids]
-            return tokens, "".join(d.text for d in deltas), deltas[-1].finish_reason
-
-        # 60 s: a deadline only a hung stream reaches (this runs in well under a second)
-        results = await asyncio.wait_for(asyncio.gather(*(one(*w) for w in work)), 60)
-        while len(fake.plans) < fake.sent:  # a step sent is computed, as a real executor would
-            await asyncio.sleep(0.001)
-        await engine.stop()
-        return engine, fake, results
-
-    return asyncio.run(main())
+    engine; returns the engine, the fake executor and per request (token ids, text, finish reason)."""
+    fake = fakes.FakeExecutor(96, 4, eos_after=eos_after)
+    engine, results = fakes.run_workload(
+        tokenizer_dir, work, fake=fake, max_num_batched_tokens=64, async_output_processing=async_output
+    )
+    return engine, fake, [r[:3] for r in results]
 
 
 @settings(
