@@ -277,11 +277,7 @@ class Engine:
                 log.exception("step %d failed", plan.step_id)
                 self._fail_all(f"executor unavailable: step failed: {type(exc).__name__}: {exc}")
                 return
-            outputs = self.scheduler.update(plan, result)
-            record = StepRecord(
-                plan, stats, result, planned_at, time.perf_counter_ns() - started, self.scheduler.snapshot()
-            )
-            done = _Done(outputs, record)
+            done = self._apply(plan, stats, result, planned_at, started)
             if not self.scheduler.config.async_output_processing:
                 done = self._deliver(done)
             if self.scheduler.config.target_itl_ms is not None:
@@ -328,11 +324,7 @@ class Engine:
                     self._fail_all(f"executor unavailable: step failed: {type(exc).__name__}: {exc}")
                     return
                 now = time.perf_counter_ns()
-                outputs = self.scheduler.update(done.plan, result)
-                record = StepRecord(
-                    done.plan, done.stats, result, done.planned_at, now - done.started, self.scheduler.snapshot()
-                )
-                self._deliver(_Done(outputs, record))
+                self._deliver(self._apply(done.plan, done.stats, result, done.planned_at, done.started))
                 if self.scheduler.config.target_itl_ms is not None:
                     # What a stream waits per step: from the later of this step's planning and
                     # the previous result to this result.
@@ -342,6 +334,12 @@ class Engine:
             for pending in (done, inflight):
                 if pending is not None:
                     pending.future.cancel()
+
+    def _apply(self, plan: StepPlan, stats: StepStats, result: StepResult, planned_at: float, started: int) -> _Done:
+        """Applies a step's result to the scheduler; returns its output and record, not yet served."""
+        outputs = self.scheduler.update(plan, result)
+        state = self.scheduler.snapshot()
+        return _Done(outputs, StepRecord(plan, stats, result, planned_at, time.perf_counter_ns() - started, state))
 
     def _plan_and_send(self, inflight: _Sent | None) -> _Sent | None:
         """Plans the next step and sends it (after `inflight`); None when there is nothing to send."""
