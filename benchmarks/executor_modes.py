@@ -6,7 +6,9 @@ Measures, in this order and in one process:
   and after the modes: the higher);
 - Hugging Face transformers `generate` on the same float32 weights, batch 1, ms per token;
 - per mode (`float32`; `float32-nopad` = `--no-cpu-gemm-row-padding`; `float32-noprepack` =
-  `--no-cpu-gemm-prepack`; `int4` = `--quantization int4`; `bfloat16` / `float16` = that
+  `--no-cpu-gemm-prepack`; `int4` = `--quantization int4`; `-aten` appended (float32, int4):
+  `--cpu-attention-kernel torch`, decode attention and K/V writes on aten ops instead of the
+  native CPU kernels; `bfloat16` / `float16` = that
   `--dtype` on CPU; each with the linear plan measured at load as a first start measures it
   (`--cpu-linear-plan remeasure`: every load measures, none reads a kept plan), or with
   `-table` appended, `--cpu-linear-plan table`; the plan and its measuring time are printed): the default model loaded exactly as the
@@ -83,13 +85,24 @@ def hf_decode_ms(ctx: int, new_tokens: int = 33) -> float:
         return statistics.median((gen(new_tokens) - gen(1)) / (new_tokens - 1) * 1000 for _ in range(3))
 
 
-BASE_MODES = ("float32", "float32-nopad", "float32-noprepack", "int4", "bfloat16", "float16")
+BASE_MODES = (
+    "float32",
+    "float32-nopad",
+    "float32-noprepack",
+    "float32-aten",
+    "int4",
+    "int4-aten",
+    "bfloat16",
+    "float16",
+)
 MODES = BASE_MODES + tuple(m + "-table" for m in BASE_MODES)
 
 
 def build(mode: str, threads: int):
     table = mode.endswith("-table")
     mode = mode.removesuffix("-table")
+    aten = mode.endswith("-aten")
+    mode = mode.removesuffix("-aten")
     return load(
         ExecutorConfig(
             model="default",
@@ -104,6 +117,7 @@ def build(mode: str, threads: int):
             cache_dir=default_cache_dir(),
             num_threads=threads,
             quantization="int4" if mode == "int4" else "none",
+            cpu_attention_kernel="torch" if aten else "auto",
         )
     ).runner
 

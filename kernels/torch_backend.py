@@ -24,6 +24,11 @@ OpenMP threads every one of them is a fork/join; when the other core is busy wit
 process, each such barrier waits for a scheduler time slice (measured on a shared 2-core
 machine: softmax of 9 x 200 scores 8 ms per call instead of 3 us). Switching the thread
 count costs ~0.4 us; the GEMMs around the attention keep all threads.
+
+With the native kernels switched on (`TorchBackend.use_native`, chunkserve_kernels/cpu_native.py) a
+float32 step's decode attention is one op that reads each sequence's keys and values once
+straight from the cache blocks (no gather, no per-layer buffers, its own threading rule), and
+K/V writes are one op; prefill chunks keep SDPA.
 """
 
 from __future__ import annotations
@@ -38,10 +43,15 @@ from chunkserve_kernels.metadata import AttentionMetadata
 SINGLE_THREAD_MAX_ROWS = 4096  # gathered K rows (decodes x KV heads x context) run on one thread
 
 
+def _native_ok(cache: torch.Tensor) -> bool:
+    """The native ops take a contiguous float32 CPU cache layer (the executor's own)."""
+    return cache.dtype == torch.float32 and cache.device.type == "cpu" and cache.is_contiguous()
+
+
 @dataclass(slots=True)
 class _DecodePlan:
     tokens: torch.Tensor | None  # flat token index of each decode; None if they are tokens 0..D-1
-    rows: torch.Tensor  # [D*Hkv*max_ctx] row indices into the cache viewed as [slots*Hkv, head_dim]
+    rows: torch.Tensor | None  # [D*Hkv*max_ctx] row indices into the cache viewed as [slots*Hkv, head_dim]
     mask: torch.Tensor | None  # [D, 1, 1, max_ctx] True = real key; None when all contexts are equal
     max_ctx: int
     pad: torch.Tensor | None = None  # ~mask (True = padding key), inverted once per step
@@ -50,6 +60,8 @@ class _DecodePlan:
     v_buf: torch.Tensor | None = None
     bag_rows: torch.Tensor | None = None  # float32 path: V rows per query head, [D*Hq*max_ctx]
     bag_offsets: torch.Tensor | None = None
+    tables: torch.Tensor | None = None  # native path: int32 [D, max_blocks] block tables of the decodes
+    ctx_lens: torch.Tensor | None = None  # native path: int32 [D] their context lengths
 
 
 @dataclass(slots=True)
@@ -75,7 +87,9 @@ def _head_major_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return (slots.unsqueeze(-2) * num_kv_heads + heads[:, None]).reshape(-1)
 
 
-def _plan_step(meta: AttentionMetadata, num_kv_heads: int, device: torch.device) -> _StepPlan:
+def _plan_step(meta: AttentionMetadata, num_kv_heads: int, device: torch.device, native: bool = False) -> _StepPlan:
+    """What every layer of the step reuses; `native`: the decodes go to the native op, which
+    needs only their block tables and context lengths (no gather rows, masks or buffers)."""
     bs = meta.block_size
     block_table = meta.block_table.to(torch.int64)
     decode_seqs, decode_tokens, prefills = [], [], []
@@ -95,6 +109,17 @@ def _plan_step(meta: AttentionMetadata, num_kv_heads: int, device: torch.device)
         start += q_len
 
     decode = None
+    in_order = decode_tokens == list(range(len(decode_tokens)))
+    if decode_seqs and native:
+        tokens = None if in_order else torch.tensor(decode_tokens, device=device)
+        if len(decode_seqs) == meta.num_seqs:
+            tables, ctx_t = meta.block_table, meta.seqused_k
+        else:
+            idx = torch.tensor(decode_seqs, device=device)
+            tables, ctx_t = meta.block_table.index_select(0, idx), meta.seqused_k.index_select(0, idx)
+        max_ctx = max(meta.context_lens[i] for i in decode_seqs)
+        decode = _DecodePlan(tokens, None, None, max_ctx, tables=tables.to(torch.int32), ctx_lens=ctx_t.to(torch.int32))
+        return _StepPlan(decode, prefills, pure_decode=not prefills)
     if decode_seqs:
         ctx_lens = [meta.context_lens[i] for i in decode_seqs]
         max_ctx = max(ctx_lens)
@@ -105,10 +130,9 @@ def _plan_step(meta: AttentionMetadata, num_kv_heads: int, device: torch.device)
         tables = block_table.index_select(0, torch.tensor(decode_seqs, device=device))
         slots = tables.gather(1, clamped // bs) * bs + clamped % bs
         mask = None if min(ctx_lens) == max_ctx else (pos[None, :] < ctx_t[:, None])[:, None, None, :]
-        in_order = decode_tokens == list(range(len(decode_tokens)))
         tokens = None if in_order else torch.tensor(decode_tokens, device=device)
         pad = None if mask is None else ~mask
-        decode = _DecodePlan(tokens, _head_major_rows(slots, num_kv_heads), mask, max_ctx, pad)
+        decode = _DecodePlan(tokens, _head_major_rows(slots, num_kv_heads), mask, max_ctx, pad=pad)
     single = decode is not None and not prefills and device.type == "cpu"
     single = single and decode.rows.shape[0] <= SINGLE_THREAD_MAX_ROWS
     return _StepPlan(decode, prefills, pure_decode=not prefills, single_thread=single)
@@ -117,6 +141,26 @@ def _plan_step(meta: AttentionMetadata, num_kv_heads: int, device: torch.device)
 class TorchBackend(AttentionBackend):
     name = "torch"
     supported_dtypes = (torch.float32, torch.bfloat16)
+    native = False  # float32 CPU steps through the native ops (`use_native`)
+
+    def use_native(self, enabled: bool = True) -> None:
+        """Switches this backend's float32 CPU decode attention and K/V writes to the native ops
+        (kernels/csrc/cpu_attention.cpp) or back; enabling needs `cpu_native.load()` to have
+        succeeded in this process (raises otherwise)."""
+        from chunkserve_kernels import cpu_native
+
+        if enabled and not cpu_native.loaded():
+            raise RuntimeError("the native CPU kernels are not loaded (chunkserve_kernels.cpu_native.load())")
+        self.native = enabled
+
+    def write_kv(
+        self, kv_cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """The base class's two index_copy_ calls, or one native op (float32, `use_native`)."""
+        if self.native and _native_ok(kv_cache_layer) and k.dtype == torch.float32 and v.dtype == torch.float32:
+            torch.ops.chunkserve.write_kv(kv_cache_layer, k, v, slot_mapping)
+        else:
+            super().write_kv(kv_cache_layer, k, v, slot_mapping)
 
     def forward(
         self, q: torch.Tensor, kv_cache_layer: torch.Tensor, meta: AttentionMetadata, scale: float
@@ -125,7 +169,10 @@ class TorchBackend(AttentionBackend):
         num_kv_heads = kv_cache_layer.shape[3]
         plan = meta.scratch.get(self.name)
         if plan is None:
-            plan = meta.scratch[self.name] = _plan_step(meta, num_kv_heads, q.device)
+            native = self.native and _native_ok(kv_cache_layer)
+            plan = meta.scratch[self.name] = _plan_step(meta, num_kv_heads, q.device, native)
+        if plan.decode is not None and plan.decode.tables is not None:
+            return self._native(q, kv_cache_layer, plan, scale)
         k_rows = kv_cache_layer[0].view(-1, head_dim)
         v_rows = kv_cache_layer[1].view(-1, head_dim)
         if plan.single_thread:
@@ -146,6 +193,33 @@ class TorchBackend(AttentionBackend):
                 out[: dec.shape[0]] = dec
             else:
                 out.index_copy_(0, plan.decode.tokens, dec)
+        self._prefills(q, kv_cache_layer, plan, scale, out)
+        return out
+
+    def _native(self, q: torch.Tensor, kv_cache_layer: torch.Tensor, plan: _StepPlan, scale: float) -> torch.Tensor:
+        """The step's decodes through the native op (one call for all of them), its prefill
+        chunks through SDPA as below."""
+        dec = plan.decode
+        num_dec = dec.ctx_lens.shape[0]
+        qd = q[:num_dec] if dec.tokens is None else q.index_select(0, dec.tokens)
+        out_dec = torch.ops.chunkserve.paged_decode_attention(qd, kv_cache_layer, dec.tables, dec.ctx_lens, scale)
+        if plan.pure_decode:
+            return out_dec
+        out = q.new_empty(q.shape)
+        if dec.tokens is None:
+            out[:num_dec] = out_dec
+        else:
+            out.index_copy_(0, dec.tokens, out_dec)
+        self._prefills(q, kv_cache_layer, plan, scale, out)
+        return out
+
+    def _prefills(
+        self, q: torch.Tensor, kv_cache_layer: torch.Tensor, plan: _StepPlan, scale: float, out: torch.Tensor
+    ) -> None:
+        """Each prefill chunk of the step: its context gathered head-major, one SDPA call, into `out`."""
+        num_kv_heads, head_dim = kv_cache_layer.shape[3], q.shape[2]
+        k_rows = kv_cache_layer[0].view(-1, head_dim)
+        v_rows = kv_cache_layer[1].view(-1, head_dim)
         for chunk in plan.prefills:
             k = k_rows.index_select(0, chunk.rows).view(1, num_kv_heads, chunk.ctx, head_dim)
             v = v_rows.index_select(0, chunk.rows).view(1, num_kv_heads, chunk.ctx, head_dim)
@@ -154,7 +228,6 @@ class TorchBackend(AttentionBackend):
                 qc, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True
             )
             out[chunk.start : chunk.end] = o[0].transpose(0, 1)
-        return out
 
     @staticmethod
     def _decode(

@@ -1,0 +1,199 @@
+// Paged decode attention and the K/V write for float32 on CPU, straight on the paged cache.
+//
+// Why a native op: the torch backend's decode attention is ~7 small aten ops per layer
+// (gather K, scale q, bmm, mask, softmax, embedding_bag over V, views), each a dispatch and
+// (with two threads) an OpenMP fork/join; at batch 1 that overhead is most of the ~25 us a
+// layer spends there, and at 32 streams the gather and the expanded V rows read the cache
+// more than once. Here each (sequence, KV head) reads its keys and values once from the
+// cache blocks, in one pass per phase, with no intermediate tensors. Plain loops: the
+// compiler vectorises them (-O3 -march=native; `omp simd` lets it reorder the float sums,
+// so results differ from the aten path in the last bits, as two BLAS blockings do).
+//
+// Registered as torch.ops.chunkserve.{paged_decode_attention, write_kv}; built at the
+// executor's first start by chunkserve_kernels/cpu_native.py and kept in its cache folder.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+// glibc's vector expf (libmvec), declared as its <math.h> does under -ffast-math, so that the
+// softmax loop vectorises without -ffast-math (which would also assume no infinities, and on
+// GCC < 13 link crtfastmath into the library, switching the whole process to flush-to-zero).
+#pragma omp declare simd notinbranch
+extern "C" float expf(float) noexcept;
+
+namespace {
+
+// Below this many key rows (sequences x KV heads x context) a step's attention runs on the
+// calling thread: a fork/join costs more than the work, and on a shared machine a barrier
+// waits for the other core's time slice (kernels/torch_backend.py, SINGLE_THREAD_MAX_ROWS).
+constexpr int64_t kSerialMaxRows = 4096;
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+void check_cache(const at::Tensor& cache) {
+  TORCH_CHECK(cache.device().is_cpu() && cache.scalar_type() == at::kFloat, "cache must be a float32 CPU tensor");
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(),
+              "cache must be a contiguous [2, num_blocks, block_size, num_kv_heads, head_dim] layer, got ",
+              cache.sizes());
+}
+
+// q [D, Hq, hd] (one decode token per sequence; any strides with a contiguous last dim),
+// cache [2, num_blocks, block_size, Hkv, hd], block_table [D, max_blocks] int32,
+// context_lens [D] int32 (including this step's token, already written). -> [D, Hq, hd].
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
+                                  const at::Tensor& context_lens, double scale) {
+  check_cache(cache);
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.device().is_cpu(), "q must be float32 [D, Hq, hd]");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "block_table and context_lens must be int32");
+  const int64_t D = q.size(0), Hq = q.size(1), hd = q.size(2);
+  const int64_t num_blocks = cache.size(1), bs = cache.size(2), Hkv = cache.size(3);
+  TORCH_CHECK(cache.size(4) == hd, "head_dim of q (", hd, ") and cache (", cache.size(4), ") differ");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads (", Hq, ") must be a multiple of KV heads (", Hkv, ")");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == D && context_lens.numel() == D,
+              "block_table [D, max_blocks] and context_lens [D] must match q's D = ", D);
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor bt = block_table.contiguous();
+  const at::Tensor cl = context_lens.contiguous();
+  const int64_t max_blocks = bt.size(1), group = Hq / Hkv;
+  const int32_t* ctx_p = cl.data_ptr<int32_t>();
+  const int32_t* bt_p = bt.data_ptr<int32_t>();
+  int64_t rows = 0;
+  for (int64_t d = 0; d < D; ++d) {
+    const int64_t ctx = ctx_p[d];
+    TORCH_CHECK(ctx >= 1 && (ctx + bs - 1) / bs <= max_blocks, "context length ", ctx, " of sequence ", d,
+                " does not fit its ", max_blocks, " blocks");
+    for (int64_t b = 0; b < (ctx + bs - 1) / bs; ++b) {
+      const int32_t blk = bt_p[d * max_blocks + b];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " outside the cache's ", num_blocks, " blocks");
+    }
+    rows += ctx * Hkv;
+  }
+  at::Tensor out = at::empty({D, Hq, hd}, q.options());
+  const float* q_p = qc.data_ptr<float>();
+  const float* k_p = cache.data_ptr<float>();
+  const float* v_p = k_p + num_blocks * bs * Hkv * hd;
+  float* out_p = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+
+  auto work = [&](int64_t begin, int64_t end) {
+    std::vector<float> probs, rows;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t d = w / Hkv, h = w % Hkv, ctx = ctx_p[d];
+      const int32_t* table = bt_p + d * max_blocks;
+      const float* qh = q_p + (d * Hq + h * group) * hd;
+      float* oh = out_p + (d * Hq + h * group) * hd;
+      probs.resize(group * ctx);
+      // Keys (then values) first copied into a contiguous buffer: a loop of independent row
+      // copies keeps many cache misses in flight (the rows are scattered over the blocks and
+      // mostly not in cache), where computing on each row as it arrives would wait on each.
+      rows.resize(ctx * hd);
+      for (int64_t t = 0; t < ctx; ++t) {
+        const int64_t slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
+        std::memcpy(rows.data() + t * hd, k_p + (slot * Hkv + h) * hd, hd * sizeof(float));
+      }
+      for (int64_t t = 0; t < ctx; ++t) {
+        const float* k = rows.data() + t * hd;
+        for (int64_t g = 0; g < group; ++g) probs[g * ctx + t] = dot(qh + g * hd, k, hd) * sc;
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* p = probs.data() + g * ctx;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < ctx; ++t) m = std::max(m, p[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < ctx; ++t) {
+          p[t] = expf(p[t] - m);
+          sum += p[t];
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < ctx; ++t) p[t] *= inv;
+        std::fill(oh + g * hd, oh + (g + 1) * hd, 0.f);
+      }
+      for (int64_t t = 0; t < ctx; ++t) {
+        const int64_t slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
+        std::memcpy(rows.data() + t * hd, v_p + (slot * Hkv + h) * hd, hd * sizeof(float));
+      }
+      for (int64_t t = 0; t < ctx; ++t) {
+        const float* v = rows.data() + t * hd;
+        for (int64_t g = 0; g < group; ++g) axpy(oh + g * hd, probs[g * ctx + t], v, hd);
+      }
+    }
+  };
+  if (rows <= kSerialMaxRows) {
+    work(0, D * Hkv);
+  } else {
+    at::parallel_for(0, D * Hkv, 1, work);
+  }
+  return out;
+}
+
+// Copies row `src` (hd floats at element stride `step`) to `dst`.
+inline void copy_row(float* dst, const float* src, int64_t step, int64_t hd) {
+  if (step == 1) {
+    std::memcpy(dst, src, hd * sizeof(float));
+  } else {
+    for (int64_t i = 0; i < hd; ++i) dst[i] = src[i * step];
+  }
+}
+
+// Stores k, v [T, Hkv, hd] (any strides: the model's are views, transposed ones under the
+// CPU GEMM's (W @ x^T)^T) at flat slots slot_mapping [T] int64 of a cache layer
+// [2, num_blocks, block_size, Hkv, hd], in place.
+void write_kv(const at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
+  check_cache(cache);
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "k and v must be float32");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1, "slot_mapping must be int64 [T]");
+  const int64_t T = slot_mapping.size(0), Hkv = cache.size(3), hd = cache.size(4);
+  const int64_t slots = cache.size(1) * cache.size(2);
+  TORCH_CHECK(k.dim() == 3 && k.size(0) == T && k.size(1) == Hkv && k.size(2) == hd && k.sizes() == v.sizes(),
+              "k and v must be [T, num_kv_heads, head_dim] = [", T, ", ", Hkv, ", ", hd, "]");
+  const at::Tensor sm = slot_mapping.contiguous();
+  const int64_t* sm_p = sm.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sm_p[t] >= 0 && sm_p[t] < slots, "slot ", sm_p[t], " outside the cache's ", slots, " slots");
+  }
+  float* k_dst = cache.data_ptr<float>();
+  float* v_dst = k_dst + slots * Hkv * hd;
+  const float* k_src = k.data_ptr<float>();
+  const float* v_src = v.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s = sm_p[t];
+    for (int64_t h = 0; h < Hkv; ++h) {
+      copy_row(k_dst + (s * Hkv + h) * hd, k_src + t * k.stride(0) + h * k.stride(1), k.stride(2), hd);
+      copy_row(v_dst + (s * Hkv + h) * hd, v_src + t * v.stride(0) + h * v.stride(1), v.stride(2), hd);
+    }
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(chunkserve, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor cache, Tensor block_table, Tensor context_lens, float scale) -> "
+      "Tensor");
+  m.def("write_kv(Tensor(a!) cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(chunkserve, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("write_kv", &write_kv);
+}

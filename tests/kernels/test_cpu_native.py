@@ -1,0 +1,210 @@
+"""The native CPU kernels (kernels/csrc/cpu_attention.cpp via chunkserve_kernels/cpu_native.py):
+the torch backend with `use_native()` against the `torch_ref` oracle on random paged batches,
+the native K/V write against the aten one, the refusals, the build's failure path, and the
+executor's --cpu-attention-kernel switch. Skipped where this machine has no C++ compiler."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from chunkserve_kernels import cpu_native, get_backend
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.kernels.conftest import make_paged_batch
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def native():
+    """A torch backend switched to the native ops (built on first use, ~10 s, kept after)."""
+    why = cpu_native.load()
+    assert why is None, why
+    backend = get_backend("torch")
+    backend.use_native()
+    return backend
+
+
+def _step(backend, batch, scale=0.3):
+    backend.write_kv(batch.cache, batch.k_new, batch.v_new, batch.meta.slot_mapping)
+    return backend.forward(batch.q, batch.cache, batch.meta, scale)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seqs=st.lists(
+        st.tuples(st.integers(0, 70), st.sampled_from([1, 1, 1, 2, 5])), min_size=1, max_size=6
+    ),  # (context before, query length): mostly decodes, some prefill chunks in the same step
+    block_size=st.sampled_from([1, 4, 16]),
+    heads=st.sampled_from([(1, 1), (4, 1), (6, 2), (9, 3), (8, 8)]),
+    head_dim=st.sampled_from([8, 16, 64, 80]),
+    shuffle=st.randoms(use_true_random=False),
+    seed=st.integers(0, 2**16),
+)
+def test_native_matches_reference_on_random_steps(native, seqs, block_size, heads, head_dim, shuffle, seed):
+    """Decodes (ragged contexts, in any order among prefill chunks), GQA groups of 1-4, head
+    sizes that are and are not a multiple of the vector width: the oracle's output within
+    float32 rounding, and the cache holds the same K/V afterwards."""
+    shuffle.shuffle(seqs)
+    hq, hkv = heads
+    batch = make_paged_batch(seqs, block_size, hq, hkv, head_dim, seed=seed)
+    ref_batch = make_paged_batch(seqs, block_size, hq, hkv, head_dim, seed=seed)
+    out = _step(native, batch)
+    ref = _step(get_backend("torch_ref"), ref_batch)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    assert torch.equal(batch.cache, ref_batch.cache)
+
+
+def test_native_runs_large_steps_on_all_threads_and_matches(native):
+    """Beyond the serial threshold (4096 key rows) the op splits sequences x KV heads over the
+    threads; results are the same per row as on one thread (each row is one task)."""
+    seqs = [(700, 1), (1200, 1), (5, 1), (900, 1)]
+    batch = make_paged_batch(seqs, 16, 8, 2, 64, seed=5)
+    ref_batch = make_paged_batch(seqs, 16, 8, 2, 64, seed=5)
+    out = _step(native, batch)
+    torch.testing.assert_close(out, _step(get_backend("torch_ref"), ref_batch), atol=2e-5, rtol=1e-5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        native.write_kv(batch.cache, batch.k_new, batch.v_new, batch.meta.slot_mapping)
+        one = native.forward(batch.q, batch.cache, batch.meta, 0.3)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out, one)
+
+
+@pytest.mark.parametrize("layout", ["head slice", "transposed"])
+def test_native_write_kv_equals_aten_write_from_strided_views(native, layout):
+    """k and v as the model passes them: views into a wider tensor, or of a transposed product
+    (the CPU GEMM returns (W @ x^T)^T: head_dim not contiguous)."""
+    batch = make_paged_batch([(3, 4), (0, 1), (17, 2)], 4, 6, 2, 16, seed=2)
+    if layout == "head slice":
+        wide = torch.randn(7, 10, 16)
+    else:
+        wide = torch.randn(10 * 16, 8).t()[:7].view(7, 10, 16)
+        assert wide.stride(2) != 1
+    k, v = wide[:, 6:8], wide[:, 8:10]
+    assert not k.is_contiguous()
+    a, b = batch.cache.clone(), batch.cache.clone()
+    native.write_kv(a, k, v, batch.meta.slot_mapping)
+    get_backend("torch").write_kv(b, k, v, batch.meta.slot_mapping)
+    assert torch.equal(a, b) and not torch.equal(a, batch.cache)
+
+
+def test_native_refuses_bad_input_without_crashing(native):
+    batch = make_paged_batch([(5, 1), (9, 1)], 4, 6, 2, 16, seed=3)
+    cache, meta = batch.cache, batch.meta
+    op = torch.ops.chunkserve.paged_decode_attention
+    bad_table = meta.block_table.clone()
+    bad_table[1, 0] = cache.shape[1] + 3
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        op(batch.q, cache, bad_table, meta.seqused_k, 0.3)
+    too_long = meta.seqused_k.clone()
+    too_long[0] = 10_000
+    with pytest.raises(RuntimeError, match="does not fit"):
+        op(batch.q, cache, meta.block_table, too_long, 0.3)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(batch.q.double(), cache, meta.block_table, meta.seqused_k, 0.3)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.chunkserve.write_kv(cache, batch.k_new, batch.v_new, meta.slot_mapping + 10_000)
+
+
+def test_other_dtypes_and_layouts_keep_the_aten_path(native):
+    """A bfloat16 cache (or any the op does not take) goes through the aten ops unchanged."""
+    batch = make_paged_batch([(5, 1), (0, 3)], 4, dtype=torch.bfloat16, seed=4)
+    ref_batch = make_paged_batch([(5, 1), (0, 3)], 4, dtype=torch.bfloat16, seed=4)
+    out = _step(native, batch)
+    ref = _step(get_backend("torch"), ref_batch)
+    assert torch.equal(out, ref)
+
+
+def test_use_native_needs_the_library_loaded(monkeypatch):
+    monkeypatch.setattr(cpu_native, "_state", {"error": "no compiler"})
+    with pytest.raises(RuntimeError, match="not loaded"):
+        get_backend("torch").use_native()
+
+
+def test_a_failed_build_is_a_reason_not_an_exception(tmp_path):
+    """No compiler: load() says why (once), the process goes on. Own process: a load is once per process."""
+    code = textwrap.dedent(
+        """
+        from chunkserve_kernels import cpu_native
+        first = cpu_native.load()
+        print(repr(first), repr(cpu_native.load() == first), cpu_native.loaded())
+        """
+    )
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "no C++ compiler" in out.stdout and "True False" in out.stdout
+    assert not any(tmp_path.iterdir())  # nothing built
+
+
+def test_build_name_changes_with_what_it_is_built_from(monkeypatch):
+    name = cpu_native.build_name()
+    monkeypatch.setattr(cpu_native, "CFLAGS", (*cpu_native.CFLAGS, "-DX"))
+    assert cpu_native.build_name() != name
+    monkeypatch.setattr(cpu_native, "_cpu_id", lambda: "another cpu")
+    assert cpu_native.build_name() != name
+
+
+# --- the executor's switch (executor_svc/server.setup_cpu_attention) ---------------------------
+
+
+def _model_backend(model):
+    from executor_svc.models.layers import PagedAttention
+
+    return {id(m.backend): m.backend for m in model.modules() if isinstance(m, PagedAttention)}
+
+
+def test_setup_switches_every_layer_or_says_why(native, tiny_model, monkeypatch, caplog):
+    from executor_svc.server import setup_cpu_attention
+
+    cpu, f32 = torch.device("cpu"), torch.float32
+    assert setup_cpu_attention(tiny_model, "auto", "torch", cpu, f32)
+    assert [b.native for b in _model_backend(tiny_model).values()] == [True]
+    for b in _model_backend(tiny_model).values():
+        b.native = False
+    assert not setup_cpu_attention(tiny_model, "torch", "torch", cpu, f32)
+    assert not setup_cpu_attention(tiny_model, "auto", "torch_ref", cpu, f32)
+    with pytest.raises(ValueError, match="needs --device cpu"):
+        setup_cpu_attention(tiny_model, "native", "triton", cpu, f32)
+    with pytest.raises(ValueError, match="needs --device cpu"):
+        setup_cpu_attention(tiny_model, "native", "torch", cpu, torch.bfloat16)
+    monkeypatch.setattr(cpu_native, "load", lambda: "RuntimeError: no C++ compiler")
+    with caplog.at_level(logging.WARNING):
+        assert not setup_cpu_attention(tiny_model, "auto", "torch", cpu, f32)
+    assert "no C++ compiler" in caplog.text
+    with pytest.raises(ValueError, match="did not build or load: RuntimeError: no C\\+\\+ compiler"):
+        setup_cpu_attention(tiny_model, "native", "torch", cpu, f32)
+    assert [b.native for b in _model_backend(tiny_model).values()] == [False]
+
+
+@pytest.fixture
+def tiny_model():
+    from transformers import LlamaConfig
+
+    from executor_svc.models.llama import LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def test_cli_flag_is_validated():
+    from executor_svc.config import ExecutorConfig
+
+    with pytest.raises(ValueError, match="--cpu-attention-kernel must be one of auto, native, torch"):
+        ExecutorConfig(cpu_attention_kernel="fast")
+    assert Path(cpu_native.SOURCE).exists()
