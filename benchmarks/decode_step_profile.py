@@ -4,7 +4,7 @@ steps through `ModelRunner.execute(plan)` exactly as the server runs them (plan 
 -> metadata -> forward -> logits -> greedy sampling -> reply proto).
 
     timeout 900 .venv/bin/python benchmarks/decode_step_profile.py [--batch 1 32] [--ctx 128] [--steps 30]
-        [--quantization none int4] [--no-profile] [--repeats 3] [--cpu-attention-kernel torch]
+        [--quantization none int4] [--no-profile] [--repeats 3] [--cpu-kernels torch]
 
 Per weight mode (`none` = float32, `int4` = `--quantization int4`, loaded as the server loads
 it) and batch size it prints:
@@ -82,7 +82,7 @@ def build(args, quantization: str = "none"):
             cache_dir=default_cache_dir(),
             num_threads=args.threads,
             quantization=quantization,
-            cpu_attention_kernel=getattr(args, "cpu_attention_kernel", "auto"),
+            cpu_kernels=getattr(args, "cpu_kernels", "auto"),
         )
     )
     return loaded.runner
@@ -421,7 +421,7 @@ def main() -> None:
     ap.add_argument("--no-components", action="store_true", help="skip the per-component timings")
     ap.add_argument("--pieces", action="store_true", help="also time old vs new form of the pieces issue 18 changed")
     ap.add_argument(
-        "--cpu-attention-kernel",
+        "--cpu-kernels",
         default="auto",
         choices=["auto", "native", "torch"],
         help="the executor flag: native C++ decode attention and K/V writes, or aten ops",

@@ -7,7 +7,7 @@ Measures, in this order and in one process:
 - Hugging Face transformers `generate` on the same float32 weights, batch 1, ms per token;
 - per mode (`float32`; `float32-nopad` = `--no-cpu-gemm-row-padding`; `float32-noprepack` =
   `--no-cpu-gemm-prepack`; `int4` = `--quantization int4`; `-aten` appended (float32, int4):
-  `--cpu-attention-kernel torch`, decode attention and K/V writes on aten ops instead of the
+  `--cpu-kernels torch`, decode attention and K/V writes on aten ops instead of the
   native CPU kernels; `bfloat16` / `float16` = that
   `--dtype` on CPU; each with the linear plan measured at load as a first start measures it
   (`--cpu-linear-plan remeasure`: every load measures, none reads a kept plan), or with
@@ -117,7 +117,7 @@ def build(mode: str, threads: int):
             cache_dir=default_cache_dir(),
             num_threads=threads,
             quantization="int4" if mode == "int4" else "none",
-            cpu_attention_kernel="torch" if aten else "auto",
+            cpu_kernels="torch" if aten else "auto",
         )
     ).runner
 

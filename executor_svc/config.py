@@ -140,13 +140,13 @@ class ExecutorConfig:
             "--cpu-gemm-row-padding, --cpu-gemm-prepack, --quantized-max-rows). Tensor parallelism uses table"
         },
     )
-    cpu_attention_kernel: str = field(
+    cpu_kernels: str = field(
         default="auto",
         metadata={
-            "help": "float32 CPU decode attention and K/V writes (the torch backend): native (a C++ op that reads "
-            "the paged cache directly, built with the machine's C++ compiler at the first start, ~10 s, and kept in "
-            "torch's extensions folder; chunkserve_kernels/cpu_native.py), torch (aten ops), or auto (native where "
-            "it builds, else torch, said in the log). Prefill chunks use SDPA either way",
+            "help": "float32 CPU decode attention, K/V writes (the torch backend) and residual add + RMSNorm: native "
+            "(C++ ops, attention straight on the paged cache, built with the machine's C++ compiler at the first "
+            "start, ~10 s, and kept in torch's extensions folder; chunkserve_kernels/cpu_native.py), torch (aten "
+            "ops), or auto (native where they build, else torch, said in the log). Prefill chunks use SDPA either way",
             "choices": ("auto", "native", "torch"),
         },
     )
@@ -199,10 +199,8 @@ class ExecutorConfig:
             raise ValueError(
                 f"--cpu-linear-plan must be one of {', '.join(CPU_LINEAR_PLANS)}, got {self.cpu_linear_plan!r}"
             )
-        if self.cpu_attention_kernel not in ("auto", "native", "torch"):
-            raise ValueError(
-                f"--cpu-attention-kernel must be one of auto, native, torch, got {self.cpu_attention_kernel!r}"
-            )
+        if self.cpu_kernels not in ("auto", "native", "torch"):
+            raise ValueError(f"--cpu-kernels must be one of auto, native, torch, got {self.cpu_kernels!r}")
         if self.cuda_graph_max_batch < 1:
             raise ValueError(f"--cuda-graph-max-batch must be >= 1, got {self.cuda_graph_max_batch}")
         if self.tensor_parallel_size < 1:

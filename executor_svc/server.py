@@ -37,7 +37,13 @@ from executor_svc.config import ExecutorConfig
 from executor_svc.cuda_graphs import DecodeGraphs, capture_sizes
 from executor_svc.model_loader import load_model, resolve_model
 from executor_svc.models import linear_plan
-from executor_svc.models.layers import PREPACK_MIN_ROWS, PagedAttention, prepack_measured, set_cpu_gemm_row_padding
+from executor_svc.models.layers import (
+    PREPACK_MIN_ROWS,
+    PagedAttention,
+    RMSNorm,
+    prepack_measured,
+    set_cpu_gemm_row_padding,
+)
 from executor_svc.models.llama import prepack_model
 from executor_svc.models.quant import default_rules, half_weights_model, native_bf16, quantize_model
 from executor_svc.parallel import (
@@ -152,10 +158,11 @@ def use_cuda_graphs(config: ExecutorConfig, device: torch.device, backend: Atten
     return True
 
 
-def setup_cpu_attention(
+def setup_cpu_kernels(
     model: torch.nn.Module, choice: str, backend_name: str, device: torch.device, dtype: torch.dtype
 ) -> bool:
-    """--cpu-attention-kernel: switches the model's torch backend to the native float32 ops
+    """--cpu-kernels: switches the model's torch attention backend (decode attention, K/V
+    writes) and its RMSNorms (residual add + norm) to the native float32 ops
     (chunkserve_kernels/cpu_native.py) where they apply and load; returns whether it did.
     `native` that cannot apply or load is a ValueError (the executor refuses to start)."""
     applies = device.type == "cpu" and backend_name == "torch" and dtype == torch.float32
@@ -164,20 +171,23 @@ def setup_cpu_attention(
     if not applies:
         if choice == "native":
             raise ValueError(
-                "--cpu-attention-kernel native needs --device cpu, --attention-backend torch and float32 "
+                "--cpu-kernels native needs --device cpu, --attention-backend torch and float32 "
                 f"activations (this executor: {device.type}, {backend_name}, {dtype})"
             )
         return False
     why = cpu_native.load()
     if why is not None:
         if choice == "native":
-            raise ValueError(f"--cpu-attention-kernel native: the native kernels did not build or load: {why}")
-        log.warning("native CPU attention kernels unavailable (%s): decode attention runs on aten ops", why)
+            raise ValueError(f"--cpu-kernels native: the native kernels did not build or load: {why}")
+        log.warning("native CPU kernels unavailable (%s): attention and norms run on aten ops", why)
         return False
     backends = {id(m.backend): m.backend for m in model.modules() if isinstance(m, PagedAttention)}
     for backend in backends.values():
         backend.use_native()
-    log.info("float32 decode attention and K/V writes: native CPU kernels (--cpu-attention-kernel %s)", choice)
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.native = True
+    log.info("float32 decode attention, K/V writes and add + RMSNorm: native CPU kernels (--cpu-kernels %s)", choice)
     return True
 
 
@@ -217,7 +227,7 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
     backend.check_block_size(config.block_size)
     path = resolve_model(config.model, Path(config.cache_dir))
     model, hf = load_model(path, dtype, device, backend_name, tp)
-    setup_cpu_attention(model, config.cpu_attention_kernel, backend_name, device, dtype)
+    setup_cpu_kernels(model, config.cpu_kernels, backend_name, device, dtype)
     if config.quantization != "none":
         if device.type != "cpu" or dtype != torch.float32 or half:
             raise ValueError("--quantization int4 is a CPU mode over float32 weights: use --device cpu --dtype float32")

@@ -11,7 +11,7 @@ the flags, torch's version, the CPU), so a later start, another test or another 
 the same machine loads it in milliseconds, and a change of any of those builds anew.
 
 Where the build fails (no compiler, no ninja, an unusual platform) `load` says why and the
-torch backend keeps its aten path: `--cpu-attention-kernel auto` logs it, `native` refuses to
+torch backend keeps its aten path: `--cpu-kernels auto` logs it, `native` refuses to
 start.
 """
 

@@ -95,11 +95,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden, s.eps, s.dtype, s.device)
         self.post_attention_layernorm = RMSNorm(s.hidden, s.eps, s.dtype, s.device)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x` the previous layer's MLP output (the embeddings for the first layer, with
+        `residual` None), `residual` the stream it is added to; returns this layer's MLP
+        output and the stream before it is added (the next norm adds it: `add_forward`).
+        The same sums in the same order as `h = h + attn(norm(h)); h + mlp(norm(h))`."""
         # Sub-modules' `forward` called directly: nn.Module.__call__ costs ~1-2 us a call and
         # a decode step makes ~10 per layer; none of these modules carries hooks.
-        h = h + self.self_attn.forward(self.input_layernorm.forward(h), cos, sin)
-        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
+        normed, residual = self.input_layernorm.add_forward(x, residual)
+        y = self.self_attn.forward(normed, cos, sin)
+        normed, residual = self.post_attention_layernorm.add_forward(y, residual)
+        return self.mlp.forward(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -111,11 +119,12 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(s.head_dim, rope_parameters(config), s.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, h.dtype)  # once per step, shared by all layers
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)  # once per step, shared by all layers
+        residual = None
         for layer in self.layers:
-            h = layer.forward(h, cos, sin)
-        return self.norm(h)
+            x, residual = layer.forward(x, residual, cos, sin)
+        return self.norm.add_forward(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

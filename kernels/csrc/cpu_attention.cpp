@@ -20,6 +20,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 // glibc's vector expf (libmvec), declared as its <math.h> does under -ffast-math, so that the
@@ -184,6 +186,75 @@ void write_kv(const at::Tensor& cache, const at::Tensor& k, const at::Tensor& v,
   }
 }
 
+// (x + residual) and RMSNorm of it, per row: returns (weight * (s / sqrt(mean(s^2) + eps)), s)
+// with s = x + residual (x alone when residual is None). x, residual [M, N] float32 or bfloat16
+// (bfloat16 widens exactly, as `h + y` promotes it); weight [N] float32. Each row is one task
+// and its result does not depend on the other rows; the sum of squares is reordered for
+// vectorisation (so not bitwise F.rms_norm's; the adds and multiplies are elementwise-exact).
+template <typename T>
+inline float widen(T v) {
+  return static_cast<float>(v);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                                const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a CPU [M, N] tensor");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "weight must be float32 [N]");
+  const int64_t M = x.size(0), N = x.size(1);
+  at::Tensor s = at::empty({M, N}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const at::Tensor w = weight.contiguous();
+  const float* w_p = w.data_ptr<float>();
+  float* s_p = s.data_ptr<float>();
+  float* o_p = out.data_ptr<float>();
+  auto load_row = [](const at::Tensor& t, int64_t i, float* dst, bool add) {
+    const int64_t n = t.size(1), st = t.stride(1);
+    if (t.scalar_type() == at::kFloat) {
+      const float* src = t.data_ptr<float>() + i * t.stride(0);
+      if (add) {
+        for (int64_t j = 0; j < n; ++j) dst[j] += src[j * st];
+      } else {
+        for (int64_t j = 0; j < n; ++j) dst[j] = src[j * st];
+      }
+    } else {
+      TORCH_CHECK(t.scalar_type() == at::kBFloat16, "x and residual must be float32 or bfloat16");
+      const at::BFloat16* src = t.data_ptr<at::BFloat16>() + i * t.stride(0);
+      if (add) {
+        for (int64_t j = 0; j < n; ++j) dst[j] += widen(src[j * st]);
+      } else {
+        for (int64_t j = 0; j < n; ++j) dst[j] = widen(src[j * st]);
+      }
+    }
+  };
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == M && residual->size(1) == N,
+                "residual must be [M, N] like x");
+  }
+  const float e = static_cast<float>(eps);
+  auto work = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = s_p + i * N;
+      // residual + x in that order: float addition is commutative, so bitwise `h + y`
+      load_row(residual.has_value() ? *residual : x, i, row, false);
+      if (residual.has_value()) load_row(x, i, row, true);
+      float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+      for (int64_t j = 0; j < N; ++j) sq += row[j] * row[j];
+      const float r = 1.f / std::sqrt(sq / static_cast<float>(N) + e);
+      float* o = o_p + i * N;
+#pragma omp simd
+      for (int64_t j = 0; j < N; ++j) o[j] = w_p[j] * (row[j] * r);
+    }
+  };
+  if (M * N <= 64 * 1024) {
+    work(0, M);
+  } else {
+    at::parallel_for(0, M, 16, work);
+  }
+  return {out, s};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(chunkserve, m) {
@@ -191,9 +262,11 @@ TORCH_LIBRARY(chunkserve, m) {
       "paged_decode_attention(Tensor q, Tensor cache, Tensor block_table, Tensor context_lens, float scale) -> "
       "Tensor");
   m.def("write_kv(Tensor(a!) cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(chunkserve, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("write_kv", &write_kv);
+  m.impl("add_rms_norm", &add_rms_norm);
 }

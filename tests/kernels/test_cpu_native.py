@@ -1,7 +1,7 @@
 """The native CPU kernels (kernels/csrc/cpu_attention.cpp via chunkserve_kernels/cpu_native.py):
 the torch backend with `use_native()` against the `torch_ref` oracle on random paged batches,
 the native K/V write against the aten one, the refusals, the build's failure path, and the
-executor's --cpu-attention-kernel switch. Skipped where this machine has no C++ compiler."""
+executor's --cpu-kernels switch. Skipped where this machine has no C++ compiler."""
 
 from __future__ import annotations
 
@@ -157,7 +157,74 @@ def test_build_name_changes_with_what_it_is_built_from(monkeypatch):
     assert cpu_native.build_name() != name
 
 
-# --- the executor's switch (executor_svc/server.setup_cpu_attention) ---------------------------
+# --- residual add + RMSNorm ---------------------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rows=st.integers(1, 40),
+    width=st.sampled_from([8, 24, 64, 100, 576]),
+    residual=st.sampled_from([None, "float32"]),
+    x_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    transposed=st.booleans(),
+    scale=st.sampled_from([1e-3, 1.0, 50.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_add_rms_norm_matches_aten(native, rows, width, residual, x_dtype, transposed, scale, seed):
+    """The sum is bitwise `residual + x` (the old `h + y`, a bfloat16 y promoted exactly); the
+    norm is F.rms_norm's within float32 rounding of a reordered sum of squares; x may be a
+    transposed view (as the CPU GEMM returns)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(width, rows, generator=gen).t() if transposed else torch.randn(rows, width, generator=gen)
+    x = (x * scale).to(x_dtype)
+    h = None if residual is None else torch.randn(rows, width, generator=gen) * scale
+    w = torch.randn(width, generator=gen)
+    normed, s = torch.ops.chunkserve.add_rms_norm(x, h, w, 1e-5)
+    want_s = x.float() if h is None else h + x
+    assert torch.equal(s, want_s)
+    torch.testing.assert_close(normed, torch.nn.functional.rms_norm(want_s, (width,), w, 1e-5), rtol=2e-6, atol=1e-6)
+
+
+def test_add_rms_norm_rows_do_not_depend_on_the_batch(native):
+    """Large inputs split rows over threads; each row's result is what it is alone."""
+    gen = torch.Generator().manual_seed(3)
+    x, h, w = torch.randn(300, 576, generator=gen), torch.randn(300, 576, generator=gen), torch.randn(576)
+    normed, s = torch.ops.chunkserve.add_rms_norm(x, h, w, 1e-6)
+    for i in (0, 17, 299):
+        one, one_s = torch.ops.chunkserve.add_rms_norm(x[i : i + 1], h[i : i + 1], w, 1e-6)
+        assert torch.equal(normed[i : i + 1], one) and torch.equal(s[i : i + 1], one_s)
+
+
+def test_decoder_layers_pass_the_residual_stream_bitwise_as_before(tiny_model):
+    """The aten path of the residual-passing layers is bitwise `h = h + attn(norm(h)); h + mlp(norm(h))`."""
+    from chunkserve_kernels import build_metadata, set_forward_context
+
+    model = tiny_model
+    gen = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    ids = torch.randint(0, 64, (7,), generator=gen)
+    meta, positions = build_metadata([7], [0], [[0, 1]], 4)
+    cache = torch.zeros(2, 2, 2, 4, 2, 8)
+
+    def old_forward():
+        m = model.model
+        h = m.embed_tokens(ids)
+        cos, sin = m.rotary_emb(positions, h.dtype)
+        for layer in m.layers:
+            h = h + layer.self_attn.forward(layer.input_layernorm.forward(h), cos, sin)
+            h = h + layer.mlp.forward(layer.post_attention_layernorm.forward(h))
+        return m.norm(h)
+
+    with torch.inference_mode():
+        with set_forward_context(meta, cache.clone()):
+            new = model(ids, positions)
+        with set_forward_context(meta, cache.clone()):
+            old = old_forward()
+    assert torch.equal(new, old)
+
+
+# --- the executor's switch (executor_svc/server.setup_cpu_kernels) ---------------------------
 
 
 def _model_backend(model):
@@ -167,26 +234,33 @@ def _model_backend(model):
 
 
 def test_setup_switches_every_layer_or_says_why(native, tiny_model, monkeypatch, caplog):
-    from executor_svc.server import setup_cpu_attention
+    from executor_svc.server import setup_cpu_kernels
 
     cpu, f32 = torch.device("cpu"), torch.float32
-    assert setup_cpu_attention(tiny_model, "auto", "torch", cpu, f32)
+    from executor_svc.models.layers import RMSNorm
+
+    norms = [m for m in tiny_model.modules() if isinstance(m, RMSNorm)]
+    assert setup_cpu_kernels(tiny_model, "auto", "torch", cpu, f32)
     assert [b.native for b in _model_backend(tiny_model).values()] == [True]
+    assert len(norms) == 5 and all(n.native for n in norms)
     for b in _model_backend(tiny_model).values():
         b.native = False
-    assert not setup_cpu_attention(tiny_model, "torch", "torch", cpu, f32)
-    assert not setup_cpu_attention(tiny_model, "auto", "torch_ref", cpu, f32)
+    for n in norms:
+        n.native = False
+    assert not setup_cpu_kernels(tiny_model, "torch", "torch", cpu, f32)
+    assert not setup_cpu_kernels(tiny_model, "auto", "torch_ref", cpu, f32)
     with pytest.raises(ValueError, match="needs --device cpu"):
-        setup_cpu_attention(tiny_model, "native", "triton", cpu, f32)
+        setup_cpu_kernels(tiny_model, "native", "triton", cpu, f32)
     with pytest.raises(ValueError, match="needs --device cpu"):
-        setup_cpu_attention(tiny_model, "native", "torch", cpu, torch.bfloat16)
+        setup_cpu_kernels(tiny_model, "native", "torch", cpu, torch.bfloat16)
     monkeypatch.setattr(cpu_native, "load", lambda: "RuntimeError: no C++ compiler")
     with caplog.at_level(logging.WARNING):
-        assert not setup_cpu_attention(tiny_model, "auto", "torch", cpu, f32)
+        assert not setup_cpu_kernels(tiny_model, "auto", "torch", cpu, f32)
     assert "no C++ compiler" in caplog.text
     with pytest.raises(ValueError, match="did not build or load: RuntimeError: no C\\+\\+ compiler"):
-        setup_cpu_attention(tiny_model, "native", "torch", cpu, f32)
+        setup_cpu_kernels(tiny_model, "native", "torch", cpu, f32)
     assert [b.native for b in _model_backend(tiny_model).values()] == [False]
+    assert not any(n.native for n in norms)
 
 
 @pytest.fixture
@@ -205,6 +279,6 @@ def tiny_model():
 def test_cli_flag_is_validated():
     from executor_svc.config import ExecutorConfig
 
-    with pytest.raises(ValueError, match="--cpu-attention-kernel must be one of auto, native, torch"):
-        ExecutorConfig(cpu_attention_kernel="fast")
+    with pytest.raises(ValueError, match="--cpu-kernels must be one of auto, native, torch"):
+        ExecutorConfig(cpu_kernels="fast")
     assert Path(cpu_native.SOURCE).exists()
