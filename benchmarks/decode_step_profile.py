@@ -4,7 +4,7 @@ steps through `ModelRunner.execute(plan)` exactly as the server runs them (plan 
 -> metadata -> forward -> logits -> greedy sampling -> reply proto).
 
     timeout 900 .venv/bin/python benchmarks/decode_step_profile.py [--batch 1 32] [--ctx 128] [--steps 30]
-        [--quantization none int4] [--no-profile] [--repeats 3] [--cpu-kernels torch]
+        [--quantization none int4] [--no-profile] [--repeats 3] [--cpu-kernels torch] [--ab-cpu-kernels]
 
 Per weight mode (`none` = float32, `int4` = `--quantization int4`, loaded as the server loads
 it) and batch size it prints:
@@ -277,7 +277,10 @@ def components(runner, ids: list[int], ctx: int) -> dict[str, float]:
     out["rotary tables"] = _us(lambda: m.rotary_emb(positions, torch.float32)) / 1000
     h = m.embed_tokens(input_ids)
     cos, sin = m.rotary_emb(positions, h.dtype)
-    out["RMSNorm x (2L+1)"] = _us(lambda: layer.input_layernorm(h)) * (2 * n_layers + 1) / 1000
+    o = torch.randn_like(h)
+    # residual add + norm as the layers run them (one native op under --cpu-kernels native)
+    norm = layer.input_layernorm
+    out["residual add + RMSNorm x (2L+1)"] = _us(lambda: norm.add_forward(o, h)) * (2 * n_layers + 1) / 1000
     x = layer.input_layernorm(h)
     heads, kv_heads, hd = attn.heads, attn.kv_heads, attn.head_dim
     qkv = attn.qkv_proj(x).view(batch, heads + 2 * kv_heads, hd)
@@ -309,8 +312,6 @@ def components(runner, ids: list[int], ctx: int) -> dict[str, float]:
             return torch.nn.functional.silu(gate) * up
 
     out["silu(gate)*up x L"] = _us(lambda: act(gu)) * n_layers / 1000
-    o = torch.randn_like(h)
-    out["residual add x 2L"] = _us(lambda: h + o) * 2 * n_layers / 1000
     lin = attn.qkv_proj
     if lin.reduced is not None and lin.reduced.applies(x):
         # inputs are cast to bfloat16 for every linear; outputs back to float32 for all four
@@ -424,7 +425,12 @@ def main() -> None:
         "--cpu-kernels",
         default="auto",
         choices=["auto", "native", "torch"],
-        help="the executor flag: native C++ decode attention and K/V writes, or aten ops",
+        help="the executor flag: native C++ decode attention, K/V writes and add + RMSNorm, or aten ops",
+    )
+    ap.add_argument(
+        "--ab-cpu-kernels",
+        action="store_true",
+        help="also: steps with the native CPU kernels on and off taking turns (needs them loaded)",
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -433,6 +439,50 @@ def main() -> None:
         runner = build(args, quantization)
         run_mode(args, runner, quantization)
         del runner
+
+
+def _set_native(model, on: bool) -> None:
+    """--cpu-kernels native vs torch on a loaded model, between steps (each step plans anew)."""
+    from executor_svc.models.layers import PagedAttention, RMSNorm
+
+    for m in model.modules():
+        if isinstance(m, PagedAttention):
+            m.backend.native = on
+        elif isinstance(m, RMSNorm):
+            m.native = on
+
+
+def ab_cpu_kernels(runner, batch: int, args, rounds: int = 6, steps: int = 10) -> None:
+    """Whole decode steps and no-GEMM steps with the native CPU kernels on and off, taking
+    turns every `steps` steps (order A B B A ...) on the same sequences: a slow minute on a
+    shared machine falls on both alike, which separate runs cannot promise."""
+    total_len = args.ctx + 2 * rounds * 2 * (steps + 1) + 8
+    ids = prefill(runner, batch, args.ctx, total_len, first_id=batch * 1000 + 500)
+    ctx = args.ctx
+    res: dict[tuple[bool, bool], list[float]] = {(on, z): [] for on in (True, False) for z in (True, False)}
+    for r in range(rounds):
+        for on in (True, False) if r % 2 == 0 else (False, True):
+            _set_native(runner.model, on)
+            for zero in (False, True):
+                if zero:
+                    with NoGemm():
+                        t, _ = time_steps(runner, ids, ctx, steps, 1)
+                else:
+                    t, _ = time_steps(runner, ids, ctx, steps, 1)
+                res[(on, zero)] += t
+                ctx += steps + 1
+    _set_native(runner.model, True)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    for on in (False, True):
+        name = "native" if on else "torch (aten)"
+        print(
+            f"  --cpu-kernels {name:13s}: step {med[(on, False)]:.2f} ms, no-GEMM step {med[(on, True)]:.2f} ms "
+            f"-> non-GEMM share in situ {100 * med[(on, True)] / med[(on, False)]:.1f}%"
+        )
+    print(
+        f"  native / torch: step {med[(True, False)] / med[(False, False)]:.3f}x, "
+        f"no-GEMM step {med[(True, True)] / med[(False, True)]:.3f}x ({rounds} rounds x {steps} steps, taking turns)"
+    )
 
 
 def run_mode(args, runner, quantization: str) -> None:
@@ -480,6 +530,8 @@ def run_mode(args, runner, quantization: str) -> None:
             print(f"  torch.profiler split (step under profiler: {wall:.2f} ms):")
             for name, ms in sorted(cats.items(), key=lambda kv: -kv[1]):
                 print(f"    {name:32s} {ms:7.2f} ms  {100 * ms / wall:5.1f}%")
+        if args.ab_cpu_kernels:  # last: it prefills sequences of its own
+            ab_cpu_kernels(runner, batch, args)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The native CPU kernels (kernels/csrc/cpu_attention.cpp): built once per machine, loaded once
-per process, used by the torch backend for float32 decode attention and K/V writes.
+per process, used for float32 decode attention and K/V writes (the torch backend) and the
+decoder's residual add + RMSNorm (models/layers.RMSNorm), per --cpu-kernels.
 
 Why built here rather than shipped: the ops are a few dozen lines of plain C++ compiled with
--march=native (the compiler vectorises them for the CPU at hand, AVX2 or AVX512 alike), and a
+-march=native (the compiler vectorises them for the CPU at hand; measured on AVX512 only), and a
 prebuilt library would need one build per CPU class and torch version. Building takes ~10 s
 on 2 cores (no pybind, only torch's library headers) and needs a C++ compiler and ninja; the
 result is kept in torch's extensions folder ($TORCH_EXTENSIONS_DIR, by default
@@ -11,8 +12,7 @@ the flags, torch's version, the CPU), so a later start, another test or another 
 the same machine loads it in milliseconds, and a change of any of those builds anew.
 
 Where the build fails (no compiler, no ninja, an unusual platform) `load` says why and the
-torch backend keeps its aten path: `--cpu-kernels auto` logs it, `native` refuses to
-start.
+aten ops serve: `--cpu-kernels auto` logs it, `native` refuses to start.
 """
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
-// Paged decode attention and the K/V write for float32 on CPU, straight on the paged cache.
+// Native float32 CPU ops for a decode step: paged decode attention and the K/V write straight
+// on the paged cache, and the decoder's residual add + RMSNorm.
 //
-// Why a native op: the torch backend's decode attention is ~7 small aten ops per layer
-// (gather K, scale q, bmm, mask, softmax, embedding_bag over V, views), each a dispatch and
-// (with two threads) an OpenMP fork/join; at batch 1 that overhead is most of the ~25 us a
-// layer spends there, and at 32 streams the gather and the expanded V rows read the cache
-// more than once. Here each (sequence, KV head) reads its keys and values once from the
-// cache blocks, in one pass per phase, with no intermediate tensors. Plain loops: the
-// compiler vectorises them (-O3 -march=native; `omp simd` lets it reorder the float sums,
-// so results differ from the aten path in the last bits, as two BLAS blockings do).
+// Why native ops: a batch-1 decode step of a small model spends most of its non-GEMM time in
+// per-op overhead, not arithmetic. The torch backend's decode attention is ~7 small aten ops
+// per layer (gather K, scale q, bmm, mask, softmax, embedding_bag over V, views), each a
+// dispatch and (with two threads) an OpenMP fork/join, and at 32 streams the gather and the
+// expanded V rows read the cache more than once; F.rms_norm is a composite of ~6 ops (~14 us
+// a call at one row) after a separate residual add. Here each (sequence, KV head) reads its
+// keys and values once from the cache blocks, and a norm row is one pass. Plain loops: the
+// compiler vectorises them (-O3 -march=native; `omp simd` lets it reorder the float sums, so
+// results differ from the aten path in the last bits, as two BLAS blockings do).
 //
-// Registered as torch.ops.chunkserve.{paged_decode_attention, write_kv}; built at the
-// executor's first start by chunkserve_kernels/cpu_native.py and kept in its cache folder.
+// Registered as torch.ops.chunkserve.{paged_decode_attention, write_kv, add_rms_norm}; built at
+// the executor's first start by chunkserve_kernels/cpu_native.py and kept for later starts.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -47,6 +49,16 @@ inline float dot(const float* a, const float* b, int64_t n) {
 inline void axpy(float* y, float a, const float* x, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// Prefetches the cache lines of head h's rows of tokens 0..ctx-1 (K or V, per `base`).
+inline void prefetch_rows(const float* base, const int32_t* table, int64_t ctx, int64_t bs, int64_t Hkv, int64_t h,
+                          int64_t hd) {
+  constexpr int64_t kLine = 64 / sizeof(float);
+  for (int64_t t = 0; t < ctx; ++t) {
+    const float* row = base + ((static_cast<int64_t>(table[t / bs]) * bs + t % bs) * Hkv + h) * hd;
+    for (int64_t i = 0; i < hd; i += kLine) __builtin_prefetch(row + i, 0, 3);
+  }
 }
 
 void check_cache(const at::Tensor& cache) {
@@ -96,23 +108,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, 
   const float sc = static_cast<float>(scale);
 
   auto work = [&](int64_t begin, int64_t end) {
-    std::vector<float> probs, rows;
+    std::vector<float> probs;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t d = w / Hkv, h = w % Hkv, ctx = ctx_p[d];
       const int32_t* table = bt_p + d * max_blocks;
       const float* qh = q_p + (d * Hq + h * group) * hd;
       float* oh = out_p + (d * Hq + h * group) * hd;
       probs.resize(group * ctx);
-      // Keys (then values) first copied into a contiguous buffer: a loop of independent row
-      // copies keeps many cache misses in flight (the rows are scattered over the blocks and
-      // mostly not in cache), where computing on each row as it arrives would wait on each.
-      rows.resize(ctx * hd);
+      // Every key row (then value row) is prefetched before any is used: the rows are scattered
+      // over the blocks and mostly not in cache (a step's weights have just streamed through
+      // it), and a loop of independent prefetches keeps many misses in flight, where computing
+      // on each row as it arrives would wait on each in turn.
+      prefetch_rows(k_p, table, ctx, bs, Hkv, h, hd);
       for (int64_t t = 0; t < ctx; ++t) {
-        const int64_t slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
-        std::memcpy(rows.data() + t * hd, k_p + (slot * Hkv + h) * hd, hd * sizeof(float));
-      }
-      for (int64_t t = 0; t < ctx; ++t) {
-        const float* k = rows.data() + t * hd;
+        const float* k = k_p + ((static_cast<int64_t>(table[t / bs]) * bs + t % bs) * Hkv + h) * hd;
         for (int64_t g = 0; g < group; ++g) probs[g * ctx + t] = dot(qh + g * hd, k, hd) * sc;
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -130,12 +139,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, 
         for (int64_t t = 0; t < ctx; ++t) p[t] *= inv;
         std::fill(oh + g * hd, oh + (g + 1) * hd, 0.f);
       }
+      prefetch_rows(v_p, table, ctx, bs, Hkv, h, hd);
       for (int64_t t = 0; t < ctx; ++t) {
-        const int64_t slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
-        std::memcpy(rows.data() + t * hd, v_p + (slot * Hkv + h) * hd, hd * sizeof(float));
-      }
-      for (int64_t t = 0; t < ctx; ++t) {
-        const float* v = rows.data() + t * hd;
+        const float* v = v_p + ((static_cast<int64_t>(table[t / bs]) * bs + t % bs) * Hkv + h) * hd;
         for (int64_t g = 0; g < group; ++g) axpy(oh + g * hd, probs[g * ctx + t], v, hd);
       }
     }
