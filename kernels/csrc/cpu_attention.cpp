@@ -68,7 +68,7 @@ void check_cache(const at::Tensor& cache) {
               cache.sizes());
 }
 
-// q [D, Hq, hd] (one decode token per sequence; any strides with a contiguous last dim),
+// q [D, Hq, hd] (one decode token per sequence; any strides),
 // cache [2, num_blocks, block_size, Hkv, hd], block_table [D, max_blocks] int32,
 // context_lens [D] int32 (including this step's token, already written). -> [D, Hq, hd].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
