@@ -112,21 +112,27 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     return math.exp(-lp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item())
 
 
-def greedy(runner, prompt: list[int], gen: int) -> list[int]:
+def greedy(runner, prompt: list[int], gen: int, margins: list[float] | None = None) -> list[int]:
+    """`gen` greedy tokens after `prompt` through the executor; with `margins`, appends each
+    token's lead over the runner-up (logprob difference, nats)."""
     from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 
     runner.reset()
-    params = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1)
+    params = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1 if margins is None else 2)
     blocks = list(range(-(-(len(prompt) + gen) // runner.block_size)))
     plan = epb.StepRequest(step_id=0)
     plan.new_seqs.add(seq_id=1, sampling=params)
     plan.seqs.add(seq_id=1, num_computed_tokens=0, num_new_tokens=len(prompt), token_ids=prompt, block_ids=blocks)
     plan.seqs[0].sample = True
-    out = [runner.execute(plan).sampled[0].token_id]
-    for k in range(gen - 1):
-        step = epb.StepRequest(step_id=k + 1)
-        step.seqs.add(seq_id=1, num_computed_tokens=len(prompt) + k, num_new_tokens=1, sample=True)
-        out.append(runner.execute(step).sampled[0].token_id)
+    out = []
+    for k in range(gen):
+        if k:
+            plan = epb.StepRequest(step_id=k)
+            plan.seqs.add(seq_id=1, num_computed_tokens=len(prompt) + k - 1, num_new_tokens=1, sample=True)
+        sampled = runner.execute(plan).sampled[0]
+        out.append(sampled.token_id)
+        if margins is not None:
+            margins.append(sampled.top[0].logprob - sampled.top[1].logprob)
     return out
 
 

@@ -34,6 +34,33 @@ def _bf16_reference(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).double() @ ref.double().t()
 
 
+# A reduced mode's greedy tokens may leave float32's only where float32 itself nearly tied: its
+# top-2 logprobs within this many nats. Measured on the default model (8 chat prompts x 32
+# tokens, every mode, native and aten CPU kernels): every divergence was at a float32 lead of
+# <= 0.16 nats (the capital question's first token: "The" -1.88 vs "L" -1.97). A broken mode
+# leaves float32 where it is sure (leads of several nats) and fails.
+NEAR_TIE_NATS = 0.25
+
+
+def _depart_only_at_near_ties(qq, tok, mode_runner, fp32_runner, prompts: list[str], gen: int) -> list[int]:
+    """Greedy `gen` tokens per chat prompt in float32 (with each token's lead) and in the mode;
+    asserts every first divergence is at a float32 near-tie; returns the common prefixes."""
+    prefixes = []
+    for text in prompts:
+        prompt = list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              return_dict=True)["input_ids"])  # fmt: skip
+        leads: list[float] = []
+        want = qq.greedy(fp32_runner, prompt, gen, leads)
+        got = qq.greedy(mode_runner, prompt, gen)
+        n = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), gen)
+        assert n == gen or leads[n] < NEAR_TIE_NATS, (
+            f"{text!r}: left float32 at token {n} where float32 led by {leads[n]:.3f} nats: "
+            f"{tok.decode(want)!r} vs {tok.decode(got)!r}"
+        )
+        prefixes.append(n)
+    return prefixes
+
+
 def test_kernel_multiplies_by_the_reference_weights():
     torch.manual_seed(0)
     w = torch.randn(48, 96)
@@ -109,7 +136,7 @@ def test_default_model_int4_agrees_with_float32(default_model_path):
     """Teacher-forced over a fixed text (emulating the int4 path's arithmetic on HF's model;
     the kernel == reference test above links the two): perplexity within 3% and top-1 within
     90% of float32, the thresholds README states; and greedy decoding through the executor
-    keeps float32's first tokens on fixed chat prompts."""
+    leaves float32's tokens only at float32's own near-ties (NEAR_TIE_NATS), on 8 chat prompts."""
     sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
     import quantization_quality as qq
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -133,12 +160,10 @@ def test_default_model_int4_agrees_with_float32(default_model_path):
         )  # fmt: skip
         return load(cfg).runner
 
-    prompt = list(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                          add_generation_prompt=True, return_dict=True)["input_ids"])  # fmt: skip
     with torch.inference_mode():
-        want = qq.greedy(runner("none"), prompt, 8)
-        got = qq.greedy(runner("int4"), prompt, 8)
-    assert got == want and tok.decode(want).startswith("The capital of France is Paris")
+        fp32_runner, int4_runner = runner("none"), runner("int4")
+        prefixes = _depart_only_at_near_ties(qq, tok, int4_runner, fp32_runner, qq.PROMPTS, 16)
+    assert sum(prefixes) >= len(prefixes) * 16 // 2  # on average the first half of the tokens kept
 
 
 def test_int4_is_refused_off_the_float32_cpu_path(tiny_model_path, tmp_path):
@@ -223,8 +248,8 @@ def test_cpu_16_bit_dtype_loads_float32_model_with_16_bit_copies(tiny_model_path
 def test_default_model_16_bit_modes_agree_with_float32(default_model_path):
     """Teacher-forced over a fixed text with the 16-bit path's arithmetic on HF's model (the
     test above links it to HalfWeights): top-1 >= 0.92 (bf16) / 0.95 (fp16) and perplexity
-    within 1% of float32, as README states; greedy through the executor answers the capital
-    question as float32 does."""
+    within 1% of float32, as README states; greedy through the executor leaves float32's tokens
+    only at float32's own near-ties (NEAR_TIE_NATS), on 8 chat prompts."""
     sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
     import quantization_quality as qq
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -236,19 +261,22 @@ def test_default_model_16_bit_modes_agree_with_float32(default_model_path):
     ids = tok(qq.TEXTS["english"] + " " + qq.TEXTS["russian"] + " " + qq.TEXTS["code"])["input_ids"]
     fp32 = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
     a = qq.teacher_forced(fp32, ids)
-    prompt = list(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                          add_generation_prompt=True, return_dict=True)["input_ids"])  # fmt: skip
+
+    def runner(dtype: str):
+        cfg = ExecutorConfig(dtype=dtype, device="cpu", kv_cache_memory_gib=0.1, swap_space=0.0,
+                             cache_dir=default_cache_dir())  # fmt: skip
+        return load(cfg).runner
+
+    fp32_runner = runner("float32")
     for mode, top1 in (("bfloat16", 0.92), ("float16", 0.95)):
         qq.emulate_half(fp32, getattr(torch, mode))
         b = qq.teacher_forced(fp32, ids)
         assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= top1
         assert qq.perplexity(b, ids) / qq.perplexity(a, ids) <= 1.01
         fp32 = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
-        cfg = ExecutorConfig(dtype=mode, device="cpu", kv_cache_memory_gib=0.1, swap_space=0.0,
-                             cache_dir=default_cache_dir())  # fmt: skip
         with torch.inference_mode():
-            got = qq.greedy(load(cfg).runner, prompt, 8)
-        assert tok.decode(got).startswith("The capital of France is Paris")
+            prefixes = _depart_only_at_near_ties(qq, tok, runner(mode), fp32_runner, qq.PROMPTS, 16)
+        assert sum(prefixes) >= len(prefixes) * 16 // 2
 
 
 @pytest.mark.slow  # a real server pair
