@@ -171,12 +171,17 @@ class Scheduler:
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
             return
+        self.step_stats.recomputed_tokens += request.num_computed_tokens
+        self._start_over(request)
+
+    def _start_over(self, request: Request) -> None:
+        """Frees a request's device blocks, has the next plan drop its executor state, and puts
+        it first in line to prefill all it has again (recompute preemption, restart)."""
         self.pool.free(request)
         if request.known_to_executor:
             self._dropped_seq_ids.append(request.seq_id)
         request.known_to_executor = False
         request.executor_has_last_token = False
-        self.step_stats.recomputed_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.insert(0, request)
@@ -196,18 +201,11 @@ class Scheduler:
             self.waiting.remove(request)
         else:
             return
-        self.pool.free(request)
-        if request.known_to_executor:
-            self._dropped_seq_ids.append(request.seq_id)
-        request.known_to_executor = False
-        request.executor_has_last_token = False
-        request.num_computed_tokens = 0
         request.num_inflight_tokens = 0  # the failed steps sampled nothing that will be read
+        self._start_over(request)  # drops the old id on the executor
         del self._by_seq[request.seq_id]
         request.seq_id = seq_id
         self._by_seq[seq_id] = request
-        request.status = RequestStatus.WAITING
-        self.waiting.insert(0, request)
 
     def _free_host(self, request: Request) -> None:
         if self.host_pool is not None and request.host_block_ids:

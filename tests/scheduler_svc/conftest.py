@@ -301,6 +301,23 @@ def run_workload(tokenizer_dir: Path, work, *, fake: FakeExecutor, **cfg):
     return asyncio.run(main())
 
 
+def draw_stops_and_aborts(data, base, texts):
+    """Per (prompt, max_tokens) of `base` and the text a probe run produced for it, draws a
+    stop string cut from that text (or none) and an abort after k deltas (or none): the fake's
+    output depends only on each request's own history, so the stops are hit."""
+    from hypothesis import strategies as st
+
+    work = []
+    for (prompt, max_tokens), text in zip(base, texts):
+        stop = ()
+        if text and data.draw(st.booleans(), label="stop"):
+            a = data.draw(st.integers(0, len(text) - 1), label="stop_at")
+            stop = (text[a : a + data.draw(st.integers(1, 3), label="stop_len")],)
+        abort = data.draw(st.one_of(st.none(), st.integers(1, 6)), label="abort_after")
+        work.append((prompt, max_tokens, stop, abort))
+    return work
+
+
 @pytest.fixture
 def byte_tokenizer_dir(tmp_path: Path) -> Path:
     """A byte-level tokenizer: one token per UTF-8 byte, so multi-byte characters split."""
@@ -319,6 +336,7 @@ def fakes():
         make_request = staticmethod(make_request)
         run_to_completion = staticmethod(run_to_completion)
         run_workload = staticmethod(run_workload)
+        draw_stops_and_aborts = staticmethod(draw_stops_and_aborts)
         EOS = EOS
         VOCAB = VOCAB
 

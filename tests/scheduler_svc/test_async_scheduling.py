@@ -74,14 +74,7 @@ def test_async_scheduling_changes_no_request_and_leaks_no_block(
     # The fake's output is a function of each request's own history: probe the texts once,
     # then stop on pieces of them.
     probe, _ = go([(p, m, (), None) for p, m in base], False)
-    work = []
-    for (prompt, max_tokens), (_, text, _, _) in zip(base, probe):
-        stop = ()
-        if text and data.draw(st.booleans(), label="stop"):
-            a = data.draw(st.integers(0, len(text) - 1), label="stop_at")
-            stop = (text[a : a + data.draw(st.integers(1, 3), label="stop_len")],)
-        abort = data.draw(st.one_of(st.none(), st.integers(1, 6)), label="abort_after")
-        work.append((prompt, max_tokens, stop, abort))
+    work = fakes.draw_stops_and_aborts(data, base, [text for _, text, _, _ in probe])
     (off, _), (on, fake) = go(work, False), go(work, True)
     for (_, _, _, abort), a, b, full in zip(work, off, on, probe):
         assert a[3] is None and b[3] is None  # no request failed

@@ -257,14 +257,7 @@ def test_async_output_processing_changes_no_request_and_leaks_no_block(fakes, by
     # The fake's output is a function of each request's own history: probe the texts once,
     # then stop on pieces of them.
     _, _, probe = _run_workload(fakes, byte_tokenizer_dir, [(p, m, (), None) for p, m in base], False, eos_after)
-    work = []
-    for (prompt, max_tokens), (_, text, _) in zip(base, probe):
-        stop = ()
-        if text and data.draw(st.booleans(), label="stop"):
-            a = data.draw(st.integers(0, len(text) - 1), label="stop_at")
-            stop = (text[a : a + data.draw(st.integers(1, 3), label="stop_len")],)
-        abort = data.draw(st.one_of(st.none(), st.integers(1, 6)), label="abort_after")
-        work.append((prompt, max_tokens, stop, abort))
+    work = fakes.draw_stops_and_aborts(data, base, [text for _, text, _ in probe])
     runs = {}
     for async_output in (False, True):
         engine, _, results = _run_workload(fakes, byte_tokenizer_dir, work, async_output, eos_after)
