@@ -200,8 +200,8 @@ def _planned(lin, kernel: str, batch: int):
 
 
 class NoGemm:
-    """Context manager: every GEMM of a step (the float32 `linear`, `F.linear`, the int4
-    kernel) returns a cached zero tensor of the right shape instead of computing."""
+    """Context manager: every GEMM of a step (the float32 `linear`, oneDNN's packed product, the
+    native few-row product, `F.linear`, the int4 kernel) returns a cached zero tensor of the right shape instead of computing."""
 
     def __init__(self) -> None:
         import executor_svc.models.layers as layers_mod
@@ -209,6 +209,7 @@ class NoGemm:
 
         self.targets = [(layers_mod, "linear"), (llama_mod, "linear"), (torch.nn.functional, "linear")]
         self.targets += [(layers_mod, "packed_linear"), (llama_mod, "packed_linear")]  # a plan's "packed"
+        self.targets += [(layers_mod, "native_linear"), (llama_mod, "native_linear")]  # a plan's "gemv"
         self.targets.append((torch, "_weight_int4pack_mm_for_cpu"))
         self.saved: list = []
         self.cache: dict = {}
@@ -223,6 +224,7 @@ class NoGemm:
         fakes = {
             "linear": lambda x, w, b=None, pad=None: self._zeros(x.shape[0], w.shape[0], x.dtype),
             "packed_linear": lambda x, p, b=None: self._zeros(x.shape[0], p.shape[0], x.dtype),
+            "native_linear": lambda x, w, b=None: self._zeros(x.shape[0], w.shape[0], x.dtype),
             "_weight_int4pack_mm_for_cpu": lambda x, p, g, sz: self._zeros(x.shape[0], p.shape[0], x.dtype),
         }
         for mod, name in self.targets:

@@ -16,7 +16,10 @@ Measures, in this order and in one process:
   the median wall time of a whole decode step `ModelRunner.execute(plan)` (validation, metadata,
   forward, logits, sampling, reply proto) at each batch size, and a 512-token prefill chunk;
 - the weight bytes a batch-1 decode step reads in each mode, and so the memory floor of that
-  step (bytes / measured bandwidth) and the step as a multiple of it.
+  step (bytes / read bandwidth) and the step as a multiple of it. The bandwidth for the floor
+  is sampled between the batch-1 steps themselves (one 1 GiB sum after each round of steps;
+  the median counts): this VM's bandwidth moved 35-73 GB/s between runs minutes apart, so a
+  figure read once at the start could put a step at 1.4x or 2.1x "its floor" by when it ran.
 
     timeout 1800 .venv/bin/python benchmarks/executor_modes.py [--batch 1 8 32] [--modes float32 int4 bfloat16]
 
@@ -58,6 +61,18 @@ def gemm_peak_gflops(n: int = 2048) -> float:
         packed = prepack_weight(b)
         best = min(best, *(_timed(lambda: packed_linear(a, packed)) for _ in range(5)))
     return 2 * n**3 / best / 1e9
+
+
+class BandwidthSampler:
+    """Read bandwidth sampled between decode steps (GB/s of one sum over a 1 GiB float32
+    tensor), so the floor a step is compared with is the machine's at the time it ran."""
+
+    def __init__(self) -> None:
+        self.x = torch.ones(256 * 1024 * 1024)
+        self.samples: dict[int, list[float]] = {}
+
+    def sample(self, batch: int) -> None:
+        self.samples.setdefault(batch, []).append(self.x.numel() * 4 / _timed(lambda: self.x.sum()) / 1e9)
 
 
 def _timed(fn) -> float:
@@ -149,7 +164,7 @@ def decode_bytes(model) -> int:
     return total
 
 
-def run_mode(runner, batches: list[int], ctx: int, steps: int) -> dict:
+def run_mode(runner, batches: list[int], ctx: int, steps: int, sampler: BandwidthSampler | None = None) -> dict:
     greedy = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1)
     out: dict = {"decode_ms": {}, "tokens": None}
     for batch in batches:
@@ -160,6 +175,8 @@ def run_mode(runner, batches: list[int], ctx: int, steps: int) -> dict:
             resp = runner.execute(_decode_plan(ids, ctx, k))
             if k >= 3:
                 times.append((time.perf_counter() - t) * 1000)
+                if sampler is not None:
+                    sampler.sample(batch)
             tokens.append(resp.sampled[0].token_id)
         out["decode_ms"][batch] = statistics.median(times)
         if batch == 1:
@@ -212,7 +229,9 @@ def _prefill(runner, batch: int, ctx: int, steps: int, greedy) -> list[int]:
     return ids
 
 
-def run_interleaved(runners: dict, batches: list[int], ctx: int, steps: int) -> dict[str, dict]:
+def run_interleaved(
+    runners: dict, batches: list[int], ctx: int, steps: int, sampler: BandwidthSampler | None = None
+) -> dict[str, dict]:
     """`run_mode` for all modes at once, their steps taking turns (mode order rotated each
     step): a burst of load on a shared machine falls on every mode alike, which passes
     minutes apart cannot promise (step times of one mode moved 2x between passes)."""
@@ -230,6 +249,8 @@ def run_interleaved(runners: dict, batches: list[int], ctx: int, steps: int) -> 
                 if k >= 3:
                     times[m].append((time.perf_counter() - t) * 1000)
                 tokens[m].append(resp.sampled[0].token_id)
+            if k >= 3 and sampler is not None:
+                sampler.sample(batch)
         for m in modes:
             out[m]["decode_ms"][batch] = statistics.median(times[m])
             if batch == 1:
@@ -269,6 +290,7 @@ def main() -> None:
     print(f"HF transformers generate, float32, batch 1: {hf_ms:.1f} ms per decoded token", flush=True)
     results: dict[str, list[dict]] = {m: [] for m in args.modes}
     weight_bytes: dict[str, int] = {}
+    sampler = BandwidthSampler()
     if args.interleave:
         runners = {m: build(m, args.threads) for m in args.modes}
         for mode, runner in runners.items():
@@ -276,7 +298,7 @@ def main() -> None:
             linear_params = sum(m.weight.numel() for m in runner.model.modules() if isinstance(m, Linear))
             print(f"{mode}: loaded{_plan_text(runner.model)}", flush=True)
         with torch.inference_mode():
-            for mode, r in run_interleaved(runners, args.batch, args.ctx, args.steps).items():
+            for mode, r in run_interleaved(runners, args.batch, args.ctx, args.steps, sampler).items():
                 results[mode].append(r)
         del runners
     for mode in [] if args.interleave else (args.modes + args.modes[::-1]) * args.repeat:
@@ -284,7 +306,7 @@ def main() -> None:
         weight_bytes[mode] = decode_bytes(runner.model)
         linear_params = sum(m.weight.numel() for m in runner.model.modules() if isinstance(m, Linear))
         with torch.inference_mode():
-            results[mode].append(run_mode(runner, args.batch, args.ctx, args.steps))
+            results[mode].append(run_mode(runner, args.batch, args.ctx, args.steps, sampler))
         r = results[mode][-1]
         text = ", ".join(f"B={b} {ms:.1f} ms" for b, ms in r["decode_ms"].items())
         print(f"{mode}: {text}{_plan_text(runner.model)}", flush=True)
@@ -293,6 +315,14 @@ def main() -> None:
     if again > peak:
         print(f"float32 GEMM peak measured again after the modes: {again:.0f} GFLOP/s (the higher one counts)")
         peak = again
+    during = sampler.samples.get(1)
+    if during:  # the floor at the time the batch-1 steps ran
+        q = statistics.quantiles(during, n=4)
+        print(
+            f"read bandwidth between the batch-1 steps: median {statistics.median(during):.1f} GB/s "
+            f"(quartiles {q[0]:.1f}-{q[2]:.1f}, {len(during)} samples; {bw:.1f} at the start): the floor's"
+        )
+        bw = statistics.median(during)
     base = args.modes[0]
     how = "all modes loaded, steps taking turns" if args.interleave else f"median of {2 * args.repeat} passes"
     print(f"\n{how}; decode steps at context {args.ctx}")

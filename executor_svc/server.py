@@ -227,7 +227,7 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
     backend.check_block_size(config.block_size)
     path = resolve_model(config.model, Path(config.cache_dir))
     model, hf = load_model(path, dtype, device, backend_name, tp)
-    setup_cpu_kernels(model, config.cpu_kernels, backend_name, device, dtype)
+    native = setup_cpu_kernels(model, config.cpu_kernels, backend_name, device, dtype)
     if config.quantization != "none":
         if device.type != "cpu" or dtype != torch.float32 or half:
             raise ValueError("--quantization int4 is a CPU mode over float32 weights: use --device cpu --dtype float32")
@@ -273,6 +273,7 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
             reduced=reduced,
             reduced_max_rows=config.quantized_max_rows,
             padding=config.cpu_gemm_row_padding,
+            gemv=native,
         )
         freed = linear_plan.apply(model, *plans)
         packed_bytes = sum(lin.weight.nbytes for lin in linear_plan.decoder_linears(model) if lin.packed is not None)

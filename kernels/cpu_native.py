@@ -1,6 +1,7 @@
-"""The native CPU kernels (kernels/csrc/cpu_attention.cpp): built once per machine, loaded once
-per process, used for float32 decode attention and K/V writes (the torch backend) and the
-decoder's residual add + RMSNorm (models/layers.RMSNorm), per --cpu-kernels.
+"""The native CPU kernels (kernels/csrc/*.cpp): built once per machine, loaded once per process,
+used for float32 decode attention and K/V writes (the torch backend), the decoder's residual
+add + RMSNorm (models/layers.RMSNorm), per --cpu-kernels, and a few-row float32 product (the
+linear plan's "gemv" kernel, models/linear_plan.py).
 
 Why built here rather than shipped: the ops are a few dozen lines of plain C++ compiled with
 -march=native (the compiler vectorises them for the CPU at hand; measured on AVX512 only), and a
@@ -29,7 +30,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_attention.cpp", "cpu_linear.cpp"))
 # -fassociative-math (with its prerequisites) lets the float sums vectorise; not -ffast-math,
 # which would also assume no infinities (the softmax starts from -inf) and, on GCC < 13, link
 # crtfastmath into the library: loading it would switch the whole process to flush-to-zero.
@@ -61,7 +62,9 @@ def _cpu_id() -> str:
 
 def build_name() -> str:
     """The library's name: what it is built from and for, hashed."""
-    key = "\n".join([SOURCE.read_text(), " ".join(CFLAGS), " ".join(LDFLAGS), torch.__version__, _cpu_id()])
+    key = "\n".join(
+        [*(src.read_text() for src in SOURCES), " ".join(CFLAGS), " ".join(LDFLAGS), torch.__version__, _cpu_id()]
+    )
     return "chunkserve_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -120,10 +123,10 @@ def _load() -> None:
         except OSError:  # half-written by a build in progress: the builder below waits for it
             pass
     folder.mkdir(parents=True, exist_ok=True)
-    log.info("building the native CPU attention kernels (once per machine, ~10 s) in %s", folder)
+    log.info("building the native CPU kernels (once per machine, ~10 s) in %s", folder)
     cpp_extension.load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(src) for src in SOURCES],
         extra_cflags=list(CFLAGS),
         extra_ldflags=list(LDFLAGS),
         build_directory=str(folder),

@@ -64,9 +64,12 @@ log = logging.getLogger(__name__)
 
 BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 # preference order: an earlier kernel keeps a bucket unless a later one is MARGIN faster
-KERNELS = ("mm", "mm-pad", "packed", "reduced", "half-onednn")
+KERNELS = ("mm", "mm-pad", "packed", "gemv", "reduced", "half-onednn")
 MARGIN = 0.05
 INT4_MAX_ROWS = 32
+# the native few-row product (kernels/csrc/cpu_linear.cpp) is a candidate up to this many rows:
+# from ~4 on oneDNN's packed product, which reuses each weight line across rows, wins
+GEMV_MAX_ROWS = 4
 PLAN_FORMAT = 1  # bump when what a stored plan means changes (kernels, bucket semantics)
 
 
@@ -111,9 +114,12 @@ def choose(costs: dict[str, float], margin: float = MARGIN) -> str:
     return best
 
 
-def candidates(m: int, *, padding: bool, packed: bool, reduced: str | None, reduced_max_rows: int | None) -> list[str]:
+def candidates(
+    m: int, *, padding: bool, packed: bool, reduced: str | None, reduced_max_rows: int | None, gemv: bool = False
+) -> list[str]:
     """The kernels worth timing at `m` rows given the copies loaded: "mm-pad" only where
-    `padded_rows` changes m; "reduced" within the mode's row cap (--quantized-max-rows, or
+    `padded_rows` changes m; "gemv" (the native library's, where it loaded) up to
+    GEMV_MAX_ROWS; "reduced" within the mode's row cap (--quantized-max-rows, or
     INT4_MAX_ROWS for int4); "half-onednn" only from 12 rows (below it `half_linear` is
     oneDNN's F.linear already, or at one row the GEMV that beats it)."""
     out = ["mm"]
@@ -121,6 +127,8 @@ def candidates(m: int, *, padding: bool, packed: bool, reduced: str | None, redu
         out.append("mm-pad")
     if packed:
         out.append("packed")
+    if gemv and m <= GEMV_MAX_ROWS:
+        out.append("gemv")
     cap = reduced_max_rows if reduced_max_rows is not None else (INT4_MAX_ROWS if reduced == "int4" else None)
     if reduced is not None and (cap is None or m <= cap):
         out.append("reduced")
@@ -174,6 +182,7 @@ def measure(
     reduced: str | None = None,
     reduced_max_rows: int | None = None,
     padding: bool = True,
+    gemv: bool = False,
     buckets: Sequence[int] = BUCKETS,
     clock: Clock | None = None,
     reps: int = 5,
@@ -181,7 +190,8 @@ def measure(
     """Times every candidate kernel per bucket on `model` (a LlamaForCausalLM on CPU, its
     copies loaded: `Linear.packed` / `head_packed`, `Linear.reduced` / `head_reduced`) and
     returns the plans; `reduced` names the mode of the reduced copies ("int4", "bfloat16",
-    "float16", or None). `clock` (tests) replaces the timing."""
+    "float16", or None); `gemv` whether the native library's product is a candidate (loaded,
+    --cpu-kernels not torch). `clock` (tests) replaces the timing."""
     t0 = time.perf_counter()
     clock = clock or wall_clock
     linears = decoder_linears(model)
@@ -207,7 +217,9 @@ def measure(
     work: dict[tuple[str, int], tuple[Callable[[], Any], dict[str, Callable[[], Any]]]] = {}
     for m in buckets:
         xs = {n: torch.randn(m, n, generator=gen) for n in widths}
-        opts = candidates(m, padding=padding, packed=packed, reduced=reduced, reduced_max_rows=reduced_max_rows)
+        opts = candidates(
+            m, padding=padding, packed=packed, reduced=reduced, reduced_max_rows=reduced_max_rows, gemv=gemv
+        )
         work[("linears", m)] = _nothing, {k: lambda k=k, xs=xs: run_body(k, xs) for k in opts}
         h = torch.randn(m, hidden, generator=gen)
         head_opts = candidates(
@@ -216,6 +228,7 @@ def measure(
             packed=model.head_packed is not None,
             reduced=None if model.head_reduced is None else "bfloat16",  # int4's head copy is 16-bit
             reduced_max_rows=reduced_max_rows if reduced != "int4" else None,
+            gemv=gemv,
         )
         work[("head", m)] = flush, {k: lambda k=k, h=h: model.head_kernel(h, k) for k in head_opts}
     # One warm-up run of each, then `reps` rounds over everything: a candidate's runs are
@@ -270,7 +283,13 @@ def _cpu_name() -> str:
 
 
 def plan_key(
-    model: Any, *, reduced: str | None, reduced_max_rows: int | None, padding: bool, buckets: Sequence[int] = BUCKETS
+    model: Any,
+    *,
+    reduced: str | None,
+    reduced_max_rows: int | None,
+    padding: bool,
+    gemv: bool = False,
+    buckets: Sequence[int] = BUCKETS,
 ) -> dict[str, Any]:
     """What a measured plan depends on, as stored beside it; its hash names the file."""
     linears = decoder_linears(model)
@@ -289,6 +308,8 @@ def plan_key(
         "packed": bool(linears) and all(lin.packed is not None for lin in linears),
         "head_packed": model.head_packed is not None,
         "head_reduced": model.head_reduced is not None,
+        "gemv": gemv,
+        "gemv_max_rows": GEMV_MAX_ROWS,
         "buckets": list(buckets),
         "kernels": list(KERNELS),
         "margin": MARGIN,
@@ -339,12 +360,19 @@ def store_plan(path: Path, key: dict[str, Any], measured: Measured) -> None:
 
 
 def kept_or_measured(
-    model: Any, folder: Path, *, remeasure: bool, reduced: str | None, reduced_max_rows: int | None, padding: bool
+    model: Any,
+    folder: Path,
+    *,
+    remeasure: bool,
+    reduced: str | None,
+    reduced_max_rows: int | None,
+    padding: bool,
+    gemv: bool = False,
 ) -> tuple[tuple[Plan, Plan], str]:
     """The (body, head) plans for `model`: the one kept in `folder` for this key, else (or
     with `remeasure`) a new measurement, kept there for the next start; and where it came
     from, for the log. A folder that cannot be written costs only the keeping."""
-    kw = dict(reduced=reduced, reduced_max_rows=reduced_max_rows, padding=padding)
+    kw = dict(reduced=reduced, reduced_max_rows=reduced_max_rows, padding=padding, gemv=gemv)
     key = plan_key(model, **kw)
     path = plan_file(folder, key)
     plans = None if remeasure else load_plan(path, key)

@@ -26,6 +26,7 @@ from executor_svc.models.layers import (
     RotaryEmbedding,
     apply_rotary,
     linear,
+    native_linear,
     packed_linear,
     prepack_weight,
     rope_parameters,
@@ -191,13 +192,18 @@ class LlamaForCausalLM(nn.Module):
     def head_kernel(self, hidden: torch.Tensor, kernel: str) -> torch.Tensor:
         """float32 logits through one named kernel (models/linear_plan.KERNELS), as
         `Linear.apply_kernel` for the head: its 16-bit copy ("reduced": `half_linear`,
-        "half-onednn": F.linear), the packed copy, or the float32 weights ("mm", "mm-pad")."""
+        "half-onednn": F.linear), the packed copy, or the float32 weights ("mm", "mm-pad",
+        "gemv": `native_linear`)."""
         if kernel in ("reduced", "half-onednn"):
             w = self.head_reduced[0]
             h = hidden.to(w.dtype)
             return (half_linear(h, w) if kernel == "reduced" else F.linear(h, w)).float()
         if kernel == "packed":
             return packed_linear(hidden, self.head_packed)
+        if kernel == "gemv":
+            return native_linear(
+                hidden, self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            )
         if kernel in ("mm", "mm-pad"):
             weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             return linear(hidden, weight, pad=kernel == "mm-pad").float()

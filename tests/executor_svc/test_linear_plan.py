@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from chunkserve_kernels import cpu_native
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +24,8 @@ from executor_svc.models.llama import prepack_model
 from executor_svc.models.quant import RowRule, half_weights_model, quantize_model
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+# the native library's few-row product ("gemv") is a candidate where it builds (a C++ compiler)
+NATIVE = cpu_native.load() is None
 
 
 @st.composite
@@ -75,6 +78,10 @@ def test_candidates_follow_the_copies_and_the_caps():
     assert "reduced" in lp.candidates(512, **bf16)
     assert [m for m in (1, 11, 12, 64) if "half-onednn" in lp.candidates(m, **bf16)] == [12, 64]
     assert "reduced" not in lp.candidates(5, **{**bf16, "reduced_max_rows": 4})
+    assert not any("gemv" in lp.candidates(m, **base) for m in range(1, 9))  # not loaded: never
+    with_gemv = [m for m in range(1, 40) if "gemv" in lp.candidates(m, **{**base, "gemv": True})]
+    assert with_gemv == list(range(1, lp.GEMV_MAX_ROWS + 1))
+    assert lp.KERNELS.index("gemv") < lp.KERNELS.index("reduced")  # float32 before a reduced copy
 
 
 def _model(tiny_configs, hf_model_factory, name="llama", seed=0):
@@ -102,7 +109,8 @@ def _with_copies(model, mode):
 def test_every_kernel_computes_the_product_it_names(tiny_configs, hf_model_factory, mode, m):
     model = _with_copies(_model(tiny_configs, hf_model_factory, "llama_bias_headdim"), mode)
     tol = {None: 1e-5, "int4": 0.15, "bfloat16": 0.03, "float16": 0.005}[mode]
-    cands = lp.candidates(m, padding=True, packed=True, reduced=mode, reduced_max_rows=None)
+    cands = lp.candidates(m, padding=True, packed=True, reduced=mode, reduced_max_rows=None, gemv=NATIVE)
+    assert ("gemv" in cands) == (NATIVE and m <= lp.GEMV_MAX_ROWS)
     for lin in lp.decoder_linears(model):
         x = torch.randn(m, lin.weight.shape[1])
         want = x.double() @ lin.weight.double().t() + lin.bias.double()
@@ -115,7 +123,7 @@ def test_every_kernel_computes_the_product_it_names(tiny_configs, hf_model_facto
     head = model.lm_head.weight.double()
     h = torch.randn(m, model.config.hidden_size)
     head_cands = lp.candidates(
-        m, padding=True, packed=True, reduced=None if mode is None else "bfloat16", reduced_max_rows=None
+        m, padding=True, packed=True, reduced=None if mode is None else "bfloat16", reduced_max_rows=None, gemv=NATIVE
     )
     for k in head_cands:
         want = h.double() @ head.t()
@@ -210,7 +218,7 @@ def test_any_plan_gives_the_float32_logits(tiny_configs, hf_model_factory, paged
     """Whatever the measurement picks among float32 kernels, a step's logits are the float32
     ones to rounding: the plan changes speed, not the result (the fixtures are factories)."""
     model = _with_copies(_model(tiny_configs, hf_model_factory, "smollm_tied", seed=3), None)
-    kernels = ("mm", "mm-pad", "packed")
+    kernels = ("mm", "mm-pad", "packed") + (("gemv",) if NATIVE else ())
     buckets = (1, 2, 4, 8)
     body = lp.Plan(buckets, tuple(data.draw(st.sampled_from(kernels)) for _ in buckets))
     head = lp.Plan(buckets, tuple(data.draw(st.sampled_from(kernels)) for _ in buckets))
@@ -240,9 +248,12 @@ def test_load_measures_by_default_and_keeps_the_tables_with_table(tiny_model_pat
     real = lp.measure
     monkeypatch.setattr(lp, "measure", fake_measure)
     model = server.load(ExecutorConfig(quantization="int4", **common)).runner.model
-    assert seen == {"reduced": "int4", "reduced_max_rows": None, "padding": True}
+    assert seen == {"reduced": "int4", "reduced_max_rows": None, "padding": True, "gemv": NATIVE}
     assert set(model.head_plan.kernels) == {"mm"} and model.head_packed is None  # unchosen: dropped
     assert all(lin.plan is model.model.layers[0].mlp.down_proj.plan for lin in lp.decoder_linears(model))
+    seen.clear()
+    server.load(ExecutorConfig(cpu_kernels="torch", **common))
+    assert seen["gemv"] is False  # --cpu-kernels torch: aten and the BLAS kernels only
     seen.clear()
     table = server.load(ExecutorConfig(cpu_linear_plan="table", **common)).runner.model
     assert not seen and table.head_plan is None and table.model.layers[0].mlp.down_proj.plan is None
@@ -264,7 +275,8 @@ def test_a_kept_plan_is_read_back_for_its_key_only(tiny_configs, hf_model_factor
     assert lp.load_plan(path, key) == (measured.body, measured.head)
     assert measured.body.kernels != ("mm",) * 3  # the fake costs made a plan that is not the default
     # whatever the key holds names another file, and a file is used for its own key only
-    for change in ({"reduced": "int4"}, {"padding": False}, {"buckets": [1, 2]}, {"threads": key["threads"] + 1}):
+    changes = ({"reduced": "int4"}, {"padding": False}, {"buckets": [1, 2]}, {"threads": key["threads"] + 1})
+    for change in (*changes, {"gemv": True}):
         other = {**key, **change}
         assert lp.plan_file(tmp_path, other) != path
         assert lp.load_plan(path, other) is None
@@ -314,12 +326,17 @@ def test_the_step_profile_script_times_and_zeroes_the_planned_kernels(tiny_confi
     one of them (it missed oneDNN's packed product once and reported a -13% share)."""
     bench = _bench("decode_step_profile")
     model = _with_copies(_model(tiny_configs, hf_model_factory, "smollm_tied"), "int4")
-    buckets = (1, 3, 64)
-    lp.apply(model, lp.Plan(buckets, ("reduced", "packed", "mm")), lp.Plan(buckets, ("reduced", "packed", "mm-pad")))
-    for batch in (1, 3, 40):
+    buckets = (1, 2, 3, 64)
+    few = "gemv" if NATIVE else "mm"  # the native product, where it builds
+    lp.apply(
+        model,
+        lp.Plan(buckets, ("reduced", few, "packed", "mm")),
+        lp.Plan(buckets, ("reduced", few, "packed", "mm-pad")),
+    )
+    for batch in (1, 2, 3, 40):
         ms, calls = bench.gemm_alone(model, batch, repeats=1)
         assert calls == 4 * len(model.model.layers) + 1 and ms > 0
-    tokens = [5, 6, 7]
+    tokens = [5, 6]  # a step of 2 rows: the `few` kernel
     with bench.NoGemm():
         hidden = paged_runner(model, block_size=4).step({0: tokens})[0]
         with torch.inference_mode():

@@ -1,7 +1,8 @@
-"""The native CPU kernels (kernels/csrc/cpu_attention.cpp via chunkserve_kernels/cpu_native.py):
+"""The native CPU kernels (kernels/csrc/*.cpp via chunkserve_kernels/cpu_native.py):
 the torch backend with `use_native()` against the `torch_ref` oracle on random paged batches,
 the native K/V write against the aten one, the refusals, the build's failure path, and the
-executor's --cpu-kernels switch. Skipped where this machine has no C++ compiler."""
+executor's --cpu-kernels switch, and the few-row product (the linear plan's "gemv"). Skipped where
+this machine has no C++ compiler."""
 
 from __future__ import annotations
 
@@ -195,6 +196,68 @@ def test_add_rms_norm_rows_do_not_depend_on_the_batch(native):
         assert torch.equal(normed[i : i + 1], one) and torch.equal(s[i : i + 1], one_s)
 
 
+# --- the few-row product (linear plan kernel "gemv") -------------------------------------------
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rows=st.integers(1, 11),
+    k=st.sampled_from([1, 7, 31, 32, 33, 64, 100, 576]),
+    n=st.integers(1, 300),
+    bias=st.booleans(),
+    transposed=st.booleans(),
+    scale=st.sampled_from([1e-3, 1.0, 50.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_gemv_matches_a_float64_product(native, rows, k, n, bias, transposed, scale, seed):
+    """x W^T (+ b) within float32 rounding of the float64 product (bounded by the sum of
+    |x||w| terms, as any float32 summation order is), for widths below, at and off the
+    32-lane blocks, rows in groups of 4 and a remainder, x a transposed view."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(k, rows, generator=gen).t() if transposed else torch.randn(rows, k, generator=gen)
+    x = x * scale
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    y = torch.ops.chunkserve.gemv(x, w, b)
+    want = x.double() @ w.double().t() + (0 if b is None else b.double())
+    bound = x.double().abs() @ w.double().abs().t() + (0 if b is None else b.double().abs())
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    assert ((y.double() - want).abs() <= 4 * k * 2**-24 * bound + 1e-30).all()
+
+
+def test_gemv_rows_do_not_depend_on_the_batch_or_the_threads(native):
+    """Each output is one thread's one dot product in a fixed order: a row's result is the
+    same alone, in any group of rows, and with one thread or two (bitwise)."""
+    gen = torch.Generator().manual_seed(5)
+    x, w, b = torch.randn(9, 576, generator=gen), torch.randn(1000, 576, generator=gen), torch.randn(1000)
+    y = torch.ops.chunkserve.gemv(x, w, b)
+    for i in range(9):
+        assert torch.equal(torch.ops.chunkserve.gemv(x[i : i + 1], w, b), y[i : i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(torch.ops.chunkserve.gemv(x, w, b), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_gemv_refuses_bad_input_without_crashing(native):
+    x, w = torch.randn(2, 8), torch.randn(5, 8)
+    bad = [
+        ((x.double(), w, None), "x must be"),
+        ((x[0], w, None), "x must be"),
+        ((x, w.t().contiguous().t(), None), "weight must be"),
+        ((x, w.half(), None), "weight must be"),
+        ((torch.randn(2, 9), w, None), "columns"),
+        ((x, w, torch.randn(4)), "bias must be"),
+        ((x, w, torch.randn(5).double()), "bias must be"),
+    ]
+    for args, msg in bad:
+        with pytest.raises(RuntimeError, match=msg):
+            torch.ops.chunkserve.gemv(*args)
+    assert torch.ops.chunkserve.gemv(torch.randn(0, 8), w).shape == (0, 5)
+
+
 def test_decoder_layers_pass_the_residual_stream_bitwise_as_before(tiny_model):
     """The aten path of the residual-passing layers is bitwise `h = h + attn(norm(h)); h + mlp(norm(h))`."""
     from chunkserve_kernels import build_metadata, set_forward_context
@@ -281,4 +344,4 @@ def test_cli_flag_is_validated():
 
     with pytest.raises(ValueError, match="--cpu-kernels must be one of auto, native, torch"):
         ExecutorConfig(cpu_kernels="fast")
-    assert Path(cpu_native.SOURCE).exists()
+    assert all(Path(src).exists() for src in cpu_native.SOURCES)

@@ -1,0 +1,94 @@
+// A float32 CPU product for decode-sized steps: y = x W^T (+ b) for a few rows of x, each
+// weight row read from memory once and streamed straight through.
+//
+// Why: a batch-1 decode step of a float32 model is a stream of weight reads (the default model:
+// 538 MB a step), and the step can be no faster than memory delivers them. MKL's sgemm and
+// oneDNN's packed product, given one or two rows, read the default model's 121 linears at
+// ~35 GB/s on a 2-core Zen 5 EPYC, where a plain sum over a 1 GiB tensor reads ~47; this loop
+// (each thread a contiguous run of weight rows, each row one dot product per input row with
+// 32 float lanes the compiler turns into vector FMAs) read them at ~44 (15.4 -> 12.2 ms,
+// benchmarks/RESULTS.md, "A float32 GEMV for decode steps"). Walking one weight row at a time
+// beat walking 2, 4 or 8 at once and beat software prefetching: one sequential stream per core
+// is what the hardware prefetcher follows best. From ~4 rows of x on, oneDNN's blocked
+// product is faster (it reuses each weight line across more rows); which kernel serves which
+// step size is measured at start-up (executor_svc/models/linear_plan.py, kernel "gemv").
+//
+// Numerics: float32 products and sums (fused multiply-adds), in another order than MKL's: the
+// last bits differ, as they do between MKL's own blockings. A row's result does not depend on
+// the other rows of x or on the thread count (each output element is one thread's one dot).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <optional>
+
+namespace {
+
+constexpr int64_t kLanes = 32;     // partial sums per dot product: 2 AVX-512 / 4 AVX2 registers
+constexpr int64_t kMaxGroup = 4;   // rows of x per pass over the weights
+constexpr int64_t kGrainRows = 64; // weight rows per parallel task at the least
+
+// y[m, n0:n1] for the M rows of x starting at x (row stride K): one pass over W's rows n0..n1.
+template <int M>
+void rows(const float* __restrict x, int64_t K, const float* __restrict w, const float* bias, float* __restrict y,
+          int64_t ldy, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* __restrict wr = w + n * K;
+    float acc[M][kLanes] = {};
+    int64_t k = 0;
+    for (; k + kLanes <= K; k += kLanes)
+      for (int m = 0; m < M; ++m)
+#pragma GCC unroll 32
+        for (int64_t j = 0; j < kLanes; ++j) acc[m][j] += wr[k + j] * x[m * K + k + j];
+    for (int m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int64_t j = 0; j < kLanes; ++j) s += acc[m][j];
+      for (int64_t kk = k; kk < K; ++kk) s += wr[kk] * x[m * K + kk];
+      y[m * ldy + n] = bias == nullptr ? s : s + bias[n];
+    }
+  }
+}
+
+void group(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y, int64_t N, int64_t n0,
+           int64_t n1) {
+  switch (M) {
+    case 1: rows<1>(x, K, w, bias, y, N, n0, n1); break;
+    case 2: rows<2>(x, K, w, bias, y, N, n0, n1); break;
+    case 3: rows<3>(x, K, w, bias, y, N, n0, n1); break;
+    default: rows<4>(x, K, w, bias, y, N, n0, n1); break;
+  }
+}
+
+at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
+              "x must be a float32 CPU [M, K] tensor");
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
+                  weight.is_contiguous(),
+              "weight must be a contiguous float32 CPU [N, K] tensor");
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K, "x has ", K, " columns, weight ", weight.size(1));
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(),
+                "bias must be a contiguous float32 [N] tensor");
+    b = bias->data_ptr<float>();
+  }
+  const at::Tensor x = x_in.contiguous();  // a transposed view of one row copies K floats
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < M; m += kMaxGroup)
+      group(xp + m * K, std::min(kMaxGroup, M - m), K, wp, b, yp + m * N, N, n0, n1);
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(chunkserve, m) { m.def("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(chunkserve, CPU, m) { m.impl("gemv", &gemv); }
