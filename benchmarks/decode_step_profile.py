@@ -5,6 +5,7 @@ steps through `ModelRunner.execute(plan)` exactly as the server runs them (plan 
 
     timeout 900 .venv/bin/python benchmarks/decode_step_profile.py [--batch 1 32] [--ctx 128] [--steps 30]
         [--quantization none int4] [--no-profile] [--repeats 3] [--cpu-kernels torch] [--ab-cpu-kernels]
+        [--ab-fused]
 
 Per weight mode (`none` = float32, `int4` = `--quantization int4`, loaded as the server loads
 it) and batch size it prints:
@@ -203,7 +204,9 @@ class NoGemm:
     """Context manager: every GEMM of a step (the float32 `linear`, oneDNN's packed product, the
     native few-row product, `F.linear`, the int4 kernel) returns a cached zero tensor of the right shape instead of computing."""
 
-    def __init__(self) -> None:
+    def __init__(self, model=None) -> None:
+        """`model`: its fused decode layers are switched off inside (their GEMMs are C++ calls
+        no Python patch reaches), so the no-GEMM step is that of the Python layers."""
         import executor_svc.models.layers as layers_mod
         import executor_svc.models.llama as llama_mod
 
@@ -213,6 +216,8 @@ class NoGemm:
         self.targets.append((torch, "_weight_int4pack_mm_for_cpu"))
         self.saved: list = []
         self.cache: dict = {}
+        self.model = model
+        self.fused = None if model is None else model.model.fused
 
     def _zeros(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         key = (rows, cols, dtype)
@@ -231,12 +236,16 @@ class NoGemm:
             if hasattr(mod, name):
                 self.saved.append((mod, name, getattr(mod, name)))
                 setattr(mod, name, fakes[name])
+        if self.model is not None:
+            self.model.model.fused = None
         return self
 
     def __exit__(self, *exc) -> None:
         for mod, name, fn in self.saved:
             setattr(mod, name, fn)
         self.saved.clear()
+        if self.model is not None:
+            self.model.model.fused = self.fused
 
 
 def _us(fn, n: int = 200, blocks: int = 5) -> float:
@@ -434,6 +443,11 @@ def main() -> None:
         action="store_true",
         help="also: steps with the native CPU kernels on and off taking turns (needs them loaded)",
     )
+    ap.add_argument(
+        "--ab-fused",
+        action="store_true",
+        help="also: steps with the fused decode layers and with the Python layers taking turns",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"runner {R.__file__}\nkernels {kernels_file}\ntorch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -443,8 +457,9 @@ def main() -> None:
         del runner
 
 
-def _set_native(model, on: bool) -> None:
-    """--cpu-kernels native vs torch on a loaded model, between steps (each step plans anew)."""
+def _set_native(model, on: bool, fused) -> None:
+    """--cpu-kernels native vs torch on a loaded model, between steps (each step plans anew);
+    `fused` the model's fused decode layers as loaded (they need the native ops)."""
     from executor_svc.models.layers import PagedAttention, RMSNorm
 
     for m in model.modules():
@@ -452,6 +467,30 @@ def _set_native(model, on: bool) -> None:
             m.backend.native = on
         elif isinstance(m, RMSNorm):
             m.native = on
+    model.model.fused = fused if on else None
+
+
+def ab_fused(runner, batch: int, rounds: int = 6, steps: int = 10, ctx: int = 128) -> None:
+    """Whole decode steps with the fused decode layers (kernels/csrc/cpu_layer.cpp) and with
+    the Python layers on the same native ops, taking turns every `steps` steps (A B B A ...)."""
+    fused = runner.model.model.fused
+    if fused is None:
+        print("  fused decode layers: not switched on in this executor (--cpu-kernels, plan): no A/B")
+        return
+    ids = prefill(runner, batch, ctx, ctx + 2 * rounds * (steps + 1) + 8, first_id=batch * 1000 + 700)
+    res: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(rounds):
+        for on in (True, False) if r % 2 == 0 else (False, True):
+            runner.model.model.fused = fused if on else None
+            t, _ = time_steps(runner, ids, ctx, steps, 1)
+            res[on] += t
+            ctx += steps + 1
+    runner.model.model.fused = fused
+    on, off = statistics.median(res[True]), statistics.median(res[False])
+    print(
+        f"  fused decode layers: step {on:.2f} ms vs Python layers {off:.2f} ms -> {on / off:.3f}x "
+        f"({rounds} rounds x {steps} steps, taking turns)"
+    )
 
 
 def ab_cpu_kernels(runner, batch: int, args, rounds: int = 6, steps: int = 10) -> None:
@@ -461,19 +500,20 @@ def ab_cpu_kernels(runner, batch: int, args, rounds: int = 6, steps: int = 10) -
     total_len = args.ctx + 2 * rounds * 2 * (steps + 1) + 8
     ids = prefill(runner, batch, args.ctx, total_len, first_id=batch * 1000 + 500)
     ctx = args.ctx
+    fused = runner.model.model.fused
     res: dict[tuple[bool, bool], list[float]] = {(on, z): [] for on in (True, False) for z in (True, False)}
     for r in range(rounds):
         for on in (True, False) if r % 2 == 0 else (False, True):
-            _set_native(runner.model, on)
+            _set_native(runner.model, on, fused)
             for zero in (False, True):
                 if zero:
-                    with NoGemm():
+                    with NoGemm(runner.model):
                         t, _ = time_steps(runner, ids, ctx, steps, 1)
                 else:
                     t, _ = time_steps(runner, ids, ctx, steps, 1)
                 res[(on, zero)] += t
                 ctx += steps + 1
-    _set_native(runner.model, True)
+    _set_native(runner.model, True, fused)
     med = {k: statistics.median(v) for k, v in res.items()}
     for on in (False, True):
         name = "native" if on else "torch (aten)"
@@ -496,7 +536,7 @@ def run_mode(args, runner, quantization: str) -> None:
         step_ms = statistics.median(times)
         gemm_ms, n_lin = gemm_alone(model, batch, args.steps)
         ctx2 = args.ctx + args.warmup + args.steps
-        with NoGemm():
+        with NoGemm(model):
             rest_times, _ = time_steps(runner, ids, ctx2, args.steps, args.warmup)
         rest_ms = statistics.median(rest_times)
         print(
@@ -510,6 +550,7 @@ def run_mode(args, runner, quantization: str) -> None:
         print(
             f"  step with every GEMM replaced by zeros: {rest_ms:.2f} ms (min {min(rest_times):.2f}) -> "
             f"non-GEMM share in situ {100 * rest_ms / step_ms:.1f}%"
+            + (" (of the Python layers: the fused layers' GEMMs run inside C++)" if model.model.fused else "")
         )
         print(f"  tokens of sequence 0, first steps: {[t[0] for t in tokens[:8]]}")
         ctx3 = ctx2 + args.warmup + args.steps
@@ -534,6 +575,8 @@ def run_mode(args, runner, quantization: str) -> None:
                 print(f"    {name:32s} {ms:7.2f} ms  {100 * ms / wall:5.1f}%")
         if args.ab_cpu_kernels:  # last: it prefills sequences of its own
             ab_cpu_kernels(runner, batch, args)
+        if args.ab_fused:
+            ab_fused(runner, batch, ctx=args.ctx)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from executor_svc.models.layers import (
     prepack_measured,
     set_cpu_gemm_row_padding,
 )
-from executor_svc.models.llama import prepack_model
+from executor_svc.models.llama import LlamaModel, prepack_model
 from executor_svc.models.quant import default_rules, half_weights_model, native_bf16, quantize_model
 from executor_svc.parallel import (
     CMD_RESET,
@@ -187,7 +187,15 @@ def setup_cpu_kernels(
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.native = True
-    log.info("float32 decode attention, K/V writes and add + RMSNorm: native CPU kernels (--cpu-kernels %s)", choice)
+    inner = getattr(model, "model", None)
+    fused = isinstance(inner, LlamaModel) and not inner.tp.enabled
+    if fused:
+        inner.use_fused_decode()
+    log.info(
+        "float32 decode attention, K/V writes and add + RMSNorm: native CPU kernels (--cpu-kernels %s)%s",
+        choice,
+        "; decode steps of 1-4 tokens whose linears take the native product: one native op per layer" if fused else "",
+    )
     return True
 
 

@@ -1,7 +1,8 @@
 """The native CPU kernels (kernels/csrc/*.cpp): built once per machine, loaded once per process,
-used for float32 decode attention and K/V writes (the torch backend), the decoder's residual
-add + RMSNorm (models/layers.RMSNorm), per --cpu-kernels, and a few-row float32 product (the
-linear plan's "gemv" kernel, models/linear_plan.py).
+and used per --cpu-kernels for float32 decode attention and K/V writes (the torch backend), the
+decoder's residual add + RMSNorm (models/layers.RMSNorm), a few-row float32 product (the linear
+plan's "gemv" kernel, models/linear_plan.py) and, for small pure-decode steps, whole decoder
+layers (cpu_layer.cpp: the same ops without Python between them; models/llama.py).
 
 Why built here rather than shipped: the ops are a few dozen lines of plain C++ compiled with
 -march=native (the compiler vectorises them for the CPU at hand; measured on AVX512 only), and a
@@ -30,7 +31,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_attention.cpp", "cpu_linear.cpp"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_layer.cpp"))
+HEADERS = (Path(__file__).with_name("csrc") / "cpu_ops.h",)
 # -fassociative-math (with its prerequisites) lets the float sums vectorise; not -ffast-math,
 # which would also assume no infinities (the softmax starts from -inf) and, on GCC < 13, link
 # crtfastmath into the library: loading it would switch the whole process to flush-to-zero.
@@ -63,7 +65,13 @@ def _cpu_id() -> str:
 def build_name() -> str:
     """The library's name: what it is built from and for, hashed."""
     key = "\n".join(
-        [*(src.read_text() for src in SOURCES), " ".join(CFLAGS), " ".join(LDFLAGS), torch.__version__, _cpu_id()]
+        [
+            *(src.read_text() for src in SOURCES + HEADERS),
+            " ".join(CFLAGS),
+            " ".join(LDFLAGS),
+            torch.__version__,
+            _cpu_id(),
+        ]
     )
     return "chunkserve_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 

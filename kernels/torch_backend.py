@@ -153,6 +153,23 @@ class TorchBackend(AttentionBackend):
             raise RuntimeError("the native CPU kernels are not loaded (chunkserve_kernels.cpu_native.load())")
         self.native = enabled
 
+    def native_decode_inputs(
+        self, meta: AttentionMetadata, kv_cache_layer: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(int32 block tables, int32 context lengths) of a pure-decode step whose tokens are
+        in sequence order, on the native path: what the fused decode layer
+        (kernels/csrc/cpu_layer.cpp) takes in place of this backend's `forward`; None for any
+        other step. Planned once per step, shared with `forward`."""
+        if not (self.native and _native_ok(kv_cache_layer)):
+            return None
+        plan = meta.scratch.get(self.name)
+        if plan is None:
+            plan = meta.scratch[self.name] = _plan_step(meta, kv_cache_layer.shape[3], kv_cache_layer.device, True)
+        dec = plan.decode
+        if not plan.pure_decode or dec is None or dec.tables is None or dec.tokens is not None:
+            return None
+        return dec.tables, dec.ctx_lens
+
     def write_kv(
         self, kv_cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:

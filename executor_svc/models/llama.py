@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from chunkserve_kernels import AttentionBackend, get_backend
+from chunkserve_kernels import AttentionBackend, get_backend, get_forward_context
 from torch import nn
 
 from executor_svc.models.layers import (
@@ -111,6 +111,19 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp.forward(normed), residual
 
 
+@dataclass(frozen=True, slots=True)
+class _FusedLayer:
+    """One decoder layer's arguments to the native fused decode layer (kernels/csrc/cpu_layer.cpp)."""
+
+    weights: list[torch.Tensor]  # input norm, qkv, o, post-attention norm, gate_up, down
+    biases: list[torch.Tensor | None]  # qkv, o, gate_up, down
+    eps: float
+    heads: int
+    kv_heads: int
+    scale: float
+    layer_idx: int
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, s: BlockSpec) -> None:
         super().__init__()
@@ -118,11 +131,82 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(s, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(s.hidden, s.eps, s.dtype, s.device)
         self.rotary_emb = RotaryEmbedding(s.head_dim, rope_parameters(config), s.device)
+        self.tp = s.tp
+        # set by `use_fused_decode` (the executor's --cpu-kernels native / auto): per layer, what
+        # the native fused decode layer takes; None = every step runs the Python layers
+        self.fused: list[_FusedLayer] | None = None
+        self._fused_linears: list[Linear] = []
+
+    def use_fused_decode(self, enabled: bool = True) -> None:
+        """Small pure-decode steps run each decoder layer as one native op (`fused_decode`
+        says which). Needs the native library loaded, the attention backends and norms on
+        their native ops, and no tensor parallelism (the fused layer has no collectives)."""
+        if not enabled:
+            self.fused = None
+            return
+        if self.tp.enabled:
+            raise ValueError("the fused decode layer has no tensor-parallel collectives")
+        fused = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if not all(n.native for n in norms) or not attn.attn.backend.native or norms[0].eps != norms[1].eps:
+                raise ValueError("the fused decode layer needs the native norms and attention (--cpu-kernels)")
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            fused.append(
+                _FusedLayer(
+                    weights=[norms[0].weight, linears[0].weight, linears[1].weight]
+                    + [norms[1].weight, linears[2].weight, linears[3].weight],
+                    biases=[lin.bias for lin in linears],
+                    eps=norms[0].eps,
+                    heads=attn.heads,
+                    kv_heads=attn.kv_heads,
+                    scale=attn.attn.scale,
+                    layer_idx=attn.attn.layer_idx,
+                )
+            )
+        self.fused = fused
+        self._fused_linears = [lin for layer in self.layers for lin in layer.modules() if isinstance(lin, Linear)]
+
+    def fused_decode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(block tables, context lengths) when this step runs the fused layers: switched on,
+        float32 on CPU, a pure-decode step in sequence order, and every decoder linear's
+        plan gives this step size to the native product ("gemv", 1-4 rows); else None. The
+        fused layer computes exactly what the Python layers compute on that path (a test
+        holds them bitwise equal), so this is a question of speed only."""
+        if self.fused is None or x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        plan = self._fused_linears[0].plan
+        if plan is None or plan(x.shape[0]) != "gemv" or any(lin.plan is not plan for lin in self._fused_linears):
+            return None
+        ctx = get_forward_context()
+        backend = self.layers[0].self_attn.attn.backend
+        return backend.native_decode_inputs(ctx.meta, ctx.kv_cache[self.fused[0].layer_idx])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)  # once per step, shared by all layers
         residual = None
+        fused = self.fused_decode(x)
+        if fused is not None:
+            ctx, layer_op = get_forward_context(), torch.ops.chunkserve.decode_layer
+            for f in self.fused:
+                x, residual = layer_op(
+                    x,
+                    residual,
+                    f.weights,
+                    f.biases,
+                    f.eps,
+                    cos,
+                    sin,
+                    f.heads,
+                    f.kv_heads,
+                    ctx.kv_cache[f.layer_idx],
+                    ctx.meta.slot_mapping,
+                    *fused,
+                    f.scale,
+                )
+            return self.norm.add_forward(x, residual)[0]
         for layer in self.layers:
             x, residual = layer.forward(x, residual, cos, sin)
         return self.norm.add_forward(x, residual)[0]

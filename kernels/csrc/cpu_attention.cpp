@@ -14,6 +14,8 @@
 // Registered as torch.ops.chunkserve.{paged_decode_attention, write_kv, add_rms_norm}; built at
 // the executor's first start by chunkserve_kernels/cpu_native.py and kept for later starts.
 
+#include "cpu_ops.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -79,6 +81,10 @@ void check_cache(const at::Tensor& cache) {
 // q [D, Hq, hd] (one decode token per sequence; any strides),
 // cache [2, num_blocks, block_size, Hkv, hd], block_table [D, max_blocks] int32,
 // context_lens [D] int32 (including this step's token, already written). -> [D, Hq, hd].
+}  // namespace
+
+namespace chunkserve {
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
                                   const at::Tensor& context_lens, double scale) {
   check_cache(cache);
@@ -160,6 +166,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, 
   return out;
 }
 
+}  // namespace chunkserve
+
+namespace {
+
 // Copies row `src` (hd floats at element stride `step`) to `dst`.
 inline void copy_row(float* dst, const float* src, int64_t step, int64_t hd) {
   if (step == 1) {
@@ -168,6 +178,10 @@ inline void copy_row(float* dst, const float* src, int64_t step, int64_t hd) {
     for (int64_t i = 0; i < hd; ++i) dst[i] = src[i * step];
   }
 }
+
+}  // namespace
+
+namespace chunkserve {
 
 // Stores k, v [T, Hkv, hd] (any strides: the model's are views, transposed ones under the
 // CPU GEMM's (W @ x^T)^T) at flat slots slot_mapping [T] int64 of a cache layer
@@ -198,6 +212,10 @@ void write_kv(const at::Tensor& cache, const at::Tensor& k, const at::Tensor& v,
   }
 }
 
+}  // namespace chunkserve
+
+namespace {
+
 // (x + residual) and RMSNorm of it, per row: returns (weight * (s / sqrt(mean(s^2) + eps)), s)
 // with s = x + residual (x alone when residual is None). x, residual [M, N] float32 or bfloat16
 // (bfloat16 widens exactly, as `h + y` promotes it); weight [N] float32. Each row is one task
@@ -207,6 +225,10 @@ template <typename T>
 inline float widen(T v) {
   return static_cast<float>(v);
 }
+
+}  // namespace
+
+namespace chunkserve {
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps) {
@@ -267,7 +289,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::
   return {out, s};
 }
 
-}  // namespace
+}  // namespace chunkserve
 
 TORCH_LIBRARY(chunkserve, m) {
   m.def(
@@ -278,7 +300,7 @@ TORCH_LIBRARY(chunkserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(chunkserve, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
-  m.impl("write_kv", &write_kv);
-  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("paged_decode_attention", &chunkserve::paged_decode_attention);
+  m.impl("write_kv", &chunkserve::write_kv);
+  m.impl("add_rms_norm", &chunkserve::add_rms_norm);
 }

@@ -17,6 +17,8 @@
 // last bits differ, as they do between MKL's own blockings. A row's result does not depend on
 // the other rows of x or on the thread count (each output element is one thread's one dot).
 
+#include "cpu_ops.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -60,6 +62,10 @@ void group(const float* x, int64_t M, int64_t K, const float* w, const float* bi
   }
 }
 
+}  // namespace
+
+namespace chunkserve {
+
 at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
               "x must be a float32 CPU [M, K] tensor");
@@ -87,8 +93,8 @@ at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& weight, const std::opt
   return y;
 }
 
-}  // namespace
+}  // namespace chunkserve
 
 TORCH_LIBRARY_FRAGMENT(chunkserve, m) { m.def("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(chunkserve, CPU, m) { m.impl("gemv", &gemv); }
+TORCH_LIBRARY_IMPL(chunkserve, CPU, m) { m.impl("gemv", &chunkserve::gemv); }

@@ -1,0 +1,146 @@
+"""The fused decode layer (kernels/csrc/cpu_layer.cpp via `LlamaModel.use_fused_decode`): a
+small pure-decode step whose linears the plan gives to the native product runs each decoder
+layer as one native op. It must compute exactly what the Python layers compute on the same
+native ops (bitwise: same hidden states, same K/V written), and every other step must keep
+the Python layers. Skipped where this machine has no C++ compiler."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from chunkserve_kernels import cpu_native
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from executor_svc.models import get_model_class
+from executor_svc.models import linear_plan as lp
+from executor_svc.models.layers import RMSNorm
+from executor_svc.parallel import TPInfo
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")
+
+# the plan a 2-core Zen 5 measured for the default model: the native product up to 3 rows
+PLAN = lp.Plan((1, 2, 3, 4, 8), ("gemv", "gemv", "gemv", "mm", "mm"))
+
+
+def _native_model(tiny_configs, hf_model_factory, name, fused):
+    assert cpu_native.load() is None
+    torch.manual_seed(0)
+    config = tiny_configs[name]()
+    hf = hf_model_factory(config)
+    model = get_model_class(config)(config, "torch", torch.float32, torch.device("cpu"))
+    model.load_weights(hf.state_dict().items())
+    for layer in model.model.layers:
+        layer.self_attn.attn.backend.use_native()
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.native = True
+    lp.apply(model, PLAN, lp.Plan((1,), ("mm",)))
+    if fused:
+        model.model.use_fused_decode()
+    return model
+
+
+class _Spy:
+    """Counts the steps the fused layers ran (the test must not pass by never taking them)."""
+
+    def __init__(self, model):
+        self.fused, real = 0, model.model.fused_decode
+
+        def spy(x):
+            out = real(x)
+            self.fused += out is not None
+            return out
+
+        model.model.fused_decode = spy
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    name=st.sampled_from(["llama", "smollm_tied", "llama_bias_headdim", "llama3_rope", "qwen2_bias"]),
+    prompts=st.lists(st.integers(1, 20), min_size=1, max_size=6),
+    steps=st.lists(
+        st.tuples(st.lists(st.integers(0, 5), min_size=1, max_size=6, unique=True), st.booleans()),
+        min_size=1,
+        max_size=8,
+    ),  # (which sequences decode, whether a new prompt's prefill joins the step)
+    block_size=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_steps_equal_the_python_layers_bitwise(
+    tiny_configs, hf_model_factory, paged_runner, name, prompts, steps, block_size, seed
+):
+    fused = _native_model(tiny_configs, hf_model_factory, name, fused=True)
+    plain = _native_model(tiny_configs, hf_model_factory, name, fused=False)
+    spy = _Spy(fused)
+    runs = {m: paged_runner(m, block_size=block_size, num_blocks=256, seed=seed) for m in (fused, plain)}
+    gen = torch.Generator().manual_seed(seed)
+    vocab = fused.config.vocab_size
+    work = {sid: torch.randint(0, vocab, (n,), generator=gen).tolist() for sid, n in enumerate(prompts)}
+    outs = {m: r.step(work) for m, r in runs.items()}
+    assert all(torch.equal(outs[fused][s], outs[plain][s]) for s in work)
+    taken = [work]
+    next_sid = len(prompts)
+    for decoding, with_prefill in steps:
+        work = {s: torch.randint(0, vocab, (1,), generator=gen).tolist() for s in decoding if s < len(prompts)}
+        if with_prefill:
+            work[next_sid] = torch.randint(0, vocab, (5,), generator=gen).tolist()
+            next_sid += 1
+        if not work:
+            continue
+        outs = {m: r.step(work) for m, r in runs.items()}
+        taken.append(work)
+        for s in work:
+            assert torch.equal(outs[fused][s], outs[plain][s]), (name, s)
+    assert torch.equal(runs[fused].kv_cache, runs[plain].kv_cache)
+    # every pure-decode step (one token per sequence, a 1-token prompt counts) of 1-3 rows, no other
+    assert spy.fused == sum(all(len(t) == 1 for t in w.values()) and len(w) <= 3 for w in taken)
+
+
+def test_other_steps_keep_the_python_layers(tiny_configs, hf_model_factory, paged_runner):
+    model = _native_model(tiny_configs, hf_model_factory, "llama", fused=True)
+    spy = _Spy(model)
+    run = paged_runner(model, block_size=4)
+    run.step({0: [1, 2, 3], 1: [4, 5]})  # prefill
+    run.step({0: [6], 1: [7]})  # 2 decodes: fused
+    assert spy.fused == 1
+    run.step({0: [8], 1: [9], 2: [1, 2]})  # a prefill chunk joins: Python layers
+    for sid in range(3, 7):
+        run.step({sid: [3]})
+    run.step({s: [5] for s in range(5)})  # 5 rows: the plan says mm
+    assert spy.fused == 1 + 4  # the four 1-token first steps of 3..6 were decodes of a 1-token prompt
+    lp.apply(model, lp.Plan((1,), ("mm",)), lp.Plan((1,), ("mm",)))
+    run.step({0: [1]})
+    assert spy.fused == 5  # the plan no longer gives these rows to the native product
+    lp.apply(model, PLAN, lp.Plan((1,), ("mm",)))
+    model.model.layers[1].mlp.down_proj.plan = lp.Plan((1,), ("mm-pad",))  # one linear elsewhere
+    run.step({0: [1]})
+    assert spy.fused == 5
+    model.model.use_fused_decode(False)
+    assert model.model.fused is None
+
+
+def test_fused_decode_needs_the_native_ops_and_no_tensor_parallelism(tiny_configs, hf_model_factory):
+    model = _native_model(tiny_configs, hf_model_factory, "llama", fused=False)
+    model.model.layers[0].input_layernorm.native = False
+    with pytest.raises(ValueError, match="native norms and attention"):
+        model.model.use_fused_decode()
+    model.model.tp = TPInfo(rank=0, size=2)
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        model.model.use_fused_decode()
+
+
+def test_the_layer_op_refuses_bad_arguments(tiny_configs, hf_model_factory):
+    model = _native_model(tiny_configs, hf_model_factory, "llama", fused=True)
+    f = model.model.fused[0]
+    x = torch.randn(1, model.config.hidden_size)
+    cache = torch.zeros(2, 4, 4, f.kv_heads, model.config.hidden_size // f.heads)
+    args = (torch.zeros(1, 2), torch.zeros(1, 2), f.heads, f.kv_heads, cache, torch.zeros(1, dtype=torch.long))
+    tail = (torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="weights must be"):
+        torch.ops.chunkserve.decode_layer(x, None, f.weights[:5], f.biases, f.eps, *args, *tail)
+    with pytest.raises(RuntimeError, match="biases must be"):
+        torch.ops.chunkserve.decode_layer(x, None, f.weights, f.biases[:3], f.eps, *args, *tail)
