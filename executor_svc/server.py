@@ -187,15 +187,19 @@ def setup_cpu_kernels(
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.native = True
+    log.info("float32 decode attention, K/V writes and add + RMSNorm: native CPU kernels (--cpu-kernels %s)", choice)
+    return True
+
+
+def setup_fused_decode(model: torch.nn.Module, native: bool) -> bool:
+    """With the native kernels on (`setup_cpu_kernels`), small pure-decode steps whose linears
+    the plan gives to the native product or the int4 copies run each decoder layer as one
+    native op (models/llama.py `LlamaModel.use_fused_decode`); after the copies are made."""
     inner = getattr(model, "model", None)
-    fused = isinstance(inner, LlamaModel) and not inner.tp.enabled
-    if fused:
-        inner.use_fused_decode()
-    log.info(
-        "float32 decode attention, K/V writes and add + RMSNorm: native CPU kernels (--cpu-kernels %s)%s",
-        choice,
-        "; decode steps of 1-4 tokens whose linears take the native product: one native op per layer" if fused else "",
-    )
+    if not native or not isinstance(inner, LlamaModel) or inner.tp.enabled:
+        return False
+    inner.use_fused_decode()
+    log.info("decode steps whose linears take the native product or int4 copies: one native op per decoder layer")
     return True
 
 
@@ -307,6 +311,7 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
                 "--cpu-gemm-prepack: not applied, measured faster on AVX512 CPUs only (this one: %s)",
                 torch.backends.cpu.get_cpu_capability(),
             )
+    setup_fused_decode(model, native)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     # Each rank holds its num_kv_heads / tp.size heads of every block.

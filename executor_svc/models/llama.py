@@ -31,7 +31,7 @@ from executor_svc.models.layers import (
     prepack_weight,
     rope_parameters,
 )
-from executor_svc.models.quant import RowRule, half_linear
+from executor_svc.models.quant import GROUP_SIZE, Int4Weights, RowRule, half_linear
 from executor_svc.models.weights import load_weights
 from executor_svc.parallel import NO_TP, TPInfo, all_gather_last, check_divisible, shard_rows
 
@@ -117,11 +117,18 @@ class _FusedLayer:
 
     weights: list[torch.Tensor]  # input norm, qkv, o, post-attention norm, gate_up, down
     biases: list[torch.Tensor | None]  # qkv, o, gate_up, down
+    int4: list[torch.Tensor]  # (packed, scales_and_zeros) of qkv, o, gate_up, down; [] if no int4 copies
     eps: float
     heads: int
     kv_heads: int
     scale: float
     layer_idx: int
+
+
+def _int4_tensors(lin: Linear) -> list[torch.Tensor]:
+    """A linear's int4 copy as the fused decode layer takes it, or [] where it has none."""
+    q = lin.reduced
+    return [q.packed, q.scales_and_zeros] if isinstance(q, Int4Weights) else []
 
 
 class LlamaModel(nn.Module):
@@ -140,7 +147,8 @@ class LlamaModel(nn.Module):
     def use_fused_decode(self, enabled: bool = True) -> None:
         """Small pure-decode steps run each decoder layer as one native op (`fused_decode`
         says which). Needs the native library loaded, the attention backends and norms on
-        their native ops, and no tensor parallelism (the fused layer has no collectives)."""
+        their native ops, and no tensor parallelism (the fused layer has no collectives);
+        call it after the int4 copies are made (models/quant.quantize_model), if any."""
         if not enabled:
             self.fused = None
             return
@@ -158,6 +166,7 @@ class LlamaModel(nn.Module):
                     weights=[norms[0].weight, linears[0].weight, linears[1].weight]
                     + [norms[1].weight, linears[2].weight, linears[3].weight],
                     biases=[lin.bias for lin in linears],
+                    int4=[t for lin in linears for t in _int4_tensors(lin)] if all(map(_int4_tensors, linears)) else [],
                     eps=norms[0].eps,
                     heads=attn.heads,
                     kv_heads=attn.kv_heads,
@@ -168,20 +177,29 @@ class LlamaModel(nn.Module):
         self.fused = fused
         self._fused_linears = [lin for layer in self.layers for lin in layer.modules() if isinstance(lin, Linear)]
 
-    def fused_decode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(block tables, context lengths) when this step runs the fused layers: switched on,
-        float32 on CPU, a pure-decode step in sequence order, and every decoder linear's
-        plan gives this step size to the native product ("gemv", 1-4 rows); else None. The
-        fused layer computes exactly what the Python layers compute on that path (a test
-        holds them bitwise equal), so this is a question of speed only."""
+    def fused_decode(self, x: torch.Tensor) -> tuple[bool, torch.Tensor, torch.Tensor] | None:
+        """(int4, block tables, context lengths) when this step runs the fused layers:
+        switched on, float32 on CPU, a pure-decode step in sequence order, and every decoder
+        linear's plan gives this step size to the native product ("gemv", 1-4 rows) or to
+        the int4 copies ("reduced" under --quantization int4); else None. The fused layer
+        computes exactly what the Python layers compute on those paths (a test holds them
+        bitwise equal), so this is a question of speed only."""
         if self.fused is None or x.dtype != torch.float32 or x.device.type != "cpu":
             return None
         plan = self._fused_linears[0].plan
-        if plan is None or plan(x.shape[0]) != "gemv" or any(lin.plan is not plan for lin in self._fused_linears):
+        kernel = None if plan is None else plan(x.shape[0])
+        if kernel == "gemv":
+            int4 = False
+        elif kernel == "reduced" and self.fused[0].int4:
+            int4 = True
+        else:
+            return None
+        if any(lin.plan is not plan for lin in self._fused_linears):
             return None
         ctx = get_forward_context()
         backend = self.layers[0].self_attn.attn.backend
-        return backend.native_decode_inputs(ctx.meta, ctx.kv_cache[self.fused[0].layer_idx])
+        inputs = backend.native_decode_inputs(ctx.meta, ctx.kv_cache[self.fused[0].layer_idx])
+        return None if inputs is None else (int4, *inputs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -190,12 +208,15 @@ class LlamaModel(nn.Module):
         fused = self.fused_decode(x)
         if fused is not None:
             ctx, layer_op = get_forward_context(), torch.ops.chunkserve.decode_layer
+            int4, tables, ctx_lens = fused
             for f in self.fused:
                 x, residual = layer_op(
                     x,
                     residual,
                     f.weights,
                     f.biases,
+                    f.int4 if int4 else [],
+                    GROUP_SIZE,
                     f.eps,
                     cos,
                     sin,
@@ -203,7 +224,8 @@ class LlamaModel(nn.Module):
                     f.kv_heads,
                     ctx.kv_cache[f.layer_idx],
                     ctx.meta.slot_mapping,
-                    *fused,
+                    tables,
+                    ctx_lens,
                     f.scale,
                 )
             return self.norm.add_forward(x, residual)[0]

@@ -1,6 +1,6 @@
 """The fused decode layer (kernels/csrc/cpu_layer.cpp via `LlamaModel.use_fused_decode`): a
-small pure-decode step whose linears the plan gives to the native product runs each decoder
-layer as one native op. It must compute exactly what the Python layers compute on the same
+pure-decode step whose linears the plan gives to the native product (float32) or to the int4
+copies runs each decoder layer as one native op. It must compute exactly what the Python layers compute on the same
 native ops (bitwise: same hidden states, same K/V written), and every other step must keep
 the Python layers. Skipped where this machine has no C++ compiler."""
 
@@ -15,18 +15,21 @@ from chunkserve_kernels import cpu_native
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from executor_svc.config import ExecutorConfig
 from executor_svc.models import get_model_class
 from executor_svc.models import linear_plan as lp
 from executor_svc.models.layers import RMSNorm
+from executor_svc.models.quant import RowRule, quantize_model
 from executor_svc.parallel import TPInfo
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")
 
 # the plan a 2-core Zen 5 measured for the default model: the native product up to 3 rows
 PLAN = lp.Plan((1, 2, 3, 4, 8), ("gemv", "gemv", "gemv", "mm", "mm"))
+PLANS = {"float32": PLAN, "int4": lp.Plan((1, 2, 3, 4, 8), ("reduced", "reduced", "reduced", "mm", "mm"))}
 
 
-def _native_model(tiny_configs, hf_model_factory, name, fused):
+def _native_model(tiny_configs, hf_model_factory, name, fused, mode="float32"):
     assert cpu_native.load() is None
     torch.manual_seed(0)
     config = tiny_configs[name]()
@@ -38,7 +41,9 @@ def _native_model(tiny_configs, hf_model_factory, name, fused):
     for m in model.modules():
         if isinstance(m, RMSNorm):
             m.native = True
-    lp.apply(model, PLAN, lp.Plan((1,), ("mm",)))
+    if mode == "int4":
+        quantize_model(model, "int4", RowRule(32))
+    lp.apply(model, PLANS[mode], lp.Plan((1,), ("mm",)))
     if fused:
         model.model.use_fused_decode()
     return model
@@ -61,6 +66,7 @@ class _Spy:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     name=st.sampled_from(["llama", "smollm_tied", "llama_bias_headdim", "llama3_rope", "qwen2_bias"]),
+    mode=st.sampled_from(["float32", "int4"]),
     prompts=st.lists(st.integers(1, 20), min_size=1, max_size=6),
     steps=st.lists(
         st.tuples(st.lists(st.integers(0, 5), min_size=1, max_size=6, unique=True), st.booleans()),
@@ -71,10 +77,11 @@ class _Spy:
     seed=st.integers(0, 2**16),
 )
 def test_fused_steps_equal_the_python_layers_bitwise(
-    tiny_configs, hf_model_factory, paged_runner, name, prompts, steps, block_size, seed
+    tiny_configs, hf_model_factory, paged_runner, name, mode, prompts, steps, block_size, seed
 ):
-    fused = _native_model(tiny_configs, hf_model_factory, name, fused=True)
-    plain = _native_model(tiny_configs, hf_model_factory, name, fused=False)
+    fused = _native_model(tiny_configs, hf_model_factory, name, fused=True, mode=mode)
+    plain = _native_model(tiny_configs, hf_model_factory, name, fused=False, mode=mode)
+    assert bool(fused.model.fused[0].int4) == (mode == "int4")
     spy = _Spy(fused)
     runs = {m: paged_runner(m, block_size=block_size, num_blocks=256, seed=seed) for m in (fused, plain)}
     gen = torch.Generator().manual_seed(seed)
@@ -94,7 +101,7 @@ def test_fused_steps_equal_the_python_layers_bitwise(
         outs = {m: r.step(work) for m, r in runs.items()}
         taken.append(work)
         for s in work:
-            assert torch.equal(outs[fused][s], outs[plain][s]), (name, s)
+            assert torch.equal(outs[fused][s], outs[plain][s]), (name, mode, s)
     assert torch.equal(runs[fused].kv_cache, runs[plain].kv_cache)
     # every pure-decode step (one token per sequence, a 1-token prompt counts) of 1-3 rows, no other
     assert spy.fused == sum(all(len(t) == 1 for t in w.values()) and len(w) <= 3 for w in taken)
@@ -123,6 +130,17 @@ def test_other_steps_keep_the_python_layers(tiny_configs, hf_model_factory, page
     assert model.model.fused is None
 
 
+def test_the_executor_switches_it_on_with_the_native_kernels(tiny_model_path, tmp_path):
+    from executor_svc import server
+
+    common = dict(model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path))
+    fused = server.load(ExecutorConfig(**common)).runner.model.model.fused
+    assert fused is not None and len(fused) == 2 and fused[0].int4 == []
+    int4 = server.load(ExecutorConfig(quantization="int4", **common)).runner.model.model.fused
+    assert len(int4[0].int4) == 8  # made after the int4 copies
+    assert server.load(ExecutorConfig(cpu_kernels="torch", **common)).runner.model.model.fused is None
+
+
 def test_fused_decode_needs_the_native_ops_and_no_tensor_parallelism(tiny_configs, hf_model_factory):
     model = _native_model(tiny_configs, hf_model_factory, "llama", fused=False)
     model.model.layers[0].input_layernorm.native = False
@@ -141,6 +159,8 @@ def test_the_layer_op_refuses_bad_arguments(tiny_configs, hf_model_factory):
     args = (torch.zeros(1, 2), torch.zeros(1, 2), f.heads, f.kv_heads, cache, torch.zeros(1, dtype=torch.long))
     tail = (torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
     with pytest.raises(RuntimeError, match="weights must be"):
-        torch.ops.chunkserve.decode_layer(x, None, f.weights[:5], f.biases, f.eps, *args, *tail)
+        torch.ops.chunkserve.decode_layer(x, None, f.weights[:5], f.biases, [], 32, f.eps, *args, *tail)
     with pytest.raises(RuntimeError, match="biases must be"):
-        torch.ops.chunkserve.decode_layer(x, None, f.weights, f.biases[:3], f.eps, *args, *tail)
+        torch.ops.chunkserve.decode_layer(x, None, f.weights, f.biases[:3], [], 32, f.eps, *args, *tail)
+    with pytest.raises(RuntimeError, match="int4 must be"):
+        torch.ops.chunkserve.decode_layer(x, None, f.weights, f.biases, [x], 32, f.eps, *args, *tail)

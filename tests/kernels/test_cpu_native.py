@@ -306,8 +306,6 @@ def test_setup_switches_every_layer_or_says_why(native, tiny_model, monkeypatch,
     assert setup_cpu_kernels(tiny_model, "auto", "torch", cpu, f32)
     assert [b.native for b in _model_backend(tiny_model).values()] == [True]
     assert len(norms) == 5 and all(n.native for n in norms)
-    assert len(tiny_model.model.fused) == 2  # the fused decode layer, one entry per layer
-    tiny_model.model.use_fused_decode(False)
     for b in _model_backend(tiny_model).values():
         b.native = False
     for n in norms:
@@ -325,7 +323,7 @@ def test_setup_switches_every_layer_or_says_why(native, tiny_model, monkeypatch,
     with pytest.raises(ValueError, match="did not build or load: RuntimeError: no C\\+\\+ compiler"):
         setup_cpu_kernels(tiny_model, "native", "torch", cpu, f32)
     assert [b.native for b in _model_backend(tiny_model).values()] == [False]
-    assert not any(n.native for n in norms) and tiny_model.model.fused is None
+    assert not any(n.native for n in norms)
 
 
 @pytest.fixture
