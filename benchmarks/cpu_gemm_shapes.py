@@ -12,7 +12,10 @@ plus the 49152 x 576 head; random weights of the same shapes) applied once, medi
   `half_linear`'s kernel for M rows);
 - `F.lin16`: bfloat16 through plain `F.linear` (oneDNN on every row count), what
   `half_linear` improves on at one row and from 12 rows;
-- `int4`: the decoder linears' int4 copies (`Int4Weights.matmul`), the head's bfloat16 copy.
+- `int4`: the decoder linears' int4 copies (`Int4Weights.matmul`), the head's bfloat16 copy;
+- `packed`: float32 through oneDNN's packed copies (`packed_linear`, `--cpu-gemm-prepack`);
+- `gemv`: float32 through the native few-row product (`native_linear`, kernels/csrc/cpu_linear.cpp;
+  the linear plan's "gemv", a candidate up to 4 rows; "-" where the native library does not build).
 
     .venv/bin/python benchmarks/cpu_gemm_shapes.py [--rows 1 2 3 4 5 6 7 8 12 16 31 32] [--reps 5]
 
@@ -30,8 +33,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+from chunkserve_kernels import cpu_native
 
-from executor_svc.models.layers import linear, padded_rows
+from executor_svc.models.layers import linear, native_linear, packed_linear, padded_rows, prepack_weight
 from executor_svc.models.quant import HalfWeights, Int4Weights, RowRule, native_bf16
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152  # SmolLM2-135M
@@ -65,12 +69,14 @@ def main() -> None:
     half = {dt: [HalfWeights(w, dt, every) for w in ws] for dt in (torch.bfloat16, torch.float16)}
     q4 = [Int4Weights(w, every) for w in ws[:-1]] + [half[torch.bfloat16][-1]]
     wb = [h.weight for h in half[torch.bfloat16]]
+    packed = [prepack_weight(w) for w in ws] if torch.backends.mkldnn.is_available() else None
+    gemv = cpu_native.load() is None
     print(
         f"torch {torch.__version__}, {args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
         f"native bfloat16: {native_bf16()}"
     )
     print(
-        f"{'rows':>5}{'padded to':>10}{'plain':>9}{'padded':>9}{'col-major':>11}{'bf16':>9}{'fp16':>9}{'F.lin16':>9}{'int4':>9}   ms"
+        f"{'rows':>5}{'padded to':>10}{'plain':>9}{'padded':>9}{'col-major':>11}{'bf16':>9}{'fp16':>9}{'F.lin16':>9}{'int4':>9}{'packed':>9}{'gemv':>9}   ms"
     )
     with torch.inference_mode():
         for m in args.rows:
@@ -86,6 +92,11 @@ def main() -> None:
 
             row.append(timed(lambda xs=xs: [F.linear(x.to(v.dtype), v) for x, v in zip(xs, wb)], args.reps))
             row.append(timed(lambda xs=xs: [q.matmul(x) for x, q in zip(xs, q4)], args.reps))
+            nan = float("nan")
+            row.append(
+                timed(lambda xs=xs: [packed_linear(x, p) for x, p in zip(xs, packed)], args.reps) if packed else nan
+            )
+            row.append(timed(lambda xs=xs: [native_linear(x, w) for x, w in zip(xs, ws)], args.reps) if gemv else nan)
             print(
                 f"{m:5d}{padded_rows(m):10d}"
                 + "".join(f"{v:9.1f}" if i != 2 else f"{v:11.1f}" for i, v in enumerate(row))

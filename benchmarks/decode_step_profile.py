@@ -14,9 +14,12 @@ it) and batch size it prints:
   measured plan's for this step size (`--cpu-linear-plan`, the default), else the float32
   `linear`, or the int4 kernel on bfloat16 activations and the bfloat16 head) run alone, median of the same number of repeats; the non-GEMM share of the step is 1 - GEMM / step;
 - non-GEMM in situ: the same decode steps with every GEMM (float32 `linear`, oneDNN's
-  `packed_linear`, `F.linear`, the int4 kernel) replaced by a preallocated zero result, so what is left is all the rest of
-  the step (validation, metadata, embedding, norms, rotary, attention, activations, dtype
-  casts, sampling, reply, Python); its share of the real step is the second non-GEMM figure;
+  `packed_linear`, the native `native_linear`, `F.linear`, the int4 kernel) replaced by a
+  preallocated zero result, so what is left is all the rest of the step (validation,
+  metadata, embedding, norms, rotary, attention, activations, dtype casts, sampling, reply,
+  Python); its share of the real step is the second non-GEMM figure. The fused decode
+  layers (kernels/csrc/cpu_layer.cpp) call their products inside C++, out of a Python
+  patch's reach, so this step runs the Python layers (said in the output);
 - per-component ms per step: each piece of the step timed alone on the step's real shapes
   and metadata (times its count per step), the rest = no-GEMM step - their sum (Python
   module calls, views, reshapes);
@@ -26,6 +29,10 @@ it) and batch size it prints:
   the rest (Python: plan handling, metadata, module calls) = step wall - profiled ops. The
   profiler adds per-op overhead, so its shares are indicative; the GEMM-alone share is the
   number to quote.
+
+`--ab-cpu-kernels`: steps with the native CPU kernels on and off taking turns (6 rounds x 10
+steps, A B B A ...); `--ab-fused`: the same for the fused decode layers against the Python
+layers on the same kernels.
 
 torch runs with 2 threads (this machine's cores; --threads to change). To measure another
 tree, put a folder with links named executor_svc, chunkserve_contracts and
