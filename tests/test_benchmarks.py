@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from chunkserve_kernels import cpu_native
 
 pytestmark = pytest.mark.slow  # starts real server processes: the full tier only
 
@@ -68,7 +70,12 @@ def test_cpu_gemm_shapes_prints_a_row_per_count_with_its_padding():
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines()[2:]]
     assert [r[:2] for r in rows] == [["1", "2"], ["3", "4"], ["8", "8"]]
-    assert all(len(r) == 9 and all(float(v) > 0 for v in r[2:]) for r in rows)
+    assert all(len(r) == 11 and all(float(v) > 0 for v in r[2:9]) for r in rows)
+    # packed (oneDNN) and gemv (the native library): a time, or nan where this torch / machine lacks it
+    native = cpu_native.load() is None
+    for r in rows:
+        assert (float(r[10]) > 0) if native else r[10] == "nan", r
+        assert (float(r[9]) > 0) if torch.backends.mkldnn.is_available() else r[9] == "nan", r
 
 
 def test_step_idle_reads_idle_time_from_a_trace():

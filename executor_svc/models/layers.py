@@ -107,8 +107,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b) through the native few-row float32 product (kernels/csrc/cpu_linear.cpp:
-    each weight row streamed once, ~1.25x MKL's speed at one row on a 2-core Zen 5; the linear
-    plan's "gemv" kernel). Needs `chunkserve_kernels.cpu_native.load()` to have succeeded."""
+    each weight row streamed once, ~1.3-1.4x MKL's speed at one row on a 2-core Zen 5; the
+    linear plan's "gemv" kernel). Needs `chunkserve_kernels.cpu_native.load()` to have succeeded."""
     return torch.ops.chunkserve.gemv(x, weight, bias)
 
 

@@ -6,12 +6,13 @@
 // oneDNN's packed product, given one or two rows, read the default model's 121 linears at
 // ~35 GB/s on a 2-core Zen 5 EPYC, where a plain sum over a 1 GiB tensor reads ~47; this loop
 // (each thread a contiguous run of weight rows, each row one dot product per input row with
-// 32 float lanes the compiler turns into vector FMAs) read them at ~44 (15.4 -> 12.2 ms,
-// benchmarks/RESULTS.md, "A float32 GEMV for decode steps"). Walking one weight row at a time
-// beat walking 2, 4 or 8 at once and beat software prefetching: one sequential stream per core
-// is what the hardware prefetcher follows best. From ~4 rows of x on, oneDNN's blocked
-// product is faster (it reuses each weight line across more rows); which kernel serves which
-// step size is measured at start-up (executor_svc/models/linear_plan.py, kernel "gemv").
+// 32 float lanes the compiler turns into vector FMAs) read them at ~44 (one row: 17.3 ms padded
+// MKL, 15.0 oneDNN packed, 12.3 this; benchmarks/RESULTS.md, "A few-row float32 product and a
+// fused decode layer"). Walking one weight row at a time beat walking 2, 4 or 8 at once and
+// beat software prefetching: one sequential stream per core is what the hardware prefetcher
+// follows best. From ~4 rows of x on, oneDNN's blocked product is faster (it reuses each
+// weight line across more rows); which kernel serves which step size is measured at start-up
+// (executor_svc/models/linear_plan.py, kernel "gemv").
 //
 // Numerics: float32 products and sums (fused multiply-adds), in another order than MKL's: the
 // last bits differ, as they do between MKL's own blockings. A row's result does not depend on
