@@ -132,3 +132,19 @@ def test_step_idle_runs_async_scheduling_on_the_byte_tokenizer_model():
     rows = {line[:30].strip(): line[30:].split() for line in out.stdout.splitlines() if line[:30].strip()}
     assert "async-sched/off" in out.stdout and "model tiny-bytes" in out.stdout
     assert all(float(v) > 0 for v in rows["output tok/s"]) and len(rows["idle per step, mean ms"]) == 3
+
+
+def test_decode_attention_threads_times_both_thresholds_and_finds_them_equal():
+    pytest.importorskip("chunkserve_kernels.cpu_native")
+    if cpu_native.load() is not None:
+        pytest.skip("the native CPU kernels do not build here")
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "decode_attention_threads.py"), "--ctx", "16", "300", "--rounds", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines()[2:]]
+    assert [r[:2] for r in rows] == [["16", "48"], ["300", "900"]]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 and r[-1] == "True" for r in rows)

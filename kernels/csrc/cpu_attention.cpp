@@ -36,10 +36,6 @@ extern "C" float expf(float) noexcept;
 
 namespace {
 
-// Below this many key rows (sequences x KV heads x context) a step's attention runs on the
-// calling thread: a fork/join costs more than the work, and on a shared machine a barrier
-// waits for the other core's time slice (kernels/torch_backend.py, SINGLE_THREAD_MAX_ROWS).
-constexpr int64_t kSerialMaxRows = 4096;
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
@@ -86,7 +82,7 @@ void check_cache(const at::Tensor& cache) {
 namespace chunkserve {
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
-                                  const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& context_lens, double scale, int64_t serial_max_rows) {
   check_cache(cache);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.device().is_cpu(), "q must be float32 [D, Hq, hd]");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
@@ -158,7 +154,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, 
       }
     }
   };
-  if (rows <= kSerialMaxRows) {
+  if (rows <= serial_max_rows) {
     work(0, D * Hkv);
   } else {
     at::parallel_for(0, D * Hkv, 1, work);
@@ -293,8 +289,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::
 
 TORCH_LIBRARY(chunkserve, m) {
   m.def(
-      "paged_decode_attention(Tensor q, Tensor cache, Tensor block_table, Tensor context_lens, float scale) -> "
-      "Tensor");
+      "paged_decode_attention(Tensor q, Tensor cache, Tensor block_table, Tensor context_lens, float scale, "
+      "int serial_max_rows=256) -> Tensor");
   m.def("write_kv(Tensor(a!) cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
 }

@@ -11,8 +11,17 @@
 namespace chunkserve {
 
 // cpu_attention.cpp
+// Up to this many key rows (sequences x KV heads x context) the decode attention runs on the
+// calling thread, where a fork/join would cost more than the work (the op's schema default
+// says the same number). It was 4096, the aten path's SINGLE_THREAD_MAX_ROWS in
+// kernels/torch_backend.py, whose ops fork once each; this op forks once per call, and with its
+// (sequence, KV head) units over 2 threads the 30 layers' decode attention of one sequence took
+// 0.83x / 0.78x as long at 128 / 1024 tokens of context, the same results bitwise
+// (benchmarks/decode_attention_threads.py; benchmarks/RESULTS.md).
+constexpr int64_t kSerialMaxRows = 256;
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
-                                  const at::Tensor& context_lens, double scale);
+                                  const at::Tensor& context_lens, double scale,
+                                  int64_t serial_max_rows = kSerialMaxRows);
 void write_kv(const at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps);

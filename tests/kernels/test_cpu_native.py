@@ -66,8 +66,8 @@ def test_native_matches_reference_on_random_steps(native, seqs, block_size, head
 
 
 def test_native_runs_large_steps_on_all_threads_and_matches(native):
-    """Beyond the serial threshold (4096 key rows) the op splits sequences x KV heads over the
-    threads; results are the same per row as on one thread (each row is one task)."""
+    """Beyond the serial threshold (256 key rows by default) the op splits sequences x KV heads
+    over the threads; results are the same per row as on one thread (each row is one task)."""
     seqs = [(700, 1), (1200, 1), (5, 1), (900, 1)]
     batch = make_paged_batch(seqs, 16, 8, 2, 64, seed=5)
     ref_batch = make_paged_batch(seqs, 16, 8, 2, 64, seed=5)
@@ -81,6 +81,11 @@ def test_native_runs_large_steps_on_all_threads_and_matches(native):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(out, one)
+    # the threshold chooses threads, never the result: one sequence (3 KV heads x 100 rows)
+    small = make_paged_batch([(100, 1)], 16, 9, 3, 64, seed=6)
+    args = (small.q, small.cache, small.meta.block_table.int(), small.meta.seqused_k.int(), 0.3)
+    op = torch.ops.chunkserve.paged_decode_attention
+    assert torch.equal(op(*args, 0), op(*args, 10**9)) and torch.equal(op(*args), op(*args, 0))
 
 
 @pytest.mark.parametrize("layout", ["head slice", "transposed"])
