@@ -53,10 +53,10 @@ at::Tensor linear(const at::Tensor& x, int i, at::TensorList weights, const c10:
 std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                                                 at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
                                                 at::TensorList int4, int64_t group, double eps, const at::Tensor& cos,
-                                                const at::Tensor& sin,
-                                                int64_t heads, int64_t kv_heads, const at::Tensor& cache,
-                                                const at::Tensor& slot_mapping, const at::Tensor& block_table,
-                                                const at::Tensor& context_lens, double scale) {
+                                                const at::Tensor& sin, int64_t heads, int64_t kv_heads,
+                                                const at::Tensor& cache, const at::Tensor& slot_mapping,
+                                                const at::Tensor& block_table, const at::Tensor& context_lens,
+                                                double scale) {
   TORCH_CHECK(weights.size() == 6, "weights must be [input norm, qkv, o, post-attention norm, gate_up, down]");
   TORCH_CHECK(biases.size() == 4, "biases must be [qkv, o, gate_up, down] (each may be None)");
   TORCH_CHECK(int4.empty() || int4.size() == 8, "int4 must be empty or (packed, scales_and_zeros) x 4");
@@ -84,9 +84,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
 TORCH_LIBRARY_FRAGMENT(chunkserve, m) {
   m.def(
       "decode_layer(Tensor x, Tensor? residual, Tensor[] weights, Tensor?[] biases, Tensor[] int4, int group, "
-      "float eps, Tensor cos, "
-      "Tensor sin, int heads, int kv_heads, Tensor(a!) cache, Tensor slot_mapping, Tensor block_table, "
-      "Tensor context_lens, float scale) -> (Tensor, Tensor)");
+      "float eps, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(a!) cache, Tensor slot_mapping, "
+      "Tensor block_table, Tensor context_lens, float scale) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(chunkserve, CPU, m) { m.impl("decode_layer", &decode_layer); }
