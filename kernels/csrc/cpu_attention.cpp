@@ -34,8 +34,8 @@
 #pragma omp declare simd notinbranch
 extern "C" float expf(float) noexcept;
 
+namespace chunkserve {
 namespace {
-
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
@@ -74,13 +74,26 @@ void check_cache(const at::Tensor& cache) {
               cache.sizes());
 }
 
-// q [D, Hq, hd] (one decode token per sequence; any strides),
-// cache [2, num_blocks, block_size, Hkv, hd], block_table [D, max_blocks] int32,
-// context_lens [D] int32 (including this step's token, already written). -> [D, Hq, hd].
+// Copies row `src` (hd floats at element stride `step`) to `dst`.
+inline void copy_row(float* dst, const float* src, int64_t step, int64_t hd) {
+  if (step == 1) {
+    std::memcpy(dst, src, hd * sizeof(float));
+  } else {
+    for (int64_t i = 0; i < hd; ++i) dst[i] = src[i * step];
+  }
+}
+
+template <typename T>
+inline float widen(T v) {
+  return static_cast<float>(v);
+}
+
 }  // namespace
 
-namespace chunkserve {
-
+// q [D, Hq, hd] (one decode token per sequence; any strides),
+// cache [2, num_blocks, block_size, Hkv, hd], block_table [D, max_blocks] int32,
+// context_lens [D] int32 (including this step's token, already written). -> [D, Hq, hd];
+// (sequence, KV head) units over torch's threads above `serial_max_rows` key rows (cpu_ops.h).
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
                                   const at::Tensor& context_lens, double scale, int64_t serial_max_rows) {
   check_cache(cache);
@@ -162,23 +175,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, 
   return out;
 }
 
-}  // namespace chunkserve
-
-namespace {
-
-// Copies row `src` (hd floats at element stride `step`) to `dst`.
-inline void copy_row(float* dst, const float* src, int64_t step, int64_t hd) {
-  if (step == 1) {
-    std::memcpy(dst, src, hd * sizeof(float));
-  } else {
-    for (int64_t i = 0; i < hd; ++i) dst[i] = src[i * step];
-  }
-}
-
-}  // namespace
-
-namespace chunkserve {
-
 // Stores k, v [T, Hkv, hd] (any strides: the model's are views, transposed ones under the
 // CPU GEMM's (W @ x^T)^T) at flat slots slot_mapping [T] int64 of a cache layer
 // [2, num_blocks, block_size, Hkv, hd], in place.
@@ -208,24 +204,11 @@ void write_kv(const at::Tensor& cache, const at::Tensor& k, const at::Tensor& v,
   }
 }
 
-}  // namespace chunkserve
-
-namespace {
-
 // (x + residual) and RMSNorm of it, per row: returns (weight * (s / sqrt(mean(s^2) + eps)), s)
 // with s = x + residual (x alone when residual is None). x, residual [M, N] float32 or bfloat16
 // (bfloat16 widens exactly, as `h + y` promotes it); weight [N] float32. Each row is one task
 // and its result does not depend on the other rows; the sum of squares is reordered for
 // vectorisation (so not bitwise F.rms_norm's; the adds and multiplies are elementwise-exact).
-template <typename T>
-inline float widen(T v) {
-  return static_cast<float>(v);
-}
-
-}  // namespace
-
-namespace chunkserve {
-
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a CPU [M, N] tensor");

@@ -26,6 +26,7 @@
 
 #include <optional>
 
+namespace chunkserve {
 namespace {
 
 constexpr int64_t kLanes = 32;     // partial sums per dot product: 2 AVX-512 / 4 AVX2 registers
@@ -64,8 +65,6 @@ void group(const float* x, int64_t M, int64_t K, const float* w, const float* bi
 }
 
 }  // namespace
-
-namespace chunkserve {
 
 at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
