@@ -139,12 +139,13 @@ def test_decode_attention_threads_times_both_thresholds_and_finds_them_equal():
     if cpu_native.load() is not None:
         pytest.skip("the native CPU kernels do not build here")
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "decode_attention_threads.py"), "--ctx", "16", "300", "--rounds", "2"],
+        [sys.executable, str(BENCHMARKS / "decode_attention_threads.py"), "--ctx", "16", "600", "--rounds", "2"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines()[2:]]
-    assert [r[:2] for r in rows] == [["16", "48"], ["300", "900"]]
-    assert all(float(r[2]) > 0 and float(r[3]) > 0 and r[-1] == "True" for r in rows)
+    assert [r[:2] for r in rows] == [["16", "48"], ["600", "1800"]]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 and float(r[4]) > 0 and r[-2] == "True" for r in rows)
+    assert float(rows[0][-1]) == 0.0 and float(rows[1][-1]) < 1e-5  # 600 tokens: two pieces, float32 rounding

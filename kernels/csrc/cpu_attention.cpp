@@ -56,6 +56,7 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
 // streams x 400 tokens that was 1.1-1.3x slower than the aten path).
 constexpr int64_t kPrefetchAhead = 16;
 
+
 // The row of head h for token t of a sequence with block table `table` (K or V per `base`).
 inline const float* row_of(const float* base, const int32_t* table, int64_t t, int64_t bs, int64_t Hkv, int64_t h,
                            int64_t hd) {
@@ -93,9 +94,11 @@ inline float widen(T v) {
 // q [D, Hq, hd] (one decode token per sequence; any strides),
 // cache [2, num_blocks, block_size, Hkv, hd], block_table [D, max_blocks] int32,
 // context_lens [D] int32 (including this step's token, already written). -> [D, Hq, hd];
-// (sequence, KV head) units over torch's threads above `serial_max_rows` key rows (cpu_ops.h).
+// (sequence, KV head) units, a context over `split_tokens` in pieces of that many tokens, over
+// torch's threads above `serial_max_rows` key rows (cpu_ops.h says why both).
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
-                                  const at::Tensor& context_lens, double scale, int64_t serial_max_rows) {
+                                  const at::Tensor& context_lens, double scale, int64_t serial_max_rows,
+                                  int64_t split_tokens) {
   check_cache(cache);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.device().is_cpu(), "q must be float32 [D, Hq, hd]");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
@@ -106,6 +109,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, 
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads (", Hq, ") must be a multiple of KV heads (", Hkv, ")");
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == D && context_lens.numel() == D,
               "block_table [D, max_blocks] and context_lens [D] must match q's D = ", D);
+  TORCH_CHECK(split_tokens >= 1, "split_tokens must be positive, got ", split_tokens);
   const at::Tensor qc = q.contiguous();
   const at::Tensor bt = block_table.contiguous();
   const at::Tensor cl = context_lens.contiguous();
@@ -130,47 +134,99 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, 
   float* out_p = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
 
+  // Work items: a (sequence, KV head) unit whole, or one split_tokens piece of a longer one.
+  // A whole unit writes its normalised output; a piece leaves, per query head of the group,
+  // its max score, its sum of exp(score - max) and its unnormalised sum of p * V in `part`
+  // (group x (hd + 2) floats), merged below. Which units split depends on their own context
+  // length only, so a sequence's result does not depend on the batch or the thread count.
+  struct Item {
+    int64_t unit, t0, t1, part;  // part: index into `parts`, or -1 for a whole unit
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> first_part(D * Hkv, -1);
+  int64_t parts = 0;
+  for (int64_t w = 0; w < D * Hkv; ++w) {
+    const int64_t ctx = ctx_p[w / Hkv];
+    if (ctx <= split_tokens) {
+      items.push_back({w, 0, ctx, -1});
+      continue;
+    }
+    first_part[w] = parts;
+    for (int64_t t0 = 0; t0 < ctx; t0 += split_tokens) items.push_back({w, t0, std::min(ctx, t0 + split_tokens), parts++});
+  }
+  const int64_t stride = group * (hd + 2);
+  std::vector<float> part_buf(parts * stride);
+
   auto work = [&](int64_t begin, int64_t end) {
     std::vector<float> probs;
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t d = w / Hkv, h = w % Hkv, ctx = ctx_p[d];
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      const int64_t d = it.unit / Hkv, h = it.unit % Hkv, t0 = it.t0, n = it.t1 - it.t0;
       const int32_t* table = bt_p + d * max_blocks;
       const float* qh = q_p + (d * Hq + h * group) * hd;
-      float* oh = out_p + (d * Hq + h * group) * hd;
-      probs.resize(group * ctx);
-      for (int64_t t = 0; t < std::min(ctx, kPrefetchAhead); ++t) prefetch_row(row_of(k_p, table, t, bs, Hkv, h, hd), hd);
-      for (int64_t t = 0; t < ctx; ++t) {
-        if (t + kPrefetchAhead < ctx) prefetch_row(row_of(k_p, table, t + kPrefetchAhead, bs, Hkv, h, hd), hd);
-        const float* k = row_of(k_p, table, t, bs, Hkv, h, hd);
-        for (int64_t g = 0; g < group; ++g) probs[g * ctx + t] = dot(qh + g * hd, k, hd) * sc;
+      float* part = it.part < 0 ? nullptr : part_buf.data() + it.part * stride;
+      float* oh = part == nullptr ? out_p + (d * Hq + h * group) * hd : part + 2 * group;
+      probs.resize(group * n);
+      for (int64_t t = 0; t < std::min(n, kPrefetchAhead); ++t)
+        prefetch_row(row_of(k_p, table, t0 + t, bs, Hkv, h, hd), hd);
+      for (int64_t t = 0; t < n; ++t) {
+        if (t + kPrefetchAhead < n) prefetch_row(row_of(k_p, table, t0 + t + kPrefetchAhead, bs, Hkv, h, hd), hd);
+        const float* k = row_of(k_p, table, t0 + t, bs, Hkv, h, hd);
+        for (int64_t g = 0; g < group; ++g) probs[g * n + t] = dot(qh + g * hd, k, hd) * sc;
       }
-      for (int64_t t = 0; t < std::min(ctx, kPrefetchAhead); ++t) prefetch_row(row_of(v_p, table, t, bs, Hkv, h, hd), hd);
+      for (int64_t t = 0; t < std::min(n, kPrefetchAhead); ++t)
+        prefetch_row(row_of(v_p, table, t0 + t, bs, Hkv, h, hd), hd);
       for (int64_t g = 0; g < group; ++g) {
-        float* p = probs.data() + g * ctx;
+        float* p = probs.data() + g * n;
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < ctx; ++t) m = std::max(m, p[t]);
+        for (int64_t t = 0; t < n; ++t) m = std::max(m, p[t]);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < ctx; ++t) {
+        for (int64_t t = 0; t < n; ++t) {
           p[t] = expf(p[t] - m);
           sum += p[t];
         }
-        const float inv = 1.f / sum;
+        if (part == nullptr) {
+          const float inv = 1.f / sum;
 #pragma omp simd
-        for (int64_t t = 0; t < ctx; ++t) p[t] *= inv;
+          for (int64_t t = 0; t < n; ++t) p[t] *= inv;
+        } else {
+          part[g] = m;
+          part[group + g] = sum;
+        }
         std::fill(oh + g * hd, oh + (g + 1) * hd, 0.f);
       }
-      for (int64_t t = 0; t < ctx; ++t) {
-        if (t + kPrefetchAhead < ctx) prefetch_row(row_of(v_p, table, t + kPrefetchAhead, bs, Hkv, h, hd), hd);
-        const float* v = row_of(v_p, table, t, bs, Hkv, h, hd);
-        for (int64_t g = 0; g < group; ++g) axpy(oh + g * hd, probs[g * ctx + t], v, hd);
+      for (int64_t t = 0; t < n; ++t) {
+        if (t + kPrefetchAhead < n) prefetch_row(row_of(v_p, table, t0 + t + kPrefetchAhead, bs, Hkv, h, hd), hd);
+        const float* v = row_of(v_p, table, t0 + t, bs, Hkv, h, hd);
+        for (int64_t g = 0; g < group; ++g) axpy(oh + g * hd, probs[g * n + t], v, hd);
       }
     }
   };
+  const int64_t num_items = static_cast<int64_t>(items.size());
   if (rows <= serial_max_rows) {
-    work(0, D * Hkv);
+    work(0, num_items);
   } else {
-    at::parallel_for(0, D * Hkv, 1, work);
+    at::parallel_for(0, num_items, 1, work);
+  }
+  // Merge the pieces of each split unit, in order: out = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c.
+  for (int64_t w = 0; w < D * Hkv; ++w) {
+    if (first_part[w] < 0) continue;
+    const int64_t d = w / Hkv, h = w % Hkv;
+    const int64_t count = (ctx_p[d] + split_tokens - 1) / split_tokens;
+    const float* first = part_buf.data() + first_part[w] * stride;
+    for (int64_t g = 0; g < group; ++g) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < count; ++c) top = std::max(top, first[c * stride + g]);
+      float total = 0.f;
+      for (int64_t c = 0; c < count; ++c) total += expf(first[c * stride + g] - top) * first[c * stride + group + g];
+      float* oh = out_p + (d * Hq + h * group + g) * hd;
+      std::fill(oh, oh + hd, 0.f);
+      for (int64_t c = 0; c < count; ++c) {
+        const float f = expf(first[c * stride + g] - top) / total;
+        axpy(oh, f, first + c * stride + 2 * group + g * hd, hd);
+      }
+    }
   }
   return out;
 }
@@ -273,7 +329,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::
 TORCH_LIBRARY(chunkserve, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor cache, Tensor block_table, Tensor context_lens, float scale, "
-      "int serial_max_rows=256) -> Tensor");
+      "int serial_max_rows=256, int split_tokens=512) -> Tensor");
   m.def("write_kv(Tensor(a!) cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
 }

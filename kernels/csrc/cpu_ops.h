@@ -19,9 +19,17 @@ namespace chunkserve {
 // 0.83x / 0.78x as long at 128 / 1024 tokens of context, the same results bitwise
 // (benchmarks/decode_attention_threads.py; benchmarks/RESULTS.md).
 constexpr int64_t kSerialMaxRows = 256;
+// A sequence's context longer than this is attended in pieces of this many tokens, one work item
+// each, merged after (flash-decoding's split): one decoding sequence's 3 KV heads on 2 threads
+// are otherwise 2 units against 1. The split follows the sequence's own length only, so its
+// result does not depend on the batch or the thread count (the op's schema default says the
+// same number). Pieces of 256 / 512 / 1024 tokens against none, one sequence at 1024 tokens:
+// 0.80x / 0.76x / 0.97x; 8 sequences at 1024-2048 tokens (already balanced): 1.05x / 1.03-1.05x /
+// 0.98-1.03x (benchmarks/decode_attention_threads.py; benchmarks/RESULTS.md).
+constexpr int64_t kSplitTokens = 512;
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
                                   const at::Tensor& context_lens, double scale,
-                                  int64_t serial_max_rows = kSerialMaxRows);
+                                  int64_t serial_max_rows = kSerialMaxRows, int64_t split_tokens = kSplitTokens);
 void write_kv(const at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps);

@@ -88,6 +88,23 @@ def test_native_runs_large_steps_on_all_threads_and_matches(native):
     assert torch.equal(op(*args, 0), op(*args, 10**9)) and torch.equal(op(*args), op(*args, 0))
 
 
+def test_long_contexts_split_into_pieces_match_and_do_not_depend_on_the_batch(native):
+    """Contexts over 512 tokens are attended in 512-token pieces and merged: at and around the
+    piece boundaries the oracle's output within float32 rounding; a sequence's rows are the
+    same bitwise alone, in a batch and on one thread (the split follows its own length only)."""
+    seqs = [(511, 1), (512, 1), (1023, 1), (1400, 1), (40, 1)]  # contexts 512, 513, 1024, 1401, 41
+    batch = make_paged_batch(seqs, 16, 9, 3, 64, seed=7)
+    ref_batch = make_paged_batch(seqs, 16, 9, 3, 64, seed=7)
+    out = _step(native, batch)
+    torch.testing.assert_close(out, _step(get_backend("torch_ref"), ref_batch), atol=2e-5, rtol=1e-5)
+    op = torch.ops.chunkserve.paged_decode_attention
+    tables, lens = batch.meta.block_table.int(), batch.meta.seqused_k.int()
+    for i in (1, 3):
+        alone = op(batch.q[i : i + 1], batch.cache, tables[i : i + 1], lens[i : i + 1], 0.3)
+        assert torch.equal(alone, out[i : i + 1])
+        assert torch.equal(op(batch.q[i : i + 1], batch.cache, tables[i : i + 1], lens[i : i + 1], 0.3, 10**9), alone)
+
+
 @pytest.mark.parametrize("layout", ["head slice", "transposed"])
 def test_native_write_kv_equals_aten_write_from_strided_views(native, layout):
     """k and v as the model passes them: views into a wider tensor, or of a transposed product
