@@ -140,7 +140,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, 
   // (group x (hd + 2) floats), merged below. Which units split depends on their own context
   // length only, so a sequence's result does not depend on the batch or the thread count.
   struct Item {
-    int64_t unit, t0, t1, part;  // part: index into `parts`, or -1 for a whole unit
+    int64_t unit, t0, t1, part;  // tokens [t0, t1); part: its slot in part_buf, or -1 for a whole unit
   };
   std::vector<Item> items;
   std::vector<int64_t> first_part(D * Hkv, -1);
@@ -152,7 +152,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, 
       continue;
     }
     first_part[w] = parts;
-    for (int64_t t0 = 0; t0 < ctx; t0 += split_tokens) items.push_back({w, t0, std::min(ctx, t0 + split_tokens), parts++});
+    for (int64_t t0 = 0; t0 < ctx; t0 += split_tokens) {
+      items.push_back({w, t0, std::min(ctx, t0 + split_tokens), parts++});
+    }
   }
   const int64_t stride = group * (hd + 2);
   std::vector<float> part_buf(parts * stride);
