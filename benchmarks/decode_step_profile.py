@@ -43,6 +43,7 @@ runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import math
 import statistics
@@ -464,36 +465,62 @@ def main() -> None:
         del runner
 
 
-def _set_native(model, on: bool, fused) -> None:
-    """--cpu-kernels native vs torch on a loaded model, between steps (each step plans anew);
-    `fused` the model's fused decode layers as loaded (they need the native ops)."""
+@contextlib.contextmanager
+def _native(model, on: bool):
+    """--cpu-kernels native (as loaded) or torch on a loaded model for the `with` body (each
+    step plans anew); the fused decode layers need the native ops, so torch drops them too."""
     from executor_svc.models.layers import PagedAttention, RMSNorm
 
-    for m in model.modules():
-        if isinstance(m, PagedAttention):
-            m.backend.native = on
-        elif isinstance(m, RMSNorm):
-            m.native = on
+    fused = model.model.fused
+    switched = [m.backend if isinstance(m, PagedAttention) else m for m in model.modules()]
+    saved = [(m, m.native) for m in switched if isinstance(m, RMSNorm) or hasattr(m, "use_native")]
+    for m, _ in saved:
+        m.native = on
     model.model.fused = fused if on else None
+    try:
+        yield
+    finally:
+        for m, was in saved:
+            m.native = was
+        model.model.fused = fused
+
+
+@contextlib.contextmanager
+def _fused(model, on: bool):
+    """The fused decode layers (as loaded) or the Python layers for the `with` body."""
+    fused = model.model.fused
+    model.model.fused = fused if on else None
+    try:
+        yield
+    finally:
+        model.model.fused = fused
+
+
+def _take_turns(runner, ids, ctx: int, arms: dict, rounds: int, steps: int) -> dict[str, float]:
+    """Median ms per decode step of each arm (name -> a context manager factory), the arms
+    taking turns every `steps` steps on the same sequences, in order A B .. then .. B A: a slow
+    minute on a shared machine falls on all alike, which separate runs cannot promise."""
+    names, times = list(arms), {name: [] for name in arms}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            with arms[name]():
+                t, _ = time_steps(runner, ids, ctx, steps, 1)
+            times[name] += t
+            ctx += steps + 1
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def ab_fused(runner, batch: int, rounds: int = 6, steps: int = 10, ctx: int = 128) -> None:
     """Whole decode steps with the fused decode layers (kernels/csrc/cpu_layer.cpp) and with
-    the Python layers on the same native ops, taking turns every `steps` steps (A B B A ...)."""
-    fused = runner.model.model.fused
-    if fused is None:
+    the Python layers on the same native ops, taking turns."""
+    model = runner.model
+    if model.model.fused is None:
         print("  fused decode layers: not switched on in this executor (--cpu-kernels, plan): no A/B")
         return
     ids = prefill(runner, batch, ctx, ctx + 2 * rounds * (steps + 1) + 8, first_id=batch * 1000 + 700)
-    res: dict[bool, list[float]] = {True: [], False: []}
-    for r in range(rounds):
-        for on in (True, False) if r % 2 == 0 else (False, True):
-            runner.model.model.fused = fused if on else None
-            t, _ = time_steps(runner, ids, ctx, steps, 1)
-            res[on] += t
-            ctx += steps + 1
-    runner.model.model.fused = fused
-    on, off = statistics.median(res[True]), statistics.median(res[False])
+    arms = {"fused": lambda: _fused(model, True), "python": lambda: _fused(model, False)}
+    med = _take_turns(runner, ids, ctx, arms, rounds, steps)
+    on, off = med["fused"], med["python"]
     print(
         f"  fused decode layers: step {on:.2f} ms vs Python layers {off:.2f} ms -> {on / off:.3f}x "
         f"({rounds} rounds x {steps} steps, taking turns)"
@@ -501,27 +528,22 @@ def ab_fused(runner, batch: int, rounds: int = 6, steps: int = 10, ctx: int = 12
 
 
 def ab_cpu_kernels(runner, batch: int, args, rounds: int = 6, steps: int = 10) -> None:
-    """Whole decode steps and no-GEMM steps with the native CPU kernels on and off, taking
-    turns every `steps` steps (order A B B A ...) on the same sequences: a slow minute on a
-    shared machine falls on both alike, which separate runs cannot promise."""
-    total_len = args.ctx + 2 * rounds * 2 * (steps + 1) + 8
-    ids = prefill(runner, batch, args.ctx, total_len, first_id=batch * 1000 + 500)
-    ctx = args.ctx
-    fused = runner.model.model.fused
-    res: dict[tuple[bool, bool], list[float]] = {(on, z): [] for on in (True, False) for z in (True, False)}
-    for r in range(rounds):
-        for on in (True, False) if r % 2 == 0 else (False, True):
-            _set_native(runner.model, on, fused)
-            for zero in (False, True):
-                if zero:
-                    with NoGemm(runner.model):
-                        t, _ = time_steps(runner, ids, ctx, steps, 1)
-                else:
-                    t, _ = time_steps(runner, ids, ctx, steps, 1)
-                res[(on, zero)] += t
-                ctx += steps + 1
-    _set_native(runner.model, True, fused)
-    med = {k: statistics.median(v) for k, v in res.items()}
+    """Whole decode steps and no-GEMM steps with the native CPU kernels on and off, taking turns."""
+    model = runner.model
+    ids = prefill(runner, batch, args.ctx, args.ctx + 4 * rounds * (steps + 1) + 8, first_id=batch * 1000 + 500)
+
+    def arm(on: bool, zero: bool):
+        def enter():
+            stack = contextlib.ExitStack()
+            stack.enter_context(_native(model, on))
+            if zero:
+                stack.enter_context(NoGemm(model))
+            return stack
+
+        return enter
+
+    arms = {(on, zero): arm(on, zero) for on in (True, False) for zero in (False, True)}
+    med = _take_turns(runner, ids, args.ctx, arms, rounds, steps)
     for on in (False, True):
         name = "native" if on else "torch (aten)"
         print(
