@@ -162,9 +162,7 @@ class TorchBackend(AttentionBackend):
         other step. Planned once per step, shared with `forward`."""
         if not (self.native and _native_ok(kv_cache_layer)):
             return None
-        plan = meta.scratch.get(self.name)
-        if plan is None:
-            plan = meta.scratch[self.name] = _plan_step(meta, kv_cache_layer.shape[3], kv_cache_layer.device, True)
+        plan = self._step_plan(meta, kv_cache_layer)
         dec = plan.decode
         if not plan.pure_decode or dec is None or dec.tables is None or dec.tokens is not None:
             return None
@@ -184,10 +182,7 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         num_tokens, num_q_heads, head_dim = q.shape
         num_kv_heads = kv_cache_layer.shape[3]
-        plan = meta.scratch.get(self.name)
-        if plan is None:
-            native = self.native and _native_ok(kv_cache_layer)
-            plan = meta.scratch[self.name] = _plan_step(meta, num_kv_heads, q.device, native)
+        plan = self._step_plan(meta, kv_cache_layer)
         if plan.decode is not None and plan.decode.tables is not None:
             return self._native(q, kv_cache_layer, plan, scale)
         k_rows = kv_cache_layer[0].view(-1, head_dim)
@@ -212,6 +207,14 @@ class TorchBackend(AttentionBackend):
                 out.index_copy_(0, plan.decode.tokens, dec)
         self._prefills(q, kv_cache_layer, plan, scale, out)
         return out
+
+    def _step_plan(self, meta: AttentionMetadata, kv_cache_layer: torch.Tensor) -> _StepPlan:
+        """What every layer of the step reuses, planned by the first layer that asks."""
+        plan = meta.scratch.get(self.name)
+        if plan is None:
+            native = self.native and _native_ok(kv_cache_layer)
+            plan = meta.scratch[self.name] = _plan_step(meta, kv_cache_layer.shape[3], kv_cache_layer.device, native)
+        return plan
 
     def _native(self, q: torch.Tensor, kv_cache_layer: torch.Tensor, plan: _StepPlan, scale: float) -> torch.Tensor:
         """The step's decodes through the native op (one call for all of them), its prefill
