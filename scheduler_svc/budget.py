@@ -45,13 +45,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from scheduler_svc.config import AUTO_MAX_BATCHED_TOKENS
 from scheduler_svc.step_cost import CostModel, TraceStep, features, quantile
 
 if TYPE_CHECKING:
     from scheduler_svc.plan import StepPlan, StepStats
-    from scheduler_svc.scheduler import Scheduler
 
-AUTO_MAX_BATCHED_TOKENS = 8192  # the upper bound `--max-num-batched-tokens auto` stands for
 INITIAL_BUDGET = 256  # before the first fit: small, so the first decodes are not stalled
 WINDOW = 512  # steps the model is fitted on
 REFIT_EVERY = 32  # steps between fits
@@ -117,14 +116,11 @@ class BudgetController:
 
     # ---- deciding ---------------------------------------------------------------------
 
-    def decide(self, scheduler: Scheduler, target_ms: float) -> BudgetDecision:
-        """The budget for the step the scheduler is about to build."""
-        upper = scheduler.config.max_num_batched_tokens
-        decodes = [r for r in scheduler.running if r.num_remaining_tokens == 1]
-        n_dec = len(decodes)
+    def decide(self, upper: int, n_dec: int, context: int, prefill_ctx: int, target_ms: float) -> BudgetDecision:
+        """The budget for the step about to be built, at most `upper`: n_dec running requests
+        decode over `context` tokens in all; prefill_ctx is the computed length of the longest
+        partial prefill (plain values, so this module needs nothing of the scheduler's)."""
         floor = min(upper, n_dec + self.block_size)
-        context = sum(r.num_computed_tokens for r in decodes)
-        prefill_ctx = max((r.num_computed_tokens for r in scheduler.running if r.num_remaining_tokens > 1), default=0)
         if self.model is None:
             budget, reason = max(floor, min(upper, INITIAL_BUDGET)), "initial"
         else:

@@ -13,10 +13,10 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scheduler_svc.budget import AUTO_MAX_BATCHED_TOKENS
-
 if TYPE_CHECKING:
     from chunkserve_contracts.executor.v1.executor_pb2 import HandshakeResponse
+
+AUTO_MAX_BATCHED_TOKENS = 8192  # the upper bound `--max-num-batched-tokens auto` stands for (budget.py)
 
 
 @dataclass(frozen=True)

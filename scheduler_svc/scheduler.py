@@ -219,7 +219,9 @@ class Scheduler:
         plan = StepPlan(step_id=self.num_steps)
         budget, reason, predicted_ms = self.config.max_num_batched_tokens, "", 0.0
         if self.config.target_itl_ms is not None:
-            d = self.budget.decide(self, self.config.target_itl_ms)
+            decodes = [r.num_computed_tokens for r in self.running if r.num_remaining_tokens == 1]
+            prefill_ctx = max((r.num_computed_tokens for r in self.running if r.num_remaining_tokens > 1), default=0)
+            d = self.budget.decide(budget, len(decodes), sum(decodes), prefill_ctx, self.config.target_itl_ms)
             budget, reason, predicted_ms = d.budget, d.reason, d.predicted_ms
         self.step_stats = StepStats(budget, self.policy_name, budget_reason=reason, predicted_step_ms=predicted_ms)
         self.num_steps += 1
