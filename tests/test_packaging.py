@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -107,3 +112,120 @@ def test_every_import_points_down():
                 )
                 bad += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n.split(".")[0] in forbidden]
     assert not bad, bad
+
+
+def test_the_command_imports_only_the_subcommand_it_runs():
+    """`chunkserve --version` and `--help` import no subcommand's module (so they work whatever
+    is installed), and `chunkserve tune --help` the tuner's but neither torch nor the bench's."""
+    out = run_python(
+        "import contextlib, io, json, sys\n"
+        "from chunkserve.cli import main\n"
+        "names = ('chunkserve.bench', 'chunkserve.tune', 'chunkserve.admin_cli', 'chunkserve.client',"
+        " 'scheduler_svc', 'executor_svc', 'torch')\n"
+        "for argv in (['--version'], ['--help'], ['tune', '--help']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        main(argv)\n"
+        "    print(json.dumps(sorted(n for n in names if n in sys.modules)))\n"
+    )
+    version, help_, tune = (json.loads(line) for line in out.splitlines())
+    assert version == help_ == []
+    assert "chunkserve.tune" in tune and "torch" not in tune and "chunkserve.bench" not in tune, tune
+
+
+def test_each_command_is_listed_with_its_own_help():
+    """`chunkserve --help` lists the commands from chunkserve.cli.COMMANDS without importing
+    them; each line must be the one the command's own parser gives."""
+    from chunkserve.cli import COMMANDS, build_parser
+
+    for name, (summary, _, _) in COMMANDS.items():
+        parser = build_parser(name)  # this command's parser in full, from its own module
+        [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        listed = {a.dest: a.help for a in sub._choices_actions}
+        assert listed[name] == summary, f"{name}: its parser says {listed[name]!r}, COMMANDS {summary!r}"
+
+
+# ---------------------------------------------------------------------------------------
+# The wheel: what `pip install .` (or the Docker images) install is the wheel, not the source
+# tree an editable install points at, so a package missing from it shows only there.
+
+PACKAGES = {  # source folder -> the package it installs as
+    "chunkserve": "chunkserve",
+    "chunkserve_contracts": "chunkserve_contracts",
+    "scheduler_svc": "scheduler_svc",
+    "executor_svc": "executor_svc",
+    "kernels": "chunkserve_kernels",
+}
+
+
+def _source_files(root: pathlib.Path, *patterns: str) -> list[str]:
+    """The wheel paths of the files matching patterns in every package folder under root."""
+    out = []
+    for folder, package in PACKAGES.items():
+        for pattern in patterns:
+            out += [f"{package}/{p.relative_to(root / folder).as_posix()}" for p in (root / folder).rglob(pattern)]
+    return sorted(out)
+
+
+def _run(cmd: list, cwd: pathlib.Path, timeout: float = 600) -> str:
+    # No PYTHONPATH and no activated environment: only what is installed in the venv answers.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    out = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"{' '.join(map(str, cmd))} exited {out.returncode}:\n{out.stdout}\n{out.stderr}"
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_a_working_chunkserve_command(tmp_path):
+    """Build the wheel (as `pip install .` and the Docker images do, build isolation included),
+    check what it packs, install it into a fresh virtual environment with its base dependencies
+    only (no executor extra: no torch) and run the commands from outside the repo, where its
+    source folders cannot stand in for missing packages (~20 s, most of it pip)."""
+    import shutil
+    import zipfile
+
+    from chunkserve_contracts import __version__
+
+    # Built from a copy of the tree: a build in the repo leaves build/, whose stale files a
+    # later build would pack. The copy keeps tests/, benchmarks/, docs/, scripts/, which must
+    # stay out of the wheel.
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"
+    )
+    shutil.copytree(ROOT, src, ignore=ignore)
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", tmp_path / "dist", src], cwd=tmp_path)
+    [wheel] = (tmp_path / "dist").glob("chunkserve-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+
+    # Every module of every package (kernels/ as chunkserve_kernels), the data the code reads
+    # at run time, and nothing else at the top level. (What the copy holds: the tree may be
+    # edited meanwhile.)
+    expected = _source_files(src, "*.py", "*.pyi", "*.cpp", "*.h") + ["chunkserve/bench/corpus.txt"]
+    assert {"chunkserve/tune/cli.py", "chunkserve_kernels/csrc/cpu_ops.h"} <= set(expected)
+    missing = sorted(set(expected) - names)
+    assert not missing, f"not in the wheel: {missing}"
+    top = {name.split("/")[0] for name in names}
+    assert top == {*PACKAGES.values(), f"chunkserve-{__version__}.dist-info"}, top
+
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", venv], cwd=tmp_path)
+    bin_ = venv / "bin"
+    _run([bin_ / "python", "-m", "pip", "install", "--quiet", wheel], cwd=tmp_path)  # not editable
+    where = _run(
+        [
+            bin_ / "python",
+            "-c",
+            "import chunkserve.tune.cli, importlib.util as u; print(chunkserve.tune.cli.__file__);"
+            " print(u.find_spec('chunkserve_kernels').origin); print(u.find_spec('torch') is None)",
+        ],
+        cwd=tmp_path,
+    ).split()
+    site = str(venv.resolve())
+    assert all(path.startswith(site) for path in where[:2]), where  # the installed copies
+    assert where[2] == "True"  # the base install carries no torch
+
+    assert _run([bin_ / "chunkserve", "--version"], cwd=tmp_path).strip() == f"chunkserve {__version__}"
+    listing = _run([bin_ / "chunkserve", "--help"], cwd=tmp_path)
+    assert all(name in listing for name in ("serve", "generate", "bench", "admin", "tune"))
+    assert "usage: chunkserve tune" in _run([bin_ / "chunkserve", "tune", "--help"], cwd=tmp_path)
+    assert "--max-num-batched-tokens" in _run([bin_ / "python", "-m", "scheduler_svc", "--help"], cwd=tmp_path)
