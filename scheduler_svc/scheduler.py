@@ -5,9 +5,9 @@ There is no prefill or decode phase: every request has `num_computed_tokens` cat
 a prefill), short partial prefills, swapped-out requests, waiting requests in policy order,
 and long partial prefills last; each gets `min(remaining known tokens, remaining budget)`
 tokens and exactly the KV blocks those tokens need. Running out of blocks preempts a victim
-(recompute or swap) instead of failing; a request preempted `max_preemptions` times is
-pinned: placed first, oldest first, and never its own victim while another exists, so it
-always progresses. docs/architecture.md ("Building a step") has the whole order and why.
+(recompute or swap, queues.py) instead of failing; a request preempted `max_preemptions`
+times is pinned: placed first, oldest first, and never its own victim while another exists,
+so it always progresses. docs/architecture.md ("Building a step") has the whole order and why.
 
 A plan is committed when it is built: cursors move and a sampling entry leaves an in-flight
 token (request.py), so the next plan can be built before this one's result is back (async
@@ -24,6 +24,7 @@ from scheduler_svc.budget import BudgetController
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.plan import NewSeq, Sampled, ScheduledSeq, StepPlan, StepResult, StepStats
 from scheduler_svc.policy import Policy
+from scheduler_svc.queues import RequestQueues
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from scheduler_svc.snapshot import SchedulerSnapshot
 
@@ -37,8 +38,8 @@ class TokenOutput:
     finish_reason: FinishReason | None
 
 
-class Scheduler:
-    """Owns the waiting and running queues and the block pool."""
+class Scheduler(RequestQueues):
+    """Builds each step's plan from the queues (queues.py) and applies its result."""
 
     def __init__(
         self,
@@ -48,31 +49,20 @@ class Scheduler:
         max_model_len: int,
         host_pool: BlockPool | None = None,
     ) -> None:
-        self.config = config
-        self.pool = pool
-        self.host_pool = host_pool  # swap space; None = recompute only
-        self.policy = policy
+        super().__init__(config, pool, host_pool)
         self.max_model_len = max_model_len
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
-        self.swapped: list[Request] = []
-        self.requests: dict[str, Request] = {}
-        self._by_seq: dict[int, Request] = {}
-        self._dropped_seq_ids: list[int] = []  # executor state to drop in the next plan
         # Host blocks read by this plan's swap-ins. They return to the host pool only when the
         # plan is complete: the executor runs a plan's swap-outs before its swap-ins, so a
         # host block reused by a swap-out in the same plan would be overwritten before the
         # swap-in reads it.
         self._host_blocks_read: list[int] = []
-        self.num_steps = 0  # plans built so far
         self.step_stats = StepStats(0, "")  # of the last plan built, for observers
         # Admission keeps this many blocks free while others run, so that the decodes of
         # running requests do not immediately preempt what was just admitted.
         self.watermark_blocks = max(1, pool.num_blocks // 100)
-        self.long_prefill_token_threshold = 0
         # The auto token budget (--target-itl-ms); it learns only while it is on (engine.py).
         self.budget = BudgetController(pool.block_size)
-        self.reconfigure(config, policy)
+        self.reconfigure(config, policy)  # sets the policy and the long-prefill threshold
 
     def reconfigure(self, config: SchedulerConfig, policy: Policy) -> None:
         """Swaps settings and policy. Call it between steps (the engine's event loop only runs
@@ -103,114 +93,6 @@ class Scheduler:
             self.step_stats.token_budget or self.config.max_num_batched_tokens,
             self.step_stats.budget_reason,
         )
-
-    # ---- queue bookkeeping -------------------------------------------------------------
-
-    def add_request(self, request: Request) -> None:
-        request.status = RequestStatus.WAITING
-        request.arrival_step = self.num_steps
-        self.requests[request.request_id] = request
-        self._by_seq[request.seq_id] = request
-        self.waiting.append(request)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self._dropped_seq_ids)
-
-    def finish(self, request: Request, reason: FinishReason) -> None:
-        """Ends a request for any reason: leaves every queue and map, frees its blocks."""
-        if request.is_finished:
-            return
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
-        elif request.status is RequestStatus.SWAPPED:
-            self.swapped.remove(request)
-            self._free_host(request)
-        self.pool.free(request)
-        if request.known_to_executor:
-            self._dropped_seq_ids.append(request.seq_id)
-            request.known_to_executor = False
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        del self.requests[request.request_id]
-        del self._by_seq[request.seq_id]
-
-    def abort(self, request_id: str) -> Request | None:
-        """Aborts a request; returns it, or None when unknown or already finished."""
-        request = self.requests.get(request_id)
-        if request is not None:
-            self.finish(request, FinishReason.ABORTED)
-        return request
-
-    def drop_on_executor(self, seq_ids: list[int]) -> None:
-        """Has the next plan drop these sequences' executor state (again, after a plan that
-        dropped them was refused)."""
-        self._dropped_seq_ids.extend(seq_ids)
-
-    def preempt(self, request: Request, plan: StepPlan) -> None:
-        """Takes request's device blocks away; swaps its KV out when the mode and space allow.
-
-        Swap keeps `num_computed_tokens` exactly (mid-prefill included) and the executor keeps
-        the sequence's state; recompute frees the blocks tail first and the request later
-        prefills its prompt and generated tokens again. Short of host blocks, swap falls back
-        to recompute.
-        """
-        self.running.remove(request)
-        request.num_preemptions += 1
-        plan.preempted.append(request.request_id)
-        host = self.host_pool
-        if (
-            self.config.preemption_mode == "swap"
-            and host is not None
-            and host.num_free_blocks >= len(request.block_ids)
-        ):
-            request.host_block_ids = host.take(len(request.block_ids))
-            plan.swap_out.extend(zip(request.block_ids, request.host_block_ids))
-            self.pool.free(request)
-            request.status = RequestStatus.SWAPPED
-            self.swapped.append(request)
-            return
-        self.step_stats.recomputed_tokens += request.num_computed_tokens
-        self._start_over(request)
-
-    def _start_over(self, request: Request) -> None:
-        """Frees a request's device blocks, has the next plan drop its executor state, and puts
-        it first in line to prefill all it has again (recompute preemption, restart)."""
-        self.pool.free(request)
-        if request.known_to_executor:
-            self._dropped_seq_ids.append(request.seq_id)
-        request.known_to_executor = False
-        request.executor_has_last_token = False
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
-        self.waiting.insert(0, request)
-
-    def restart(self, request: Request, seq_id: int) -> None:
-        """Starts a live request over under a new sequence id: its blocks are freed, its old
-        executor state dropped by the next plan, and it prefills what it has again, first in
-        line. For the requests of a step planned on top of one that failed (async scheduling):
-        whatever that step did or did not do on the executor, the old id's results are
-        ignored from now on (update finds no request for them), so none is applied twice."""
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status is RequestStatus.SWAPPED:
-            self.swapped.remove(request)
-            self._free_host(request)
-        elif request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
-        else:
-            return
-        request.num_inflight_tokens = 0  # the failed steps sampled nothing that will be read
-        self._start_over(request)  # drops the old id on the executor
-        del self._by_seq[request.seq_id]
-        request.seq_id = seq_id
-        self._by_seq[seq_id] = request
-
-    def _free_host(self, request: Request) -> None:
-        if self.host_pool is not None and request.host_block_ids:
-            self.host_pool.release(request.host_block_ids)
-        request.host_block_ids = []
 
     # ---- building a step ---------------------------------------------------------------
 
@@ -387,7 +269,7 @@ class Scheduler:
             # a victim again while anyone else can be.
             unpinned = [r for r in candidates if r.num_preemptions < self.config.max_preemptions]
             victim = self.policy.pick_victim(unpinned or candidates)
-            self.preempt(victim, plan)
+            self.step_stats.recomputed_tokens += self.preempt(victim, plan)
             if victim is request:
                 return False
         return True
