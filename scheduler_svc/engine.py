@@ -5,13 +5,14 @@ executor's reply otherwise, so the scheduler never busy-polls a core the executo
 Under --async-scheduling it plans and sends step N+1 before awaiting step N's result
 (`_loop_async`): the executor then has its next plan when it finishes a step.
 Requests talk to the loop through `add_request` / `abort` and read their tokens from a
-per-request `RequestStream`. Everything runs on one event loop, so the scheduler's state is
-only touched between awaits and needs no locks.
+per-request `RequestStream` (output.py turns sampled tokens into its deltas). Everything runs
+on one event loop, so the scheduler's state is only touched between awaits and needs no locks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from scheduler_svc.errors import InternalError, QueueFullError, ServingError, StepFailedError, UnavailableError
+from scheduler_svc.output import LiveRequest, RequestStream, StreamDelta
 from scheduler_svc.plan import StepPlan, StepResult, StepStats
 from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingParams
 from scheduler_svc.scheduler import Scheduler, TokenOutput
@@ -48,22 +50,17 @@ class StepRecord:
 
 
 @dataclass(slots=True)
-class _Sent:
-    """A step sent to the executor whose result is not applied yet (async scheduling)."""
+class _Step:
+    """A step sent to the executor; once `_apply` has applied its result to the scheduler, its
+    outputs and record wait here until `_deliver` serves them to streams and observers."""
 
     plan: StepPlan
     stats: StepStats
     future: asyncio.Future[StepResult]
     planned_at: float  # wall clock
     started: int  # perf_counter_ns when planned
-
-
-@dataclass(slots=True)
-class _Done:
-    """A step's result applied to the scheduler, its streams and observers not yet served."""
-
-    outputs: list[TokenOutput]
-    record: StepRecord
+    outputs: list[TokenOutput] = field(default_factory=list)
+    record: StepRecord | None = None
 
 
 class Observer:
@@ -77,53 +74,6 @@ class Observer:
 
     def on_token(self, request: Request, now: float) -> None: ...
     def on_finish(self, request: Request, reason: FinishReason, now: float) -> None: ...
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Logprob of a generated token and its top alternatives (id, logprob, text)."""
-
-    logprob: float
-    top: list[tuple[int, float, str]]
-
-
-@dataclass(slots=True)
-class StreamDelta:
-    """New output of one request; the last one has finished=True (or an error)."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    matched_stop: str | None = None
-    matched_stop_token_id: int | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    error: ServingError | None = None
-
-
-class RequestStream:
-    """The consumer side of one request: an unbounded queue of deltas."""
-
-    def __init__(self, request_id: str, num_prompt_tokens: int = 0) -> None:
-        self.request_id = request_id
-        self.num_prompt_tokens = num_prompt_tokens
-        self.queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
-        self.finished = False
-
-    def put(self, delta: StreamDelta) -> None:
-        if delta.finished or delta.error is not None:
-            self.finished = True
-        self.queue.put_nowait(delta)
-
-
-@dataclass(slots=True)
-class _Live:
-    request: Request
-    stream: RequestStream
-    detok: IncrementalDetokenizer
 
 
 class Engine:
@@ -145,7 +95,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.max_waiting = max_waiting
         self.step_timeout_s = step_timeout_s
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._seq_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._dead: str | None = None
@@ -180,19 +130,16 @@ class Engine:
         )
         stream = RequestStream(request.request_id, len(prompt_ids))
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop)
-        self._live[request.request_id] = _Live(request, stream, detok)
+        self._live[request.request_id] = LiveRequest(request, stream, detok)
         self.scheduler.add_request(request)
         self._wake.set()
         return stream
 
     def abort(self, request_id: str) -> bool:
         """Aborts a request; False when it is unknown or already finished (not an error)."""
-        live = self._live.pop(request_id, None)
-        if live is None:
+        if (live := self._live.get(request_id)) is None:
             return False
-        self.scheduler.abort(request_id)
-        self._finished(live.request, FinishReason.ABORTED, time.monotonic())
-        live.stream.put(self._final(live, FinishReason.ABORTED, ""))
+        self._end(live, live.final(FinishReason.ABORTED, ""), time.monotonic())
         state = self.scheduler.snapshot()
         for observer in self.observers:
             observer.on_state(state)
@@ -207,10 +154,8 @@ class Engine:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
 
     @property
     def is_dead(self) -> bool:
@@ -232,23 +177,15 @@ class Engine:
         # With --async-output-processing a step's streams and observers are served after the
         # next step is sent, while the executor computes it (vLLM's async output processing):
         # `done` holds them meanwhile and is delivered before any wait, failure or cancellation.
-        done: _Done | None = None
-        while True:
-            if not self.scheduler.has_work():
-                done = self._deliver(done)
-                self._wake.clear()
-                await self._wake.wait()
-                continue
+        done: _Step | None = None
+        while not self.is_dead:  # until the executor is gone (a failure path below)
             cycle_start = time.perf_counter_ns()
-            plan, stats = self.scheduler.schedule(), self.scheduler.step_stats
-            if plan.is_empty:
-                # Nothing fits right now; admission guarantees it will once something ends.
+            sent = self._plan_and_send(None)
+            if sent is None:
                 done = self._deliver(done)
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            planned_at, started = time.time(), time.perf_counter_ns()
-            step = asyncio.ensure_future(self.executor.step(plan, self.step_timeout_s))
             if done is not None:
                 try:
                     # Two turns of the loop: one runs the step's coroutine up to creating the
@@ -258,42 +195,31 @@ class Engine:
                     await asyncio.sleep(0)
                     done = self._deliver(done)
                 except asyncio.CancelledError:  # stopped: the last step's streams still get it
-                    step.cancel()
+                    sent.future.cancel()
                     self._deliver(done)
                     raise
                 except BaseException:  # a bug in the output path: _run reports it
-                    step.cancel()
+                    sent.future.cancel()
                     raise
-            try:
-                result = await step
-            except asyncio.CancelledError:
-                step.cancel()
-                raise
-            except StepFailedError as exc:  # the executor is fine; this step's requests are not
-                log.error("%s; failing its %d requests", exc, len(plan.seqs))
-                self._fail_step(plan, exc)
+            if (result := await self._result(sent)) is None:
                 continue
-            except Exception as exc:  # the executor failed or vanished
-                log.exception("step %d failed", plan.step_id)
-                self._fail_all(f"executor unavailable: step failed: {type(exc).__name__}: {exc}")
-                return
-            done = self._apply(plan, stats, result, planned_at, started)
+            done = self._apply(sent, result)
             if not self.scheduler.config.async_output_processing:
                 done = self._deliver(done)
             if self.scheduler.config.target_itl_ms is not None:
                 # The auto budget learns what a stream waits per step: this whole iteration.
-                self.scheduler.budget.observe(plan, stats, (time.perf_counter_ns() - cycle_start) / 1e9)
+                self.scheduler.budget.observe(sent.plan, sent.stats, (time.perf_counter_ns() - cycle_start) / 1e9)
 
     async def _loop_async(self) -> None:
         """The loop under async scheduling: plan and send step N+1, then await step N's result,
         apply it and serve it while N+1 runs. At most two steps are at the executor; N+1's
         follows_step_id makes the executor run it after N. The scheduler committed N when it
         planned it (scheduler.py), so N+1 can hold a decode of the token N samples."""
-        inflight: _Sent | None = None
-        done: _Sent | None = None
+        inflight: _Step | None = None
+        done: _Step | None = None
         last_applied = time.perf_counter_ns()
         try:
-            while True:
+            while not self.is_dead:  # until the executor is gone (a failure path below)
                 sent = self._plan_and_send(inflight)
                 if inflight is None:
                     if sent is None:
@@ -307,24 +233,13 @@ class Engine:
                     # task hands it to gRPC's core; only then is the finished step served.
                     await asyncio.sleep(0)
                     await asyncio.sleep(0)
-                try:
-                    result = await done.future
-                except StepFailedError as exc:  # the executor is fine; this step's requests are not
-                    log.error("%s; failing its %d requests", exc, len(done.plan.seqs))
-                    self._fail_step(done.plan, exc)
-                    if inflight is not None:  # planned on top of the failed step: start its requests over
+                if (result := await self._result(done)) is None:
+                    if inflight is not None and not self.is_dead:  # planned on top of the failed step
                         later, inflight = inflight, None
-                        if not await self._restart_step(later):
-                            return
+                        await self._restart_step(later)  # its requests start over
                     continue
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # the executor failed or vanished
-                    log.exception("step %d failed", done.plan.step_id)
-                    self._fail_all(f"executor unavailable: step failed: {type(exc).__name__}: {exc}")
-                    return
                 now = time.perf_counter_ns()
-                self._deliver(self._apply(done.plan, done.stats, result, done.planned_at, done.started))
+                self._deliver(self._apply(done, result))
                 if self.scheduler.config.target_itl_ms is not None:
                     # What a stream waits per step: from the later of this step's planning and
                     # the previous result to this result.
@@ -335,42 +250,54 @@ class Engine:
                 if pending is not None:
                     pending.future.cancel()
 
-    def _apply(self, plan: StepPlan, stats: StepStats, result: StepResult, planned_at: float, started: int) -> _Done:
-        """Applies a step's result to the scheduler; returns its output and record, not yet served."""
-        outputs = self.scheduler.update(plan, result)
-        state = self.scheduler.snapshot()
-        return _Done(outputs, StepRecord(plan, stats, result, planned_at, time.perf_counter_ns() - started, state))
+    async def _result(self, step: _Step, refused_ok: bool = False) -> StepResult | None:
+        """A step's result, or None when it failed: the one failure path of both loops. A step
+        the executor refused (or ran out of memory in) and survived fails its requests, unless
+        `refused_ok` (a step planned on top of a failed one: `_restart_step` starts them over);
+        an executor that failed or vanished fails every request and this engine (`is_dead`)."""
+        try:
+            return await step.future
+        except asyncio.CancelledError:
+            step.future.cancel()
+            raise
+        except StepFailedError as exc:  # the executor is fine; this step's requests are not
+            if not refused_ok:
+                log.error("%s; failing its %d requests", exc, len(step.plan.seqs))
+                self._fail_step(step.plan, exc)
+        except Exception as exc:  # the executor failed or vanished
+            log.exception("step %d failed", step.plan.step_id)
+            self._fail_all(f"executor unavailable: step failed: {type(exc).__name__}: {exc}")
+        return None
 
-    def _plan_and_send(self, inflight: _Sent | None) -> _Sent | None:
+    def _apply(self, step: _Step, result: StepResult) -> _Step:
+        """Applies a step's result to the scheduler; its outputs and record are not served yet."""
+        step.outputs = self.scheduler.update(step.plan, result)
+        step_ns, state = time.perf_counter_ns() - step.started, self.scheduler.snapshot()
+        step.record = StepRecord(step.plan, step.stats, result, step.planned_at, step_ns, state)
+        return step
+
+    def _plan_and_send(self, inflight: _Step | None) -> _Step | None:
         """Plans the next step and sends it (after `inflight`); None when there is nothing to send."""
         if not self.scheduler.has_work():
             return None
         plan, stats = self.scheduler.schedule(), self.scheduler.step_stats
-        if plan.is_empty:  # nothing fits now (or everything waits for a token in flight)
+        if plan.is_empty:  # nothing fits now (it will once something ends), or all wait for a token in flight
             return None
         plan.follows_step_id = None if inflight is None else inflight.plan.step_id
         planned_at, started = time.time(), time.perf_counter_ns()
-        return _Sent(
-            plan, stats, asyncio.ensure_future(self.executor.step(plan, self.step_timeout_s)), planned_at, started
-        )
+        future = asyncio.ensure_future(self.executor.step(plan, self.step_timeout_s))
+        return _Step(plan, stats, future, planned_at, started)
 
-    async def _restart_step(self, sent: _Sent) -> bool:
+    async def _restart_step(self, step: _Step) -> None:
         """Waits out a step planned on top of one that failed and starts its live requests over
         (Scheduler.restart: new sequence ids, their old results ignored), its swap victims
         too: whether the executor refused it (its sequences were unknown or behind there) or
-        ran it on state the failure left, nothing it computed is used. False when the
-        executor is gone (every request failed)."""
-        try:
-            await sent.future
-        except StepFailedError:
-            pass
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.exception("step %d failed", sent.plan.step_id)
-            self._fail_all(f"executor unavailable: step failed: {type(exc).__name__}: {exc}")
-            return False
-        plan, sched = sent.plan, self.scheduler
+        ran it on state the failure left, nothing it computed is used. Nothing to restart
+        when the executor is gone (every request failed)."""
+        await self._result(step, refused_ok=True)
+        if self.is_dead:
+            return
+        plan, sched = step.plan, self.scheduler
         sched.drop_on_executor(plan.finished_seq_ids)  # refused or not, dropping again is harmless
         restarted = 0
         for request_id in [entry.request_id for entry in plan.seqs] + plan.preempted:
@@ -379,9 +306,8 @@ class Engine:
                 sched.restart(request, next(self._seq_ids))
                 restarted += 1
         log.warning("step %d followed a failed step: %d of its requests start over", plan.step_id, restarted)
-        return True
 
-    def _deliver(self, done: _Done | None) -> None:
+    def _deliver(self, done: _Step | None) -> None:
         """Streams a step's tokens and tells the observers; returns None (the new `done`).
 
         Deferred under async output processing, so a stop string ends its request one step
@@ -401,18 +327,10 @@ class Engine:
         fail with it: their KV may never have been copied to host memory."""
         now = time.monotonic()
         self.scheduler.drop_on_executor(plan.finished_seq_ids)
-        swapped_out = [
-            r
-            for r in plan.preempted
-            if (live := self._live.get(r)) is not None and live.request.status is RequestStatus.SWAPPED
-        ]
-        for request_id in [entry.request_id for entry in plan.seqs] + swapped_out:
-            live = self._live.pop(request_id, None)
-            if live is None:
-                continue
-            self.scheduler.finish(live.request, FinishReason.ABORTED)  # frees blocks, drops executor state
-            self._finished(live.request, FinishReason.ABORTED, now)
-            live.stream.put(StreamDelta(error=error))
+        for request_id in [entry.request_id for entry in plan.seqs] + plan.preempted:
+            live = self._live.get(request_id)
+            if live is not None and (request_id not in plan.preempted or live.request.status is RequestStatus.SWAPPED):
+                self._end(live, StreamDelta(error=error), now)
 
     def fail(self, reason: str) -> None:
         """Declares the executor gone: every open stream ends with UNAVAILABLE, new requests
@@ -424,19 +342,17 @@ class Engine:
     def _fail_all(self, reason: str, error: type[ServingError] = UnavailableError) -> None:
         self._dead = reason
         self.dead.set()
-        for request_id, live in list(self._live.items()):
-            self.scheduler.abort(request_id)
-            self._finished(live.request, FinishReason.ABORTED, time.monotonic())
-            live.stream.put(StreamDelta(error=error(reason)))
-        self._live.clear()
+        now = time.monotonic()
+        for live in list(self._live.values()):
+            self._end(live, StreamDelta(error=error(reason)), now)
 
     # ---- output ------------------------------------------------------------------------
 
     def _emit(self, outputs: list[TokenOutput]) -> None:
+        """Streams each sampled token's delta (output.py), timing tokens for the observers."""
         now = time.monotonic()
         for out in outputs:
-            live = self._live.get(out.request.request_id)
-            if live is None:
+            if (live := self._live.get(out.request.request_id)) is None:
                 continue
             request = out.request
             if request.first_token_time is None:
@@ -444,41 +360,19 @@ class Engine:
             for observer in self.observers:
                 observer.on_token(request, now)
             request.last_token_time = now
-            token = out.sampled.token_id
-            reason = out.finish_reason
-            # A token that stopped the request by id (EOS, stop id) contributes no text.
-            text = live.detok.add(token) if reason is not FinishReason.STOP else ""
-            if live.detok.matched_stop is not None:
-                reason = FinishReason.STOP_SEQUENCE
-                self.scheduler.finish(out.request, reason)
-            logprobs = []
-            if out.request.sampling.logprobs is not None:
-                top = [(t, lp, self.tokenizer.id_to_text(t)) for t, lp in out.sampled.top]
-                logprobs = [TokenLogprobs(out.sampled.logprob, top)]
-            if reason is None:
-                live.stream.put(StreamDelta(token_ids=[token], text=text, logprobs=logprobs))
-                continue
-            final = self._final(live, reason, text + live.detok.flush())
-            final.token_ids, final.logprobs = [token], logprobs
-            if reason is FinishReason.STOP and token in out.request.sampling.stop_token_ids:
-                final.matched_stop_token_id = token
-            del self._live[out.request.request_id]
-            self._finished(request, reason, now)
-            live.stream.put(final)
+            delta = live.token_delta(out, self.tokenizer)
+            if delta.finished:
+                self._end(live, delta, now)
+            else:
+                live.stream.put(delta)
 
-    def _finished(self, request: Request, reason: FinishReason, now: float) -> None:
+    def _end(self, live: LiveRequest, final: StreamDelta, now: float) -> None:
+        """Ends a live request with its final delta (or error): the scheduler finishes it if it
+        has not (a stop string, an abort, a failure: its blocks are freed and its executor state
+        dropped), the observers are told, and the stream gets the delta."""
+        reason = final.finish_reason or FinishReason.ABORTED
+        del self._live[live.request.request_id]
+        self.scheduler.finish(live.request, reason)
         for observer in self.observers:
-            observer.on_finish(request, reason, now)
-
-    @staticmethod
-    def _final(live: _Live, reason: FinishReason, text: str) -> StreamDelta:
-        request = live.request
-        return StreamDelta(
-            text=text,
-            finished=True,
-            finish_reason=reason,
-            matched_stop=live.detok.matched_stop,
-            prompt_tokens=request.num_prompt_tokens,
-            completion_tokens=request.num_output_tokens,
-            cached_tokens=request.num_cached_tokens,
-        )
+            observer.on_finish(live.request, reason, now)
+        live.stream.put(final)

@@ -30,10 +30,11 @@ from starlette.routing import Route
 
 from chunkserve_contracts import __version__
 from chunkserve_contracts.auth import token_matches
-from scheduler_svc.engine import Engine, RequestStream, StreamDelta
+from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServingError
 from scheduler_svc.openai_protocol import Choice, HttpError, build_request, error_response, get, usage
-from scheduler_svc.servicer import GenerationServicer, stream_deltas
+from scheduler_svc.output import RequestStream, collect, stream_deltas
+from scheduler_svc.servicer import GenerationServicer
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 * 1024 * 1024  # the gRPC front's transport limit (app.MAX_PUBLIC_REQUEST_BYTES)
@@ -130,34 +131,21 @@ class HttpFront:
             include_usage = bool((stream_opts or {}).get("include_usage"))
             events = self._events(engine, stream, choice, head, include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        collect = asyncio.ensure_future(self._collect(stream))
+        collected = asyncio.ensure_future(collect(stream))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({collected, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not collect.done():
-                collect.cancel()
+            if not collected.done():
+                collected.cancel()
                 engine.abort(stream.request_id)  # the client left: free the request
-        if gone.done() and not collect.done():
+        if gone.done() and not collected.done():
             return Response(status_code=499)
-        final = collect.result()
+        final = collected.result()
         if final.error is not None:
             return error_response(final.error, chat)
         return JSONResponse({**head, "choices": [choice.body(final, stream=False)], "usage": usage(final)})
-
-    @staticmethod
-    async def _collect(stream: RequestStream) -> StreamDelta:
-        """All deltas folded into the final one."""
-        whole = StreamDelta()
-        async for d in stream_deltas(stream):
-            whole.token_ids += d.token_ids
-            whole.text += d.text
-            whole.logprobs += d.logprobs
-            if d.finished or d.error is not None:
-                d.token_ids, d.text, d.logprobs = whole.token_ids, whole.text, whole.logprobs
-                return d
-        raise AssertionError("unreachable: stream_deltas ends with a final delta")
 
     async def _events(
         self, engine: Engine, stream: RequestStream, choice: Choice, head: dict[str, Any], include_usage: bool

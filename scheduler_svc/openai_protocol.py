@@ -16,8 +16,9 @@ import grpc
 from starlette.responses import JSONResponse
 
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
-from scheduler_svc.engine import Engine, StreamDelta
+from scheduler_svc.engine import Engine
 from scheduler_svc.errors import InvalidRequestError, ServingError
+from scheduler_svc.output import StreamDelta
 from scheduler_svc.request import FinishReason
 from scheduler_svc.validation import DEFAULT_MAX_TOKENS
 

@@ -24,23 +24,12 @@ from google.protobuf.message import DecodeError, Message
 
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
-from scheduler_svc.engine import Engine, RequestStream, StreamDelta
+from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServingError, UnavailableError
+from scheduler_svc.output import RequestStream, StreamDelta, stream_deltas
 from scheduler_svc.validation import Limits, check_client_request_id, needs_tokenizer, sampling_params, tokenize_prompt
 
 log = logging.getLogger(__name__)
-
-
-def merge(into: StreamDelta, delta: StreamDelta) -> StreamDelta:
-    """Folds a later delta into an earlier one (a slow reader gets fewer, larger messages)."""
-    into.token_ids += delta.token_ids
-    into.text += delta.text
-    into.logprobs += delta.logprobs
-    if delta.finished or delta.error is not None:
-        tokens, text, logprobs = into.token_ids, into.text, into.logprobs
-        into = delta
-        into.token_ids, into.text, into.logprobs = tokens, text, logprobs
-    return into
 
 
 def delta_to_proto(request_id: str, d: StreamDelta) -> pb.GenerateResponse:
@@ -75,7 +64,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         state = self._get_engine()
         return None if state is None else state[1].max_request_bytes
 
-    def _ready(self) -> tuple[Engine, Limits, pb.GetInfoResponse]:
+    def ready_state(self) -> tuple[Engine, Limits, pb.GetInfoResponse]:
+        """The engine, limits and static info while serving; UnavailableError otherwise."""
         state = self._get_engine()
         if state is None:
             raise UnavailableError("the server is loading or draining")
@@ -92,7 +82,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         and share one engine. Raises ServingError; the caller aborts the returned stream's
         request when it stops reading before the final delta.
         """
-        engine, limits, _ = self._ready()
+        engine, limits, _ = self.ready_state()
         check_client_request_id(request)
         if needs_tokenizer(request):
             prompt = await asyncio.get_running_loop().run_in_executor(
@@ -103,10 +93,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         params = sampling_params(request, len(prompt), limits)
         stream = engine.add_request(prompt, params, request.cache_salt or None, request.priority, request.tenant)
         return engine, stream
-
-    def ready_state(self) -> tuple[Engine, Limits, pb.GetInfoResponse]:
-        """The engine, limits and static info while serving; UnavailableError otherwise."""
-        return self._ready()
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -139,7 +125,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
         try:
-            engine, _, static = self._ready()
+            engine, _, static = self.ready_state()
         except ServingError as exc:
             await context.abort(exc.code, str(exc))
             raise  # unreachable: abort raises
@@ -154,17 +140,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
         info.MergeFrom(static)  # the model and pool, fixed at start-up
         return info
-
-
-async def stream_deltas(stream: RequestStream) -> AsyncIterator[StreamDelta]:
-    """Yields merged deltas until the final one (both public fronts read streams this way)."""
-    while True:
-        delta = await stream.queue.get()
-        while not stream.queue.empty() and not (delta.finished or delta.error):
-            delta = merge(delta, stream.queue.get_nowait())
-        yield delta
-        if delta.finished or delta.error is not None:
-            return
 
 
 class _Refused:
