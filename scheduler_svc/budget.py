@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from scheduler_svc.config import AUTO_MAX_BATCHED_TOKENS
-from scheduler_svc.step_cost import CostModel, TraceStep, features, quantile
+from scheduler_svc.step_cost import WARM_UP_STEPS, CostModel, TraceStep, features, quantile
 
 if TYPE_CHECKING:
     from scheduler_svc.plan import StepPlan, StepStats
@@ -55,7 +55,6 @@ INITIAL_BUDGET = 256  # before the first fit: small, so the first decodes are no
 WINDOW = 512  # steps the model is fitted on
 REFIT_EVERY = 32  # steps between fits
 MIN_STEPS_TO_FIT = 32
-WARM_UP_STEPS = 10  # a server's first steps (first forward passes, allocations): not learned from
 HEADROOM_QUANTILE = 0.9
 HEADROOM_BOUNDS = (0.5, 2.0)
 
@@ -117,9 +116,7 @@ class BudgetController:
     # ---- deciding ---------------------------------------------------------------------
 
     def decide(self, upper: int, n_dec: int, context: int, prefill_ctx: int, target_ms: float) -> BudgetDecision:
-        """The budget for the step about to be built, at most `upper`: n_dec running requests
-        decode over `context` tokens in all; prefill_ctx is the computed length of the longest
-        partial prefill (plain values, so this module needs nothing of the scheduler's)."""
+        """The next step's budget, at most `upper`, from plain values (D, C, ctx: the module docstring)."""
         floor = min(upper, n_dec + self.block_size)
         if self.model is None:
             budget, reason = max(floor, min(upper, INITIAL_BUDGET)), "initial"

@@ -17,7 +17,7 @@ from chunkserve_contracts.flags import add_config_flags, config_from_args
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from scheduler_svc.admin import Controls, apply_update, describe
 from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.budget import INITIAL_BUDGET, MIN_STEPS_TO_FIT, WARM_UP_STEPS
+from scheduler_svc.budget import INITIAL_BUDGET, MIN_STEPS_TO_FIT
 from scheduler_svc.config import SchedulerConfig, resolve_auto_budget
 from scheduler_svc.engine import Engine
 from scheduler_svc.metrics import Metrics
@@ -25,7 +25,7 @@ from scheduler_svc.plan import Sampled, StepPlan, StepResult
 from scheduler_svc.policy import create_policy
 from scheduler_svc.request import Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.step_cost import features
+from scheduler_svc.step_cost import WARM_UP_STEPS, features
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.trace import StepTracer
 
