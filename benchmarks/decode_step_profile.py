@@ -58,7 +58,7 @@ from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.config import ExecutorConfig, default_cache_dir
 from executor_svc.models.layers import linear
 from executor_svc.models.quant import HalfWeights, half_linear
-from executor_svc.server import load
+from executor_svc.worker import load
 
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul_gemm"}
 ATTENTION_OPS = {
@@ -136,50 +136,11 @@ def time_steps(runner, ids, ctx, steps, warmup) -> tuple[list[float], list[list[
     return times, tokens
 
 
-def _linears(model):
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        yield from (getattr(attn, n, None) for n in ("qkv_proj", "o_proj"))
-        yield from (getattr(mlp, n, None) for n in ("gate_up_proj", "down_proj"))
-
-
 def gemm_alone(model, batch: int, repeats: int) -> tuple[float, int]:
     """Median ms of all the model's linears (layers + vocab head) on [batch, in] inputs, each
-    through the kernel the step uses at this batch (float32 `linear`, or the int4 kernel on
-    bfloat16 inputs and the bfloat16 head): the GEMM work only, no dtype casts."""
-    calls = []
-    for lin in _linears(model):
-        if lin is None:
-            continue
-        k = lin.weight.shape[1]
-        q = lin.reduced
-        kernel = lin.plan(batch) if lin.plan is not None else None
-        if kernel is not None:  # a measured plan (the default): its kernel, inputs in its dtype
-            calls.append(_planned(lin, kernel, batch))
-        elif isinstance(q, HalfWeights) and q.rows(batch):
-            xh = torch.randn(batch, k).to(q.weight.dtype)
-            calls.append(lambda q=q, xh=xh: half_linear(xh, q.weight))
-        elif q is not None and q.rows(batch):
-            xb = torch.randn(batch, k).to(torch.bfloat16)
-            calls.append(lambda q=q, xb=xb: torch._weight_int4pack_mm_for_cpu(xb, q.packed, 32, q.scales_and_zeros))
-        else:
-            calls.append(lambda w=lin.weight, b=lin.bias, x=torch.randn(batch, k): linear(x, w, b))
-    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    head_bf16 = model.head_reduced
-    if model.head_plan is not None:
-        kernel = model.head_plan(batch)
-        x = torch.randn(batch, head.shape[1])
-        if kernel in ("reduced", "half-onednn"):
-            xb = x.to(head_bf16[0].dtype)
-            fn = half_linear if kernel == "reduced" else torch.nn.functional.linear
-            calls.append(lambda xb=xb, fn=fn: fn(xb, head_bf16[0]))
-        else:
-            calls.append(lambda x=x, kernel=kernel: model.head_kernel(x, kernel))
-    elif head_bf16 is not None and head_bf16[1](batch):
-        xb = torch.randn(batch, head.shape[1]).to(head_bf16[0].dtype)
-        calls.append(lambda: half_linear(xb, head_bf16[0]))
-    else:
-        calls.append(lambda x=torch.randn(batch, head.shape[1]): linear(x, head))
+    through the kernel its plan gives this batch (the one place a step's kernels are decided),
+    inputs already in the kernel's dtype: the GEMM work only, no dtype casts."""
+    calls = [_planned(lin, lin.plan(batch), batch) for lin in [*model.decoder_linears(), model.lm_head]]
     times = []
     with torch.inference_mode():
         for k in range(repeats + 3):
@@ -216,16 +177,14 @@ class NoGemm:
         """`model`: its fused decode layers are switched off inside (their GEMMs are C++ calls
         no Python patch reaches), so the no-GEMM step is that of the Python layers."""
         import executor_svc.models.layers as layers_mod
-        import executor_svc.models.llama as llama_mod
 
-        self.targets = [(layers_mod, "linear"), (llama_mod, "linear"), (torch.nn.functional, "linear")]
-        self.targets += [(layers_mod, "packed_linear"), (llama_mod, "packed_linear")]  # a plan's "packed"
-        self.targets += [(layers_mod, "native_linear"), (llama_mod, "native_linear")]  # a plan's "gemv"
+        self.targets = [(layers_mod, "linear"), (torch.nn.functional, "linear")]
+        self.targets += [(layers_mod, "packed_linear"), (layers_mod, "native_linear")]  # a plan's "packed", "gemv"
         self.targets.append((torch, "_weight_int4pack_mm_for_cpu"))
         self.saved: list = []
         self.cache: dict = {}
         self.model = model
-        self.fused = None if model is None else model.model.fused
+        self.fused = model is not None and model.fused is not None
 
     def _zeros(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         key = (rows, cols, dtype)
@@ -244,16 +203,16 @@ class NoGemm:
             if hasattr(mod, name):
                 self.saved.append((mod, name, getattr(mod, name)))
                 setattr(mod, name, fakes[name])
-        if self.model is not None:
-            self.model.model.fused = None
+        if self.fused:
+            self.model.use_fused_decode(False)
         return self
 
     def __exit__(self, *exc) -> None:
         for mod, name, fn in self.saved:
             setattr(mod, name, fn)
         self.saved.clear()
-        if self.model is not None:
-            self.model.model.fused = self.fused
+        if self.fused:
+            self.model.use_fused_decode()
 
 
 def _us(fn, n: int = 200, blocks: int = 5) -> float:
@@ -353,7 +312,7 @@ def components(runner, ids: list[int], ctx: int) -> dict[str, float]:
     for sid in ids:
         reply.sampled.add(seq_id=sid, token_id=1234)
     out["reply encode (proto)"] = _us(lambda: reply.SerializeToString()) / 1000
-    if model.head_reduced is not None and model.head_reduced[1](batch):
+    if model.lm_head.plan(batch) == "reduced":
         lb = logits.to(torch.bfloat16)
         out["head dtype casts"] = (_us(lambda: hid.to(torch.bfloat16)) + _us(lambda: lb.float())) / 1000
     return out
@@ -406,7 +365,7 @@ def changed_pieces(model, batch: int, repeats: int = 2000) -> None:
     qkv = attn.qkv_proj(torch.randn(batch, attn.qkv_proj.weight.shape[1])).view(batch, -1, attn.head_dim)
     x = qkv[:, : attn.heads + attn.kv_heads]
     assert torch.equal(_old_rotary(x, cos_h, sin_h), apply_rotary(x, cos_f, sin_f))
-    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    head = model.lm_head.weight
     logits = linear(torch.randn(batch, head.shape[1]), head)
     assert torch.equal(logits.contiguous().argmax(dim=-1), logits.argmax(dim=-1))
     pairs = {
@@ -467,33 +426,27 @@ def main() -> None:
 
 @contextlib.contextmanager
 def _native(model, on: bool):
-    """--cpu-kernels native (as loaded) or torch on a loaded model for the `with` body (each
-    step plans anew); the fused decode layers need the native ops, so torch drops them too."""
-    from executor_svc.models.layers import PagedAttention, RMSNorm
-
-    fused = model.model.fused
-    switched = [m.backend if isinstance(m, PagedAttention) else m for m in model.modules()]
-    saved = [(m, m.native) for m in switched if isinstance(m, RMSNorm) or hasattr(m, "use_native")]
-    for m, _ in saved:
-        m.native = on
-    model.model.fused = fused if on else None
+    """--cpu-kernels native (as loaded) or torch for the `with` body, switched the way the
+    executor switches them (`use_native_kernels`; the fused decode layers need the native ops,
+    so torch drops them too)."""
+    was, fused = model.backend.native, model.fused is not None
+    model.use_native_kernels(on)
     try:
         yield
     finally:
-        for m, was in saved:
-            m.native = was
-        model.model.fused = fused
+        model.use_native_kernels(was)
+        model.use_fused_decode(fused)
 
 
 @contextlib.contextmanager
 def _fused(model, on: bool):
     """The fused decode layers (as loaded) or the Python layers for the `with` body."""
-    fused = model.model.fused
-    model.model.fused = fused if on else None
+    was = model.fused is not None
+    model.use_fused_decode(on)
     try:
         yield
     finally:
-        model.model.fused = fused
+        model.use_fused_decode(was)
 
 
 def _take_turns(runner, ids, ctx: int, arms: dict, rounds: int, steps: int) -> dict[str, float]:
@@ -514,7 +467,7 @@ def ab_fused(runner, batch: int, rounds: int = 6, steps: int = 10, ctx: int = 12
     """Whole decode steps with the fused decode layers (kernels/csrc/cpu_layer.cpp) and with
     the Python layers on the same native ops, taking turns."""
     model = runner.model
-    if model.model.fused is None:
+    if model.fused is None:
         print("  fused decode layers: not switched on in this executor (--cpu-kernels, plan): no A/B")
         return
     ids = prefill(runner, batch, ctx, ctx + 2 * rounds * (steps + 1) + 8, first_id=batch * 1000 + 700)
@@ -579,7 +532,7 @@ def run_mode(args, runner, quantization: str) -> None:
         print(
             f"  step with every GEMM replaced by zeros: {rest_ms:.2f} ms (min {min(rest_times):.2f}) -> "
             f"non-GEMM share in situ {100 * rest_ms / step_ms:.1f}%"
-            + (" (of the Python layers: the fused layers' GEMMs run inside C++)" if model.model.fused else "")
+            + (" (of the Python layers: the fused layers' GEMMs run inside C++)" if model.fused else "")
         )
         print(f"  tokens of sequence 0, first steps: {[t[0] for t in tokens[:8]]}")
         ctx3 = ctx2 + args.warmup + args.steps

@@ -12,7 +12,7 @@ Measures, in this order and in one process:
   `--dtype` on CPU; each with the linear plan measured at load as a first start measures it
   (`--cpu-linear-plan remeasure`: every load measures, none reads a kept plan), or with
   `-table` appended, `--cpu-linear-plan table`; the plan and its measuring time are printed): the default model loaded exactly as the
-  server loads it (`executor_svc.server.load`), B greedy sequences prefilled to CTX tokens, then
+  server loads it (`executor_svc.worker.load`), B greedy sequences prefilled to CTX tokens, then
   the median wall time of a whole decode step `ModelRunner.execute(plan)` (validation, metadata,
   forward, logits, sampling, reply proto) at each batch size, and a 512-token prefill chunk;
 - the weight bytes a batch-1 decode step reads in each mode, and so the memory floor of that
@@ -41,8 +41,8 @@ import torch
 
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.config import ExecutorConfig, default_cache_dir
-from executor_svc.models.layers import Linear, packed_linear, prepack_weight
-from executor_svc.server import load
+from executor_svc.models.layers import packed_linear, prepack_weight
+from executor_svc.worker import load
 
 
 def read_bandwidth_gbs() -> float:
@@ -138,29 +138,19 @@ def build(mode: str, threads: int):
 
 
 def decode_bytes(model) -> int:
-    """Weight bytes one batch-1 decode step reads with the kernels it takes at one row (the
-    measured plan's, or the tables'), the embedding row aside; the default model ties its
-    head to the embedding."""
+    """Weight bytes one batch-1 decode step reads with the kernels its plan gives one row, the
+    embedding row aside (the default model's head is the embedding's weight, read whole)."""
     total = 0
-    for module in model.modules():
-        if isinstance(module, Linear):
-            q = module.reduced
-            one = torch.empty(1, module.weight.shape[1])
-            reduced = module.plan(1) in ("reduced", "half-onednn") if module.plan else q is not None and q.applies(one)
-            if reduced and hasattr(q, "packed"):  # int4
-                total += q.packed.numel() * q.packed.element_size()
-                total += q.scales_and_zeros.numel() * q.scales_and_zeros.element_size()
-            elif reduced:
-                total += q.weight.numel() * q.weight.element_size()
-            else:
-                total += module.weight.numel() * module.weight.element_size()
-    if getattr(model, "lm_head", None) is None:  # tied head: the embedding is read whole
-        head = model.head_reduced
-        if model.head_plan is not None:
-            reduced = model.head_plan(1) in ("reduced", "half-onednn")
+    for lin in [*model.decoder_linears(), model.lm_head]:
+        q = lin.reduced
+        reduced = lin.plan(1) in ("reduced", "half-onednn")
+        if reduced and hasattr(q, "packed"):  # int4
+            total += q.packed.numel() * q.packed.element_size()
+            total += q.scales_and_zeros.numel() * q.scales_and_zeros.element_size()
+        elif reduced:
+            total += q.weight.numel() * q.weight.element_size()
         else:
-            reduced = head is not None and head[1](1)
-        total += model.model.embed_tokens.weight.numel() * (2 if reduced else 4)
+            total += lin.weight.numel() * lin.weight.element_size()
     return total
 
 
@@ -265,8 +255,7 @@ def run_interleaved(
 
 
 def _plan_text(model) -> str:
-    plan = model.model.layers[0].mlp.down_proj.plan
-    return f" (plan: linears {plan}; head {model.head_plan})" if plan is not None else ""
+    return f" (plan: linears {model.model.plan}; head {model.lm_head.plan})"
 
 
 def main() -> None:
@@ -295,7 +284,7 @@ def main() -> None:
         runners = {m: build(m, args.threads) for m in args.modes}
         for mode, runner in runners.items():
             weight_bytes[mode] = decode_bytes(runner.model)
-            linear_params = sum(m.weight.numel() for m in runner.model.modules() if isinstance(m, Linear))
+            linear_params = sum(m.weight.numel() for m in runner.model.decoder_linears())
             print(f"{mode}: loaded{_plan_text(runner.model)}", flush=True)
         with torch.inference_mode():
             for mode, r in run_interleaved(runners, args.batch, args.ctx, args.steps, sampler).items():
@@ -304,7 +293,7 @@ def main() -> None:
     for mode in [] if args.interleave else (args.modes + args.modes[::-1]) * args.repeat:
         runner = build(mode, args.threads)
         weight_bytes[mode] = decode_bytes(runner.model)
-        linear_params = sum(m.weight.numel() for m in runner.model.modules() if isinstance(m, Linear))
+        linear_params = sum(m.weight.numel() for m in runner.model.decoder_linears())
         with torch.inference_mode():
             results[mode].append(run_mode(runner, args.batch, args.ctx, args.steps, sampler))
         r = results[mode][-1]

@@ -20,7 +20,7 @@ import transformers
 import executor_svc.runner as R
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.config import ExecutorConfig
-from executor_svc.server import load
+from executor_svc.worker import load
 
 print("runner:", R.__file__)
 torch.set_num_threads(1)

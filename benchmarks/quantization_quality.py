@@ -177,7 +177,7 @@ def main() -> None:
         del q
     del fp32
 
-    from executor_svc.server import load
+    from executor_svc.worker import load
 
     def runner(mode: str):
         cfg = ExecutorConfig(

@@ -136,8 +136,7 @@ def _serve(args: argparse.Namespace) -> None:
     import uvloop
 
     from executor_svc.config import ExecutorConfig
-    from scheduler_svc.budget import AUTO_MAX_BATCHED_TOKENS
-    from scheduler_svc.config import SchedulerConfig
+    from scheduler_svc.config import AUTO_MAX_BATCHED_TOKENS, SchedulerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = new_token()  # this launch's executor answers this scheduler only

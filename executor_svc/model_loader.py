@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from filelock import FileLock
 
+from executor_svc.collectives import NO_TP, TPInfo
 from executor_svc.config import DEFAULT_MODEL, DEFAULT_MODEL_HUB_ID
 from executor_svc.models import check_architectures, get_model_class
-from executor_svc.parallel import NO_TP, TPInfo
 
 logger = logging.getLogger(__name__)
 

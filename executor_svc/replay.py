@@ -59,9 +59,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from concurrent import futures
 
-    from executor_svc.parallel import CommClock, Leader
-    from executor_svc.runner import PlanError
-    from executor_svc.server import join_group, load
+    from executor_svc.collectives import CommClock
+    from executor_svc.plan_check import PlanError
+    from executor_svc.tp_group import Leader, join_group
+    from executor_svc.worker import load
 
     plans = list(read_messages(args.plans, epb.StepRequest))
     tp, group = join_group(config)

@@ -29,6 +29,8 @@ class AttentionBackend(ABC):
     # (executor_svc/cuda_graphs.py): its kernels read every length from the metadata's device
     # tensors, never from its host fields, which a graph freezes at capture.
     graph_safe: ClassVar[bool] = False
+    # Decode attention and K/V writes on the native CPU ops (`use_native`; the torch backend's).
+    native: bool = False
 
     def check_block_size(self, block_size: int) -> None:
         """Raise ValueError if this backend cannot use `block_size` (default: any positive)."""
@@ -60,6 +62,21 @@ class AttentionBackend(ABC):
         num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
         kv_cache_layer[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
         kv_cache_layer[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+    def use_native(self, enabled: bool = True) -> None:
+        """Switches decode attention and K/V writes to the native CPU ops (kernels/csrc) or back;
+        a backend without such ops refuses to switch them on."""
+        if enabled:
+            raise ValueError(f"attention backend {self.name!r} has no native CPU ops")
+
+    def decode_inputs(
+        self, meta: AttentionMetadata, kv_cache_layer: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The hook of the fused decode path (executor_svc/models/fused.py): (int32 block
+        tables, int32 context lengths) of a pure-decode step in sequence order that this
+        backend would attend with the native op, which the fused layers then call in its
+        place; None for any other step, and always None here (no native decode)."""
+        return None
 
     @abstractmethod
     def forward(

@@ -2,7 +2,7 @@
 and used per --cpu-kernels for float32 decode attention and K/V writes (the torch backend), the
 decoder's residual add + RMSNorm (models/layers.RMSNorm), a few-row float32 product (the linear
 plan's "gemv" kernel, models/linear_plan.py) and, for small pure-decode steps, whole decoder
-layers (cpu_layer.cpp: the same ops without Python between them; models/llama.py).
+layers (cpu_layer.cpp's DecodeLayers: the same ops without Python between them; models/llama.py).
 
 Why built here rather than shipped: the ops are a few dozen lines of plain C++ compiled with
 -march=native (the compiler vectorises them for the CPU at hand; measured on AVX512 only), and a
@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from chunkserve_contracts.cpu import cpu_info
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_layer.cpp"))
@@ -52,16 +54,6 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": True, or "error": why the load failed (once per process)
 
 
-def _cpu_id() -> str:
-    """The CPU's model name and flags: -march=native code is valid only on CPUs that have them."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.split(":", 1)[0].strip() in ("model name", "flags")]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
 def build_name() -> str:
     """The library's name: what it is built from and for, hashed."""
     key = "\n".join(
@@ -70,7 +62,7 @@ def build_name() -> str:
             " ".join(CFLAGS),
             " ".join(LDFLAGS),
             torch.__version__,
-            _cpu_id(),
+            cpu_info().describe(),  # -march=native code is valid only on CPUs with these flags
         ]
     )
     return "chunkserve_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:16]

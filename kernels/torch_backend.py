@@ -141,7 +141,6 @@ def _plan_step(meta: AttentionMetadata, num_kv_heads: int, device: torch.device,
 class TorchBackend(AttentionBackend):
     name = "torch"
     supported_dtypes = (torch.float32, torch.bfloat16)
-    native = False  # float32 CPU steps through the native ops (`use_native`)
 
     def use_native(self, enabled: bool = True) -> None:
         """Switches this backend's float32 CPU decode attention and K/V writes to the native ops
@@ -153,13 +152,11 @@ class TorchBackend(AttentionBackend):
             raise RuntimeError("the native CPU kernels are not loaded (chunkserve_kernels.cpu_native.load())")
         self.native = enabled
 
-    def native_decode_inputs(
+    def decode_inputs(
         self, meta: AttentionMetadata, kv_cache_layer: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(int32 block tables, int32 context lengths) of a pure-decode step whose tokens are
-        in sequence order, on the native path: what the fused decode layer
-        (kernels/csrc/cpu_layer.cpp) takes in place of this backend's `forward`; None for any
-        other step. Planned once per step, shared with `forward`."""
+        """AttentionBackend.decode_inputs on the native path (planned once per step, shared
+        with `forward`)."""
         if not (self.native and _native_ok(kv_cache_layer)):
             return None
         plan = self._step_plan(meta, kv_cache_layer)

@@ -8,7 +8,6 @@ cost more than loading them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,54 +15,24 @@ import torch.nn.functional as F
 from chunkserve_kernels import AttentionBackend, get_forward_context
 from torch import nn
 
-from executor_svc.parallel import NO_TP, TPInfo, all_reduce_, shard_rows
-
-# CPU float32 GEMM row padding (on by default; `--no-cpu-gemm-row-padding` turns it off).
-_ROW_PADDING = [True]
+from executor_svc.collectives import NO_TP, TPInfo, all_reduce_, shard_rows
+from executor_svc.models.kernel_plan import DEFAULT_PLAN, Plan, padded_rows
 
 
-def set_cpu_gemm_row_padding(enabled: bool) -> None:
-    """Process-wide switch for `linear`'s row padding (the executor sets it from its config)."""
-    _ROW_PADDING[0] = enabled
-
-
-def padded_rows(m: int) -> int:
-    """The row count `linear` computes a float32 CPU product with for `m` rows of input.
-
-    MKL's sgemm on AVX2 (8 floats a register) is fast only when the rows, the columns of
-    (W @ x^T), fill its 8-wide blocks, and its GEMV is slower than its GEMM at 2 rows.
-    Measured on a 2-core AVX2 EPYC, the default model's 121 linears applied once (ms):
-    1 row 35, 2: 24, 3: 31, 4: 24, 5: 32, 6: 40, 7: 47, 8: 42, 9: 51, 12: 73, 15: 114,
-    16: 53, 28: 95, 31: 137, 32: 76, 63: 202, 64: 132, 250: 491, 256: 423, 509: 988,
-    512: 814 (benchmarks/RESULTS.md, "GEMM row padding"). So 1 -> 2, 3 -> 4, and from 7
-    rows on the next multiple of 8; 2, 4, 5, 6 as they are. The padding rows are zeros and
-    only their own output columns see them; a real row's result is the same computation
-    at a different blocking (float32 rounding may differ in the last bit, as it already
-    does between batch sizes)."""
-    if m >= 7:
-        return -(-m // 8) * 8
-    return 2 if m == 1 else 4 if m == 3 else m
-
-
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pad: bool | None = None
-) -> torch.Tensor:
-    """y = x W^T + b. In float32 on CPU computed as (W @ x^T)^T with the rows padded as
-    `padded_rows` says: with MKL on a 2-core AMD EPYC (W @ x^T) is 20-40% faster than
-    x @ W^T for decode-sized batches and never slower, and padding saves up to 2x more
-    (batch 1: 35 -> 24 ms for the default model's linears). The result is a transposed
-    view (of the padded product); ops downstream accept strides. `pad` None follows the
-    process-wide switch (`set_cpu_gemm_row_padding`); True/False is a measured plan's
-    choice (models/linear_plan.py), which keeps the row-major copy below either way."""
-    cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32
-    if not (cpu_fp32 and x.dim() == 2):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pad: bool = True) -> torch.Tensor:
+    """y = x W^T + b. In float32 on CPU computed as (W @ x^T)^T, with the rows padded as
+    `padded_rows` says when `pad` (the plan's "mm-pad" kernel; "mm" without): with MKL on a
+    2-core AMD EPYC (W @ x^T) is 20-40% faster than x @ W^T for decode-sized batches and
+    never slower, and padding saves up to 2x more on AVX2 (batch 1: 35 -> 24 ms for the
+    default model's linears). The result is a transposed view (of the padded product); ops
+    downstream accept strides. Anywhere else (CUDA, 16-bit, 3-D x) it is F.linear."""
+    if not (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2):
         return F.linear(x, weight, bias)
     m = x.shape[0]
-    fix_layout = _ROW_PADDING[0] if pad is None else True
-    p = padded_rows(m) if (_ROW_PADDING[0] if pad is None else pad) else m
+    p = padded_rows(m) if pad else m
     if p != m:
         x = F.pad(x, (0, 0, 0, p - m))
-    elif m < 16 and fix_layout:
+    elif m < 16:
         # A column-major x (silu(gate) * up of a transposed view is one) sends MKL down a path
         # 3.7x slower at 2-4 rows (90 vs 24 ms for the default model's linears); from 16
         # rows on both layouts cost the same.
@@ -73,10 +42,6 @@ def linear(
     return (y[:, :m] if p != m else y).t()
 
 
-# oneDNN's prepacked float32 product serves steps of at least this many rows (see `prepack_weight`).
-PREPACK_MIN_ROWS = 3
-
-
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked ("prepacked") copy of a float32 CPU weight [N, K], as torch inductor's
     freezing makes one, or None where torch was built without oneDNN.
@@ -84,7 +49,7 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     Why: measured on a 2-core AVX512-BF16 EPYC, the default model's 121 linears applied once
     (ms, MKL's padded `linear` vs oneDNN on the packed copy): 3 rows 27.6 / 20.3, 4: 26.8 /
     18.7, 8: 42.4 / 24.0, 12: 59.4 / 25.8, 32: 86.8 / 51.5, 128: 254 / 174, 512: 876 / 738;
-    but 1-2 rows 16-20 / 24-25, so `Linear` keeps the plain weight for those (memory: a
+    but 1-2 rows 16-20 / 24-25, so the tables keep the plain weight for those (memory: a
     second float32 copy of every linear weight and the head). One copy, packed for a batch
     of 8, serves every row count (packing per row count measured no faster)."""
     if not torch.backends.mkldnn.is_available():
@@ -94,8 +59,8 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def prepack_measured() -> bool:
     """Whether this CPU is of a class where the packed copies were measured faster: AVX512
-    (torch's CPU capability). Not yet measured on AVX2, so `--cpu-gemm-prepack` applies
-    only on AVX512 CPUs for now."""
+    (torch's CPU capability). Not yet measured on AVX2, so the tables use `--cpu-gemm-prepack`
+    only on AVX512 CPUs (a measured plan times the copies on any CPU)."""
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
@@ -108,12 +73,13 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b) through the native few-row float32 product (kernels/csrc/cpu_linear.cpp:
     each weight row streamed once, ~1.3-1.4x MKL's speed at one row on a 2-core Zen 5; the
-    linear plan's "gemv" kernel). Needs `chunkserve_kernels.cpu_native.load()` to have succeeded."""
+    plan's "gemv" kernel). Needs `chunkserve_kernels.cpu_native.load()` to have succeeded."""
     return torch.ops.chunkserve.gemv(x, weight, bias)
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). Fused layers list their shards: name -> (row offset, rows)."""
+    """y = x W^T (+ b) through the kernel its plan names for the step's row count
+    (models/kernel_plan.py). Fused layers list their shards: name -> (row offset, rows)."""
 
     def __init__(
         self,
@@ -135,12 +101,11 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
         self.shards = shards or {}
         # models/quant: Int4Weights (--quantization int4) or HalfWeights (--dtype bfloat16/float16
-        # on CPU), a reduced-precision copy used for the steps its RowRule admits
+        # on CPU), the reduced-precision copy behind the plan's "reduced" and "half-onednn" kernels
         self.reduced: Any = None
-        # prepack_model: oneDNN's blocked float32 copy for steps of >= PREPACK_MIN_ROWS rows
+        # LlamaForCausalLM.prepack: oneDNN's blocked float32 copy, the plan's "packed" kernel
         self.packed: torch.Tensor | None = None
-        # models/linear_plan: the kernel per step size measured at start-up (None: the tables)
-        self.plan: Callable[[int], str] | None = None
+        self.plan: Plan = DEFAULT_PLAN  # set by LlamaForCausalLM.use_plan
         self.tp = tp
         self.tp_dim = tp_dim if tp.enabled else None
 
@@ -148,31 +113,29 @@ class Linear(nn.Module):
         """`same_dtype=False` lets the reduced-precision path return its 16-bit result uncast
         (no bias only), for a caller that adds it to a float32 tensor: `h + y` promotes y
         exactly, so the sum is bitwise that of `h + y.float()`, one op fewer per call."""
-        if self.tp_dim == 1:
-            y = all_reduce_(self.full_precision(x))
+        kernel = self.plan(x.shape[0]) if x.dim() == 2 else "mm"
+        if self.tp_dim == 1:  # row-parallel: this rank's partial product, summed, then the bias once
+            y = all_reduce_(self.apply_kernel(x, kernel, with_bias=False))
             return y if self.bias is None else y.add_(self.bias)
-        if self.plan is not None and x.dim() == 2:
-            return self.apply_kernel(x, self.plan(x.shape[0]), same_dtype)
-        if self.reduced is not None and self.reduced.applies(x):
-            if self.bias is None:
-                return self.reduced.matmul(x, same_dtype)
-            return self.reduced.matmul(x).add_(self.bias)
-        return self.full_precision(x, self.bias)
+        return self.apply_kernel(x, kernel, same_dtype)
 
-    def apply_kernel(self, x: torch.Tensor, kernel: str, same_dtype: bool = True) -> torch.Tensor:
-        """This rank's x W^T (+ bias) through one named kernel (models/linear_plan.KERNELS):
-        "mm" / "mm-pad" `linear` without / with row padding, "packed" the oneDNN copy, "gemv"
-        the native few-row product, "reduced" the int4 or 16-bit copy as its class computes
-        it, "half-onednn" the 16-bit copy through oneDNN's F.linear. No tensor-parallel
-        reduction (the caller's)."""
-        bias = self.bias
+    def apply_kernel(
+        self, x: torch.Tensor, kernel: str, same_dtype: bool = True, with_bias: bool = True
+    ) -> torch.Tensor:
+        """x W^T (+ b) through one named kernel (kernel_plan.KERNELS): "mm" / "mm-pad"
+        `linear` without / with row padding, "packed" the oneDNN copy, "gemv" the native
+        few-row product, "reduced" the int4 or 16-bit copy as its class computes it,
+        "half-onednn" the 16-bit copy through oneDNN's F.linear. The benchmarks and the
+        plan's measurement call it too, so they time what a step runs."""
+        bias = self.bias if with_bias else None
         if kernel in ("reduced", "half-onednn"):
+            keep = same_dtype or bias is not None
             if kernel == "reduced":
-                y = self.reduced.matmul(x, same_dtype or bias is not None)
+                y = self.reduced.matmul(x, keep)
             else:
                 w = self.reduced.weight
                 y = F.linear(x.to(w.dtype), w)
-                y = y.to(x.dtype) if same_dtype or bias is not None else y
+                y = y.to(x.dtype) if keep else y
             return y if bias is None else y.add_(bias)
         if kernel == "packed":
             return packed_linear(x, self.packed, bias)
@@ -181,13 +144,6 @@ class Linear(nn.Module):
         if kernel in ("mm", "mm-pad"):
             return linear(x, self.weight, bias, pad=kernel == "mm-pad")
         raise ValueError(f"unknown linear kernel {kernel!r}")
-
-    def full_precision(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T (+ bias) with the model-dtype weights: oneDNN's packed copy from
-        PREPACK_MIN_ROWS rows when there is one, `linear` otherwise."""
-        if self.packed is not None and x.dim() == 2 and x.shape[0] >= PREPACK_MIN_ROWS:
-            return packed_linear(x, self.packed, bias)
-        return linear(x, self.weight, bias)
 
 
 class Embedding(nn.Module):
@@ -223,7 +179,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         # float32 CPU: the native residual add + norm (kernels/csrc/cpu_attention.cpp), one op
         # instead of the add and rms_norm's composite (~14 us a call at one row); set by the
-        # executor with --cpu-kernels (executor_svc/server.setup_cpu_kernels)
+        # executor with --cpu-kernels (LlamaForCausalLM.use_native_kernels)
         self.native = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Which kernel computes a CPU linear for a step of M token rows, measured on this machine at
-start-up (`--cpu-linear-plan measure`, the default on CPU) instead of read from a table.
+"""The kernel plan measured on this machine at start-up (`--cpu-linear-plan measure`, the
+default on CPU) instead of read from the tables (models/kernel_plan.py has the Plan itself).
 
 Why measure: the fastest kernel per row count differs by CPU far more than a feature flag
 predicts. On the three 2-core machines measured so far (benchmarks/RESULTS.md, "A linear
@@ -11,130 +11,70 @@ faster than float32 there although it has the "native" bfloat16 instruction the 
 on. A table per CPU class needs a new row for every new class and is wrong where one class
 hides two behaviours (MKL on AMD vs Intel); a measurement costs 15-25 s once per machine.
 
-What is measured: for each bucket of row counts (`BUCKETS`; a step of M rows takes the
-plan of the smallest bucket >= M, the last one above it), every candidate kernel that the
-loaded copies allow (`candidates`) runs all of the model's decoder linears on one input of
-that many rows (the whole model, so that the weights stream from memory as they do in a
-step, not from a cache that one layer would fit in), and the vocabulary head separately;
-the minimum over `reps` rounds counts (noise on a shared machine only adds time); each
-round runs every candidate of every bucket in turn, so a candidate's runs are spread over
-the whole measurement and a burst of load or a slow minute falls on all of them alike. The
-kernel that wins keeps the bucket, except that an earlier candidate (float32 before a
-reduced copy, the plain product before padding or packing) stays unless a later one is at
-least `MARGIN` faster (`choose`). Each kernel computes float32 products or the mode's
-reduced ones, so the plan changes speed, not the mode's contract: float32 kernels differ
-from one another in the last bits only (they already did between row counts); the reduced
-kernels are the mode's measured agreement with float32 (int4 capped to steps of
-`INT4_MAX_ROWS`: prefilling through int4 loses too much, see models/quant.py).
+What is measured: for each bucket of row counts (`buckets_for`; a step of M rows takes the
+plan of the smallest bucket >= M), every candidate kernel that the loaded copies allow
+(`kernel_plan.candidates`) runs all of the model's decoder linears on one input of that many
+rows (the whole model, so that the weights stream from memory as they do in a step, not from
+a cache that one layer would fit in), and the vocabulary head separately. The buckets reach
+the executor's token budget, so a prefill chunk takes a kernel measured at its size, never
+one extrapolated from decode sizes (a plan that stopped at 128 rows sent bfloat16's 2K-token
+chunks to the 16-bit copies, measured 1.8x slower there than float32); from `LARGE_FROM`
+rows, where a step is bound by arithmetic rather than weight reads, one layer's linears
+stand for the model's, `LARGE_REPS` rounds. The minimum over `reps` rounds counts (noise on
+a shared machine only adds time); each round runs every candidate of every bucket in turn,
+so a candidate's runs are spread over the whole measurement and a burst of load or a slow
+minute falls on all of them alike. The kernel that wins keeps the bucket, except that an
+earlier candidate (float32 before a reduced copy, the plain product before padding or
+packing) stays unless a later one is at least `MARGIN` faster (`kernel_plan.choose`). Each
+kernel computes float32 products or the mode's reduced ones, so the plan changes speed, not
+the mode's contract: float32 kernels differ from one another in the last bits only (they
+already did between row counts); the reduced kernels are the mode's measured agreement with
+float32 (int4 capped to steps of `INT4_MAX_ROWS`: prefilling through int4 loses too much,
+see models/quant.py).
 
 The plan is kept in the cache folder (`linear-plans/<key>.json` under --cache-dir), keyed by
 what it depends on (`plan_key`: the CPU's model name and features, torch's version and
-thread count, the linears' shapes, the weight mode and the candidates allowed): a later
-start on the same machine reads it instead of measuring again (a file read instead of 17 s
-for float32 to 24 s for int4, the default model on 2 cores), and restarts keep one plan, so
-a reduced mode's tokens do not change between restarts with the noise of a measurement.
-`--cpu-linear-plan remeasure` measures again and replaces the file (after a change the key
-cannot see: a BIOS setting, a busier or quieter machine).
-
-`--cpu-linear-plan table` keeps the measured-per-class tables (`padded_rows`,
-`PREPACK_MIN_ROWS`, models/quant.ROW_RULES) and skips the measurement (tests that pin a
-path use it; so does tensor parallelism, whose ranks would have to agree on one plan).
+thread count, the linears' shapes, the weight mode, the candidates allowed and the buckets):
+a later start on the same machine reads it instead of measuring again, and restarts keep one
+plan, so a reduced mode's tokens do not change between restarts with the noise of a
+measurement. `--cpu-linear-plan remeasure` measures again and replaces the file.
 """
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from executor_svc.models.layers import Linear, padded_rows
+from chunkserve_contracts.cpu import cpu_info
+from executor_svc.models.kernel_plan import GEMV_MAX_ROWS, INT4_MAX_ROWS, KERNELS, MARGIN, Plan, candidates, choose
 
 log = logging.getLogger(__name__)
 
-BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
-# preference order: an earlier kernel keeps a bucket unless a later one is MARGIN faster
-KERNELS = ("mm", "mm-pad", "packed", "gemv", "reduced", "half-onednn")
-MARGIN = 0.05
-INT4_MAX_ROWS = 32
-# the native few-row product (kernels/csrc/cpu_linear.cpp) is a candidate up to this many rows:
-# from ~4 on oneDNN's packed product, which reuses each weight line across rows, wins
-GEMV_MAX_ROWS = 4
-PLAN_FORMAT = 1  # bump when what a stored plan means changes (kernels, bucket semantics)
+BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)  # decode-sized steps, the head's rows
+LARGE_FROM = 256  # buckets from here are prefill chunks: one layer's linears, LARGE_REPS rounds
+LARGE_BUCKETS: tuple[int, ...] = (256, 512, 1024, 2048)  # measured up to the budget (2048 at most)
+LARGE_REPS = 3
+PLAN_FORMAT = 2  # bump when what a stored plan means changes (kernels, bucket semantics)
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """The kernel for a step of `m` rows: that of the smallest bucket >= m (the last above)."""
-
-    buckets: tuple[int, ...]
-    kernels: tuple[str, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.buckets) != len(self.kernels) or not self.buckets:
-            raise ValueError("a plan needs one kernel per bucket")
-        if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
-            raise ValueError(f"plan buckets must be increasing and >= 1, got {self.buckets}")
-
-    def __call__(self, m: int) -> str:
-        return self.kernels[min(bisect.bisect_left(self.buckets, m), len(self.buckets) - 1)]
-
-    def __str__(self) -> str:
-        """Runs of equal kernels, e.g. "1: mm, 2-4: reduced, 5+: packed"."""
-        parts, start = [], 1
-        for i, (b, k) in enumerate(zip(self.buckets, self.kernels, strict=True)):
-            last = i == len(self.buckets) - 1
-            if last or self.kernels[i + 1] != k:
-                span = f"{start}+" if last else (str(b) if b == start else f"{start}-{b}")
-                parts.append(f"{span}: {k}")
-                start = b + 1
-        return ", ".join(parts)
-
-
-def choose(costs: dict[str, float], margin: float = MARGIN) -> str:
-    """The kernel for one bucket from its measured seconds: walk the candidates in KERNELS
-    order; a later one replaces the current choice only if it is faster by more than
-    `margin` (a tie keeps the exact-float32, unpadded, unpacked kernel)."""
-    best = None
-    for k in sorted(costs, key=KERNELS.index):
-        if best is None or costs[k] < costs[best] * (1 - margin):
-            best = k
-    if best is None:
-        raise ValueError("no candidate kernel was measured")
-    return best
-
-
-def candidates(
-    m: int, *, padding: bool, packed: bool, reduced: str | None, reduced_max_rows: int | None, gemv: bool = False
-) -> list[str]:
-    """The kernels worth timing at `m` rows given the copies loaded: "mm-pad" only where
-    `padded_rows` changes m; "gemv" (the native library's, where it loaded) up to
-    GEMV_MAX_ROWS; "reduced" within the mode's row cap (--quantized-max-rows, or
-    INT4_MAX_ROWS for int4); "half-onednn" only from 12 rows (below it `half_linear` is
-    oneDNN's F.linear already, or at one row the GEMV that beats it)."""
-    out = ["mm"]
-    if padding and padded_rows(m) != m:
-        out.append("mm-pad")
-    if packed:
-        out.append("packed")
-    if gemv and m <= GEMV_MAX_ROWS:
-        out.append("gemv")
-    cap = reduced_max_rows if reduced_max_rows is not None else (INT4_MAX_ROWS if reduced == "int4" else None)
-    if reduced is not None and (cap is None or m <= cap):
-        out.append("reduced")
-        if reduced != "int4" and m >= 12:
-            out.append("half-onednn")
-    return out
+def buckets_for(budget: int, part: str = "linears") -> tuple[int, ...]:
+    """The buckets of `part` ("linears" or "head") for an executor whose steps carry at most
+    `budget` tokens: the decoder linears' reach the budget (2048 at most: beyond it a step is
+    long bound by arithmetic, and the ratios between kernels hold); the head's stop at 128
+    (it computes only the rows that sample, one per sequence)."""
+    sizes = (*BUCKETS, *LARGE_BUCKETS) if part == "linears" else BUCKETS
+    top = min(budget, sizes[-1])
+    return tuple(sorted({b for b in sizes if b < top} | {top}))
 
 
 # (part, kernel, rows, run, before) -> seconds of one `run`; `before` runs untimed ahead of it
@@ -170,9 +110,7 @@ class Measured:
         return "\n".join(lines)
 
 
-def decoder_linears(model: torch.nn.Module) -> list[Linear]:
-    """Every Linear of the decoder layers (the head is measured on its own)."""
-    return [m for name, m in model.named_modules() if isinstance(m, Linear) and "lm_head" not in name]
+Work = dict[tuple[str, int], tuple[Callable[[], Any], dict[str, Callable[[], Any]]]]
 
 
 @torch.inference_mode()
@@ -183,103 +121,70 @@ def measure(
     reduced_max_rows: int | None = None,
     padding: bool = True,
     gemv: bool = False,
-    buckets: Sequence[int] = BUCKETS,
+    budget: int = LARGE_BUCKETS[-1],
     clock: Clock | None = None,
     reps: int = 5,
 ) -> Measured:
     """Times every candidate kernel per bucket on `model` (a LlamaForCausalLM on CPU, its
-    copies loaded: `Linear.packed` / `head_packed`, `Linear.reduced` / `head_reduced`) and
-    returns the plans; `reduced` names the mode of the reduced copies ("int4", "bfloat16",
-    "float16", or None); `gemv` whether the native library's product is a candidate (loaded,
-    --cpu-kernels not torch). `clock` (tests) replaces the timing."""
+    copies loaded: `Linear.packed`, `Linear.reduced`, the head's too) and returns the plans;
+    `reduced` names the mode of the reduced copies ("int4", "bfloat16", "float16", or None);
+    `gemv` whether the native library's product is a candidate (loaded, --cpu-kernels not
+    torch); `budget` the executor's largest step. `clock` (tests) replaces the timing."""
     t0 = time.perf_counter()
-    clock = clock or wall_clock
-    linears = decoder_linears(model)
-    packed = bool(linears) and all(lin.packed is not None for lin in linears)
+    linears = model.decoder_linears()
+    opts = dict(padding=padding, reduced_max_rows=reduced_max_rows, gemv=gemv)
+    work: Work = {}
     gen = torch.Generator().manual_seed(0)
-    hidden = model.config.hidden_size
-    widths = {lin.weight.shape[1] for lin in linears}
-    one_row = {n: torch.randn(1, n, generator=gen) for n in widths}
+    for m in buckets_for(budget, "linears"):
+        part = linears if m < LARGE_FROM else [lin for lin in model.model.layers[0].modules() if lin in linears]
+        xs = {n: torch.randn(m, n, generator=gen) for n in {lin.weight.shape[1] for lin in part}}
+        kernels = candidates(m, packed=all(lin.packed is not None for lin in part), reduced=reduced, **opts)
+        work[("linears", m)] = _nothing, {k: lambda k=k, p=part, xs=xs: _run(p, k, xs) for k in kernels}
+    head = model.lm_head
+    flush_x = {n: torch.randn(1, n, generator=gen) for n in {lin.weight.shape[1] for lin in linears}}
+    # What precedes the head in a step, the decoder's linears (one row, float32): without it
+    # the head, timed alone and repeatedly, would stay in a large L3 cache (113 MB in float32
+    # for the default model) and look faster than in a step, the more so the more bytes it
+    # reads (measured: float32's head 3.4 ms vs bfloat16's 4.0 without).
+    flush = lambda: _run(linears, "mm", flush_x)  # noqa: E731
+    head_mode = None if head.reduced is None else "bfloat16"  # int4's head copy is 16-bit
+    for m in buckets_for(budget, "head"):
+        h = {head.weight.shape[1]: torch.randn(m, head.weight.shape[1], generator=gen)}
+        kernels = candidates(m, packed=head.packed is not None, reduced=head_mode, **opts | _head_cap(reduced, opts))
+        work[("head", m)] = flush, {k: lambda k=k, h=h: _run([head], k, h) for k in kernels}
+    costs = _rounds(work, clock or wall_clock, reps)
+    body = Plan(*zip(*((m, choose(c)) for (part, m), c in costs.items() if part == "linears"), strict=True))
+    head_plan = Plan(*zip(*((m, choose(c)) for (part, m), c in costs.items() if part == "head"), strict=True))
+    return Measured(body, head_plan, costs, time.perf_counter() - t0)
 
-    def flush() -> None:
-        """What precedes the head in a step, the decoder's linears (one row, float32): without
-        it the head, timed alone and repeatedly, would stay in a large L3 cache (113 MB in
-        float32 for the default model) and look faster than in a step, the more so the more
-        bytes it reads (measured: float32's head 3.4 ms vs bfloat16's 4.0 without)."""
-        for lin in linears:
-            lin.apply_kernel(one_row[lin.weight.shape[1]], "mm")
 
-    def run_body(kernel: str, xs: dict[int, torch.Tensor]) -> None:
-        for lin in linears:
-            lin.apply_kernel(xs[lin.weight.shape[1]], kernel)
+def _head_cap(reduced: str | None, opts: dict[str, Any]) -> dict[str, Any]:
+    """int4's head copy is 16-bit and any step may take it; a 16-bit mode's cap holds for its head too."""
+    return {"reduced_max_rows": None} if reduced == "int4" else {}
 
-    # (part, bucket) -> (what runs untimed before each run, kernel -> run)
-    work: dict[tuple[str, int], tuple[Callable[[], Any], dict[str, Callable[[], Any]]]] = {}
-    for m in buckets:
-        xs = {n: torch.randn(m, n, generator=gen) for n in widths}
-        opts = candidates(
-            m, padding=padding, packed=packed, reduced=reduced, reduced_max_rows=reduced_max_rows, gemv=gemv
-        )
-        work[("linears", m)] = _nothing, {k: lambda k=k, xs=xs: run_body(k, xs) for k in opts}
-        h = torch.randn(m, hidden, generator=gen)
-        head_opts = candidates(
-            m,
-            padding=padding,
-            packed=model.head_packed is not None,
-            reduced=None if model.head_reduced is None else "bfloat16",  # int4's head copy is 16-bit
-            reduced_max_rows=reduced_max_rows if reduced != "int4" else None,
-            gemv=gemv,
-        )
-        work[("head", m)] = flush, {k: lambda k=k, h=h: model.head_kernel(h, k) for k in head_opts}
-    # One warm-up run of each, then `reps` rounds over everything: a candidate's runs are
-    # spread over the whole measurement (seconds), not over the ~1 s of its bucket, and the
-    # candidates of a bucket take turns, so neither a burst of load nor a slow minute on a
-    # shared machine lands on one candidate alone (noise only adds time: the fastest counts).
+
+def _run(linears: list[Any], kernel: str, xs: dict[int, torch.Tensor]) -> None:
+    for lin in linears:
+        lin.apply_kernel(xs[lin.weight.shape[1]], kernel)
+
+
+def _rounds(work: Work, clock: Clock, reps: int) -> dict[tuple[str, int], dict[str, float]]:
+    """Each candidate's fastest run. One warm-up run of each, then `reps` rounds over
+    everything (LARGE_REPS for the large buckets): a candidate's runs are spread over the whole
+    measurement (seconds), not over the ~1 s of its bucket, and the candidates of a bucket take
+    turns, so neither a burst of load nor a slow minute on a shared machine lands on one
+    candidate alone (noise only adds time: the fastest counts)."""
     for _, runs in work.values():
         for run in runs.values():
             run()
     costs = {key: dict.fromkeys(runs, float("inf")) for key, (_, runs) in work.items()}
-    for _ in range(reps):
+    for rep in range(reps):
         for (part, m), (before, runs) in work.items():
+            if m >= LARGE_FROM and rep >= LARGE_REPS:
+                continue
             for k, run in runs.items():
                 costs[(part, m)][k] = min(costs[(part, m)][k], clock(part, k, m, run, before))
-    body = Plan(tuple(buckets), tuple(choose(costs[("linears", m)]) for m in buckets))
-    head = Plan(tuple(buckets), tuple(choose(costs[("head", m)]) for m in buckets))
-    return Measured(body, head, costs, time.perf_counter() - t0)
-
-
-def apply(model: Any, body: Plan, head: Plan) -> int:
-    """Sets the plans on the model's decoder linears and head, and drops the packed float32
-    copies no bucket chose (their memory: float32's weights once more); returns bytes freed."""
-    freed = 0
-    for lin in decoder_linears(model):
-        lin.plan = body
-        if "packed" not in body.kernels and lin.packed is not None:
-            freed += lin.weight.nbytes
-            lin.packed = None
-    model.head_plan = head
-    if "packed" not in head.kernels and model.head_packed is not None:
-        weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        freed += weight.nbytes
-        model.head_packed = None
-        if model.lm_head is not None:
-            model.lm_head.packed = None
-    return freed
-
-
-def _cpu_name() -> str:
-    """The CPU's model name and feature flags (two CPUs of one torch capability can want
-    different plans: AVX512 on Zen 4 vs on an AMX Xeon, RESULTS.md)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            fields = dict(
-                line.split(":", 1)
-                for line in f
-                if ":" in line and line.split(":", 1)[0].strip() in ("model name", "flags")
-            )
-    except OSError:
-        return platform.processor() or platform.machine()
-    return " ".join(v.strip() for v in fields.values())
+    return costs
 
 
 def plan_key(
@@ -289,28 +194,29 @@ def plan_key(
     reduced_max_rows: int | None,
     padding: bool,
     gemv: bool = False,
-    buckets: Sequence[int] = BUCKETS,
+    budget: int = LARGE_BUCKETS[-1],
 ) -> dict[str, Any]:
     """What a measured plan depends on, as stored beside it; its hash names the file."""
-    linears = decoder_linears(model)
-    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    linears, head = model.decoder_linears(), model.lm_head
     return {
         "format": PLAN_FORMAT,
-        "cpu": _cpu_name(),
+        "cpu": cpu_info().describe(),
         "torch": torch.__version__,
         "capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "linears": sorted([*shape, n] for shape, n in Counter(tuple(lin.weight.shape) for lin in linears).items()),
-        "head": list(head.shape),
+        "head": list(head.weight.shape),
         "reduced": reduced,
         "reduced_max_rows": reduced_max_rows,
         "padding": padding,
         "packed": bool(linears) and all(lin.packed is not None for lin in linears),
-        "head_packed": model.head_packed is not None,
-        "head_reduced": model.head_reduced is not None,
+        "head_packed": head.packed is not None,
+        "head_reduced": head.reduced is not None,
         "gemv": gemv,
         "gemv_max_rows": GEMV_MAX_ROWS,
-        "buckets": list(buckets),
+        "buckets": list(buckets_for(budget, "linears")),
+        "head_buckets": list(buckets_for(budget, "head")),
+        "large": [LARGE_FROM, LARGE_REPS],
         "kernels": list(KERNELS),
         "margin": MARGIN,
         "int4_max_rows": INT4_MAX_ROWS,
@@ -330,13 +236,13 @@ def load_plan(path: Path, key: dict[str, Any]) -> tuple[Plan, Plan] | None:
     version does not have: a hand edit that would otherwise fail every step)."""
     try:
         stored = json.loads(path.read_text())
-        if stored["key"] != json.loads(json.dumps(key)) or stored["buckets"] != key["buckets"]:
+        if stored["key"] != json.loads(json.dumps(key)):
             return None
-        if not set(stored["body"]) | set(stored["head"]) <= set(KERNELS):
+        body = Plan(tuple(stored["buckets"]), tuple(stored["body"]))
+        head = Plan(tuple(stored["head_buckets"]), tuple(stored["head"]))
+        if list(body.buckets) != key["buckets"] or list(head.buckets) != key["head_buckets"]:
             return None
-        return Plan(tuple(stored["buckets"]), tuple(stored["body"])), Plan(
-            tuple(stored["buckets"]), tuple(stored["head"])
-        )
+        return body, head
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -349,6 +255,7 @@ def store_plan(path: Path, key: dict[str, Any], measured: Measured) -> None:
         "key": key,
         "buckets": list(measured.body.buckets),
         "body": list(measured.body.kernels),
+        "head_buckets": list(measured.head.buckets),
         "head": list(measured.head.kernels),
         "seconds": round(measured.seconds, 2),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -368,11 +275,12 @@ def kept_or_measured(
     reduced_max_rows: int | None,
     padding: bool,
     gemv: bool = False,
+    budget: int = LARGE_BUCKETS[-1],
 ) -> tuple[tuple[Plan, Plan], str]:
     """The (body, head) plans for `model`: the one kept in `folder` for this key, else (or
     with `remeasure`) a new measurement, kept there for the next start; and where it came
     from, for the log. A folder that cannot be written costs only the keeping."""
-    kw = dict(reduced=reduced, reduced_max_rows=reduced_max_rows, padding=padding, gemv=gemv)
+    kw = dict(reduced=reduced, reduced_max_rows=reduced_max_rows, padding=padding, gemv=gemv, budget=budget)
     key = plan_key(model, **kw)
     path = plan_file(folder, key)
     plans = None if remeasure else load_plan(path, key)

@@ -8,32 +8,29 @@ dominated by weight reads and per-op overhead, so fewer, larger GEMMs win.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from chunkserve_kernels import AttentionBackend, get_backend, get_forward_context
+from chunkserve_kernels import AttentionBackend, get_backend
 from torch import nn
 
+from executor_svc.collectives import NO_TP, TPInfo, all_gather_last, check_divisible, shard_rows
+from executor_svc.models.fused import FusedDecode
+from executor_svc.models.kernel_plan import DEFAULT_PLAN, Plan
 from executor_svc.models.layers import (
-    PREPACK_MIN_ROWS,
     Embedding,
     Linear,
     PagedAttention,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
-    linear,
-    native_linear,
-    packed_linear,
     prepack_weight,
     rope_parameters,
 )
-from executor_svc.models.quant import GROUP_SIZE, Int4Weights, RowRule, half_linear
 from executor_svc.models.weights import load_weights
-from executor_svc.parallel import NO_TP, TPInfo, all_gather_last, check_divisible, shard_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,26 +108,6 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp.forward(normed), residual
 
 
-@dataclass(frozen=True, slots=True)
-class _FusedLayer:
-    """One decoder layer's arguments to the native fused decode layer (kernels/csrc/cpu_layer.cpp)."""
-
-    weights: list[torch.Tensor]  # input norm, qkv, o, post-attention norm, gate_up, down
-    biases: list[torch.Tensor | None]  # qkv, o, gate_up, down
-    int4: list[torch.Tensor]  # (packed, scales_and_zeros) of qkv, o, gate_up, down; [] if no int4 copies
-    eps: float
-    heads: int
-    kv_heads: int
-    scale: float
-    layer_idx: int
-
-
-def _int4_tensors(lin: Linear) -> list[torch.Tensor]:
-    """A linear's int4 copy as the fused decode layer takes it, or [] where it has none."""
-    q = lin.reduced
-    return [q.packed, q.scales_and_zeros] if isinstance(q, Int4Weights) else []
-
-
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, s: BlockSpec) -> None:
         super().__init__()
@@ -138,104 +115,28 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(s, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(s.hidden, s.eps, s.dtype, s.device)
         self.rotary_emb = RotaryEmbedding(s.head_dim, rope_parameters(config), s.device)
-        self.tp = s.tp
-        # set by `use_fused_decode` (the executor's --cpu-kernels native / auto): per layer, what
-        # the native fused decode layer takes; None = every step runs the Python layers
-        self.fused: list[_FusedLayer] | None = None
-        self._fused_linears: list[Linear] = []
-
-    def use_fused_decode(self, enabled: bool = True) -> None:
-        """Small pure-decode steps run each decoder layer as one native op (`fused_decode`
-        says which). Needs the native library loaded, the attention backends and norms on
-        their native ops, and no tensor parallelism (the fused layer has no collectives);
-        call it after the int4 copies are made (models/quant.quantize_model), if any."""
-        if not enabled:
-            self.fused = None
-            return
-        if self.tp.enabled:
-            raise ValueError("the fused decode layer has no tensor-parallel collectives")
-        fused = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if not all(n.native for n in norms) or not attn.attn.backend.native or norms[0].eps != norms[1].eps:
-                raise ValueError("the fused decode layer needs the native norms and attention (--cpu-kernels)")
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            fused.append(
-                _FusedLayer(
-                    weights=[norms[0].weight, linears[0].weight, linears[1].weight]
-                    + [norms[1].weight, linears[2].weight, linears[3].weight],
-                    biases=[lin.bias for lin in linears],
-                    int4=[t for lin in linears for t in _int4_tensors(lin)] if all(map(_int4_tensors, linears)) else [],
-                    eps=norms[0].eps,
-                    heads=attn.heads,
-                    kv_heads=attn.kv_heads,
-                    scale=attn.attn.scale,
-                    layer_idx=attn.attn.layer_idx,
-                )
-            )
-        self.fused = fused
-        self._fused_linears = [lin for layer in self.layers for lin in layer.modules() if isinstance(lin, Linear)]
-
-    def fused_decode(self, x: torch.Tensor) -> tuple[bool, torch.Tensor, torch.Tensor] | None:
-        """(int4, block tables, context lengths) when this step runs the fused layers:
-        switched on, float32 on CPU, a pure-decode step in sequence order, and every decoder
-        linear's plan gives this step size to the native product ("gemv", 1-4 rows) or to
-        the int4 copies ("reduced" under --quantization int4); else None. The fused layer
-        computes exactly what the Python layers compute on those paths (a test holds them
-        bitwise equal), so this is a question of speed only."""
-        if self.fused is None or x.dtype != torch.float32 or x.device.type != "cpu":
-            return None
-        plan = self._fused_linears[0].plan
-        kernel = None if plan is None else plan(x.shape[0])
-        if kernel == "gemv":
-            int4 = False
-        elif kernel == "reduced" and self.fused[0].int4:
-            int4 = True
-        else:
-            return None
-        if any(lin.plan is not plan for lin in self._fused_linears):
-            return None
-        ctx = get_forward_context()
-        backend = self.layers[0].self_attn.attn.backend
-        inputs = backend.native_decode_inputs(ctx.meta, ctx.kv_cache[self.fused[0].layer_idx])
-        return None if inputs is None else (int4, *inputs)
+        self.plan: Plan = DEFAULT_PLAN  # the decoder linears' plan (LlamaForCausalLM.use_plan)
+        self.fused: FusedDecode | None = None  # LlamaForCausalLM.use_fused_decode
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)  # once per step, shared by all layers
-        residual = None
-        fused = self.fused_decode(x)
+        fused = None if self.fused is None else self.fused.forward(x, cos, sin, self.plan)
         if fused is not None:
-            ctx, layer_op = get_forward_context(), torch.ops.chunkserve.decode_layer
-            int4, tables, ctx_lens = fused
-            for f in self.fused:
-                x, residual = layer_op(
-                    x,
-                    residual,
-                    f.weights,
-                    f.biases,
-                    f.int4 if int4 else [],
-                    GROUP_SIZE,
-                    f.eps,
-                    cos,
-                    sin,
-                    f.heads,
-                    f.kv_heads,
-                    ctx.kv_cache[f.layer_idx],
-                    ctx.meta.slot_mapping,
-                    tables,
-                    ctx_lens,
-                    f.scale,
-                )
-            return self.norm.add_forward(x, residual)[0]
+            return self.norm.add_forward(*fused)[0]
+        residual = None
         for layer in self.layers:
             x, residual = layer.forward(x, residual, cos, sin)
         return self.norm.add_forward(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / SmolLM. `forward(input_ids, positions)` reads attention from the forward context."""
+    """Llama / SmolLM. `forward(input_ids, positions)` reads attention from the forward context.
+
+    How it computes is set once at start-up (executor_svc/worker.py), each by one method:
+    `use_native_kernels` (attention and norms on the native CPU ops), `prepack` (oneDNN's
+    packed copies), `use_plan` (each linear's kernel per step size, the head's included) and
+    `use_fused_decode` (small decode steps as one native call)."""
 
     # Qwen2 always has q/k/v bias (and never o_proj bias); Llama follows `attention_bias`.
     qkv_bias_always: ClassVar[bool] = False
@@ -248,26 +149,26 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device | str = "cpu",
         tp: TPInfo = NO_TP,
     ) -> None:
-        """With `tp` (tensor parallelism, executor_svc/parallel.py) this rank's shard only."""
+        """With `tp` (tensor parallelism, executor_svc/tp_group.py) this rank's shard only."""
         super().__init__()
         backend = get_backend(backend) if isinstance(backend, str) else backend
         backend.check_dtype(dtype)
         spec = self._block_spec(config, backend, dtype, device, tp)
         backend.check_head_size(spec.head_dim)
         self.config = config
+        self.backend = backend
         self.model = LlamaModel(config, spec)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None
         self.tp = tp
         self.vocab_size = config.vocab_size
-        if not self.tie_word_embeddings:  # vocab-parallel like the embedding (rows padded up)
-            rows = shard_rows(config.vocab_size, tp) if tp.enabled else config.vocab_size
-            self.lm_head = Linear(config.hidden_size, rows, False, dtype, device, None, tp, 0)
+        # The head is a linear like the others, vocab-parallel like the embedding (rows padded
+        # up); a tied head shares the embedding's weight (allocated once: "meta" until then).
+        rows = shard_rows(config.vocab_size, tp) if tp.enabled else config.vocab_size
+        head_device = "meta" if self.tie_word_embeddings else device
+        self.lm_head = Linear(config.hidden_size, rows, False, dtype, head_device, None, tp, 0)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
         self.max_model_len = _max_model_len(config)
-        # (16-bit head copy, its RowRule) set by models/quant under the int4 / CPU 16-bit modes
-        self.head_reduced: tuple[torch.Tensor, RowRule] | None = None
-        self.head_packed: torch.Tensor | None = None  # set by prepack_model (float32 on CPU)
-        self.head_plan: Callable[[int], str] | None = None  # models/linear_plan, measured at start-up
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[T] token ids at [T] absolute positions -> final-normed hidden states [T, hidden]."""
@@ -280,40 +181,65 @@ class LlamaForCausalLM(nn.Module):
         Not necessarily contiguous: on CPU it is the transposed view `linear` returns, and
         copying it (6 MB at 32 rows) only to take a greedy argmax would cost more than the
         argmax; the sampler makes contiguous copies of just the rows that need more."""
-        if self.head_plan is not None and not self.tp.enabled and hidden.dim() == 2:
-            return self.head_kernel(hidden, self.head_plan(hidden.shape[0]))
-        head = self.head_reduced  # int4 / 16-bit CPU modes: the steps its rule admits
-        if head is not None and head[1](hidden.shape[0]):
-            return half_linear(hidden.to(head[0].dtype), head[0]).float()
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        packed = self.head_packed  # prepack_model: oneDNN's float32 copy, from PREPACK_MIN_ROWS rows
-        if packed is not None and hidden.shape[0] >= PREPACK_MIN_ROWS:
-            logits = packed_linear(hidden, packed)
-        else:
-            logits = linear(hidden, weight)
+        logits = self.lm_head.forward(hidden).float()
         if self.tp.enabled:  # each rank its vocabulary slice; every rank gets all of them
-            return all_gather_last(logits.float(), self.tp.size)[:, : self.vocab_size]
-        return logits.float()
+            return all_gather_last(logits, self.tp.size)[:, : self.vocab_size]
+        return logits
 
-    def head_kernel(self, hidden: torch.Tensor, kernel: str) -> torch.Tensor:
-        """float32 logits through one named kernel (models/linear_plan.KERNELS), as
-        `Linear.apply_kernel` for the head: its 16-bit copy ("reduced": `half_linear`,
-        "half-onednn": F.linear), the packed copy, or the float32 weights ("mm", "mm-pad",
-        "gemv": `native_linear`)."""
-        if kernel in ("reduced", "half-onednn"):
-            w = self.head_reduced[0]
-            h = hidden.to(w.dtype)
-            return (half_linear(h, w) if kernel == "reduced" else F.linear(h, w)).float()
-        if kernel == "packed":
-            return packed_linear(hidden, self.head_packed)
-        if kernel == "gemv":
-            return native_linear(
-                hidden, self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            )
-        if kernel in ("mm", "mm-pad"):
-            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            return linear(hidden, weight, pad=kernel == "mm-pad").float()
-        raise ValueError(f"unknown head kernel {kernel!r}")
+    def decoder_linears(self) -> list[Linear]:
+        """Every Linear of the decoder layers (not the head)."""
+        return [m for m in self.model.layers.modules() if isinstance(m, Linear)]
+
+    def use_native_kernels(self, enabled: bool = True) -> None:
+        """Decode attention, K/V writes (the torch backend) and residual add + RMSNorm on the
+        native float32 CPU ops (chunkserve_kernels/cpu_native.py must have loaded), or back."""
+        if not enabled:  # the fused layers call the native ops
+            self.use_fused_decode(False)
+        self.backend.use_native(enabled)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.native = enabled
+
+    @property
+    def fused(self) -> FusedDecode | None:
+        return self.model.fused
+
+    def use_fused_decode(self, enabled: bool = True) -> None:
+        """Small pure-decode steps run every decoder layer as one native call (models/fused.py).
+        Needs the native kernels on (`use_native_kernels`) and no tensor parallelism (the
+        fused layers have no collectives); call it after any int4 copies are made."""
+        if not enabled:
+            self.model.fused = None
+            return
+        if self.tp.enabled:
+            raise ValueError("the fused decode layers have no tensor-parallel collectives")
+        if not self.backend.native or not all(m.native for m in self.modules() if isinstance(m, RMSNorm)):
+            raise ValueError("the fused decode layers need the native norms and attention (use_native_kernels)")
+        self.model.fused = FusedDecode(self.model.layers)
+
+    def prepack(self) -> int:
+        """Gives every float32 CPU linear, the head included, oneDNN's packed copy (the plan's
+        "packed" kernel, `layers.prepack_weight`); returns the bytes added, 0 where torch has
+        no oneDNN or the weights are not float32 on CPU."""
+        added = 0
+        for lin in [*self.decoder_linears(), self.lm_head]:
+            if lin.weight.dtype == torch.float32 and lin.weight.device.type == "cpu":
+                lin.packed = prepack_weight(lin.weight)
+                added += 0 if lin.packed is None else lin.weight.nbytes
+        return added
+
+    def use_plan(self, body: Plan, head: Plan) -> int:
+        """The one place the kernels are set: `body` for every decoder linear (and the fused
+        path's rule), `head` for the vocabulary head. Drops the packed copies no bucket of
+        their plan chose (float32's weights once more each); returns the bytes freed."""
+        freed = 0
+        for lin, plan in [*((lin, body) for lin in self.decoder_linears()), (self.lm_head, head)]:
+            lin.plan = plan
+            if "packed" not in plan.kernels and lin.packed is not None:
+                freed += lin.weight.nbytes
+                lin.packed = None
+        self.model.plan = body
+        return freed
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors into the (fused) parameters; see weights.py."""
@@ -350,22 +276,6 @@ class LlamaForCausalLM(nn.Module):
             device=device,
             tp=tp,
         )
-
-
-def prepack_model(model: LlamaForCausalLM) -> int:
-    """Gives every float32 CPU Linear and the vocabulary head oneDNN's packed copy
-    (`prepack_weight`, used for steps of >= PREPACK_MIN_ROWS rows); returns the bytes added,
-    0 where torch has no oneDNN or the weights are not float32 on CPU."""
-    added = 0
-    for module in model.modules():
-        if isinstance(module, Linear) and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
-            module.packed = prepack_weight(module.weight)
-            added += 0 if module.packed is None else module.weight.nbytes
-    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    if head.dtype == torch.float32 and head.device.type == "cpu":
-        model.head_packed = model.lm_head.packed if model.lm_head is not None else prepack_weight(head)
-        added += 0 if model.head_packed is None or model.lm_head is not None else head.nbytes
-    return added
 
 
 class MistralForCausalLM(LlamaForCausalLM):

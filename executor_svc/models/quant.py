@@ -37,10 +37,11 @@ the result (`quantize_int4` reports how many groups are exact before that roundi
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
+
+from chunkserve_contracts.cpu import cpu_info
 
 GROUP_SIZE = 32
 SCHEMES = ("none", "int4")
@@ -62,23 +63,6 @@ class RowRule:
     def __str__(self) -> str:
         size = "any size" if self.max_rows is None else f"<= {self.max_rows} tokens"
         return size + (" but " + ", ".join(map(str, sorted(self.skip))) if self.skip else "")
-
-
-@functools.cache
-def native_bf16() -> bool:
-    """Whether this CPU has a bfloat16 dot-product instruction (AVX512-BF16 or AMX-BF16), read
-    from /proc/cpuinfo's flags (False where there is none to read). It decides which row
-    table below applies: with it torch's bfloat16 GEMM (oneDNN) runs at native speed and
-    reads half float32's bytes; without it it converts as it goes and wins only at one row."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
 
 
 _NATIVE_BF16 = RowRule(None, frozenset({2, 3, 4}))
@@ -113,7 +97,7 @@ def default_rules(mode: str, max_rows: int | None = None) -> tuple[RowRule, RowR
     """(linears, head) rules for `mode` on this CPU; `max_rows` (--quantized-max-rows) replaces
     the linears' rule and, in the 16-bit modes, the head's (int4 keeps the table's head rule:
     its head copy is 16-bit, not 4-bit)."""
-    linears, head = ROW_RULES[native_bf16()][mode]
+    linears, head = ROW_RULES[cpu_info().native_bf16][mode]
     if max_rows is None:
         return linears, head
     return RowRule(max_rows), head if mode == "int4" else RowRule(max_rows)
@@ -176,16 +160,12 @@ def int4_reference(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.
 
 
 class Int4Weights:
-    """A linear layer's int4 copy and the rule for which steps use it."""
+    """A linear layer's int4 copy (the plan's "reduced" kernel under --quantization int4)."""
 
-    __slots__ = ("packed", "scales_and_zeros", "exact_groups", "rows")
+    __slots__ = ("packed", "scales_and_zeros", "exact_groups")
 
-    def __init__(self, weight: torch.Tensor, rows: RowRule) -> None:
+    def __init__(self, weight: torch.Tensor) -> None:
         self.packed, self.scales_and_zeros, self.exact_groups = quantize_int4(weight)
-        self.rows = rows
-
-    def applies(self, x: torch.Tensor) -> bool:
-        return x.dim() == 2 and self.rows(x.shape[0])
 
     def matmul(self, x: torch.Tensor, same_dtype: bool = True) -> torch.Tensor:
         """x [M, K] -> x W^T [M, N] in x's dtype (or, with `same_dtype=False`, the kernel's
@@ -195,36 +175,26 @@ class Int4Weights:
         return y.to(x.dtype) if same_dtype else y
 
 
-def quantize_model(
-    model: torch.nn.Module, scheme: str, rows: RowRule, head_rows: RowRule | None = None
-) -> dict[str, int]:
-    """Adds int4 copies to every Linear of the decoder layers (not the LM head) and a
-    bfloat16 copy of the head (used per `head_rows`, the table's rule by default); returns
-    counts for the start-up log: layers, groups, groups exact before bf16 rounding."""
-    from executor_svc.models.layers import Linear
-
+def quantize_model(model: torch.nn.Module, scheme: str) -> dict[str, int]:
+    """Adds int4 copies to every Linear of the decoder layers and a bfloat16 copy of the head
+    (16 bits, not 4: the head decides the token); which steps use them is the plan's choice
+    (models/kernel_plan.py). Returns counts for the start-up log: layers, groups, groups exact
+    before bf16 rounding."""
     if scheme == "none":
         return {}
     if scheme not in SCHEMES:
         raise ValueError(f"--quantization must be one of {', '.join(SCHEMES)}, got {scheme!r}")
     stats = {"layers": 0, "groups": 0, "exact_groups": 0}
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear) or "lm_head" in name:
-            continue
+    for module in model.decoder_linears():
         if module.weight.device.type != "cpu":
             raise ValueError("--quantization int4 is a CPU mode (torch's CPU int4 kernel)")
-        q = Int4Weights(module.weight, rows)
+        q = Int4Weights(module.weight)
         stats["layers"] += 1
         stats["groups"] += module.weight.numel() // GROUP_SIZE
         stats["exact_groups"] += q.exact_groups
         module.reduced = q
-    head_rows = head_rows or default_rules("int4")[1]
-    model.head_reduced = (_head_weight(model).detach().to(torch.bfloat16), head_rows)
+    model.lm_head.reduced = HalfWeights(model.lm_head.weight, torch.bfloat16)
     return stats
-
-
-def _head_weight(model: torch.nn.Module) -> torch.Tensor:
-    return model.model.embed_tokens.weight if getattr(model, "lm_head", None) is None else model.lm_head.weight
 
 
 class HalfWeights:
@@ -241,14 +211,10 @@ class HalfWeights:
     (`ROW_RULES`). Either way the mode is never slower than float32 where the table says
     float32 (the same arithmetic). Memory: float32 plus 2 bytes per linear weight."""
 
-    __slots__ = ("weight", "rows")
+    __slots__ = ("weight",)
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, rows: RowRule) -> None:
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
         self.weight = weight.detach().to(dtype).contiguous()
-        self.rows = rows
-
-    def applies(self, x: torch.Tensor) -> bool:
-        return x.dim() == 2 and self.rows(x.shape[0])
 
     def matmul(self, x: torch.Tensor, same_dtype: bool = True) -> torch.Tensor:
         """x [M, K] -> x W^T [M, N] in x's dtype (or, with `same_dtype=False`, 16-bit)."""
@@ -256,25 +222,16 @@ class HalfWeights:
         return y.to(x.dtype) if same_dtype else y
 
 
-def half_weights_model(
-    model: torch.nn.Module, dtype_name: str, rows: RowRule, head_rows: RowRule | None = None
-) -> dict[str, int]:
-    """Gives every Linear (decoder and head) a 16-bit copy for the steps `rows` (the head:
-    `head_rows`, default `rows`) admits; returns counts for the start-up log: layers and the
-    bytes the copies add."""
-    from executor_svc.models.layers import Linear
-
+def half_weights_model(model: torch.nn.Module, dtype_name: str) -> dict[str, int]:
+    """Gives every Linear, the head included, a 16-bit copy (the plan's "reduced" and
+    "half-onednn" kernels); returns counts for the start-up log: layers and the bytes the
+    copies add."""
     dtype = HALF_DTYPES[dtype_name]
     stats = {"layers": 0, "bytes": 0}
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear) or "lm_head" in name:
-            continue
+    for module in [*model.decoder_linears(), model.lm_head]:
         if module.weight.device.type != "cpu":
             raise ValueError(f"16-bit weight copies are a CPU mode (--dtype {dtype_name} on CUDA runs in it)")
-        module.reduced = HalfWeights(module.weight, dtype, rows)
-        stats["layers"] += 1
+        module.reduced = HalfWeights(module.weight, dtype)
+        stats["layers"] += module is not model.lm_head
         stats["bytes"] += module.weight.numel() * dtype.itemsize
-    head = _head_weight(model).detach().to(dtype)
-    model.head_reduced = (head, head_rows or rows)
-    stats["bytes"] += head.numel() * dtype.itemsize
     return stats

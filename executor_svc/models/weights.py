@@ -48,12 +48,13 @@ def _route(name: str) -> tuple[str, str | None]:
 
 
 def _expected_shards(model: nn.Module) -> set[tuple[str, str | None]]:
+    """Every parameter (shard) the checkpoint must fill; a shared one (a tied head's weight is
+    the embedding's) once, under its first name."""
     expected = set()
-    for module_name, module in model.named_modules():
-        for param_name, _ in module.named_parameters(recurse=False):
-            full = f"{module_name}.{param_name}" if module_name else param_name
-            shards = getattr(module, "shards", None) or {None: None}
-            expected.update((full, shard) for shard in shards)
+    for full, _ in model.named_parameters():
+        module = model.get_submodule(full.rsplit(".", 1)[0]) if "." in full else model
+        shards = getattr(module, "shards", None) or {None: None}
+        expected.update((full, shard) for shard in shards)
     return expected
 
 

@@ -1,26 +1,47 @@
-// One Llama decoder layer of a float32 CPU decode step in one call: the same ops, in the same
-// order, as the Python layer (executor_svc/models/llama.py) runs them on the native path, so
-// its results are bitwise that path's; only the Python between them is gone.
+// The decoder layers of a float32 CPU decode step in one call: the same ops, in the same order,
+// as the Python layers (executor_svc/models/llama.py) run them on the native path, so the results
+// are bitwise those; only the Python between the ops is gone.
 //
-// Why: a batch-1 decode step of the default model makes ~25 op calls per layer, 30 layers; on
-// a 2-core CPU each call from Python costs a few microseconds of argument parsing, module
-// attribute lookups and glue before any arithmetic, ~1 ms a step in all, when the step's
-// weight reads take ~10 ms. From C++ the ops are plain function calls (ours) or one dispatch
-// (aten's). Used for pure decode steps whose linears the plan gives to the native product
-// ("gemv", 1-4 rows) or to the int4 copies (--quantization int4: torch's int4 kernel on
-// bfloat16 activations, as models/quant.Int4Weights calls it); every other step keeps the
-// Python layer (models/llama.py, `LlamaModel.fused_decode`).
+// Why: a batch-1 decode step of the default model makes ~25 op calls per layer, 30 layers; on a
+// 2-core CPU each call from Python costs a few microseconds of argument parsing, module attribute
+// lookups and glue before any arithmetic, ~1 ms a step in all, when the step's weight reads take
+// ~10 ms. From C++ the ops are plain function calls (ours) or one dispatch (aten's). Used for pure
+// decode steps whose linears the plan gives to the native product ("gemv", 1-4 rows) or to the
+// int4 copies (--quantization int4: torch's int4 kernel on bfloat16 activations, as
+// models/quant.Int4Weights calls it); every other step keeps the Python layers
+// (models/llama.py, `FusedDecode`).
+//
+// The weights live in one registered object, torch.classes.chunkserve.DecodeLayers, filled once
+// at start-up layer by layer from named tensors (no positional convention to keep in step).
 
 #include "cpu_ops.h"
 
 #include <ATen/ATen.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
+namespace chunkserve {
 namespace {
+
+// One linear of a layer: the float32 weight (the native product's) and, where the int4 copies
+// were made, torch's int4 layout of the same weight.
+struct LayerLinear {
+  at::Tensor weight;  // float32 [out, in]
+  std::optional<at::Tensor> bias;
+  at::Tensor int4, int4_scales;  // undefined without int4 copies
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  LayerLinear qkv, o, gate_up, down;
+};
+
+const char* const kLinears[] = {"qkv", "o", "gate_up", "down"};
 
 // `apply_rotary` of models/layers.py: x rolled by half the head size, times [-sin, sin], plus
 // x * [cos, cos]; the same three aten ops, so bitwise the same result.
@@ -30,62 +51,123 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return (x * cos).add_(rotated);
 }
 
-// Linear `i` (0 qkv, 1 o, 2 gate_up, 3 down) as `Linear.apply_kernel` computes it: the native
-// product on the float32 weight, or with `int4` given (packed, scales_and_zeros per linear) the
-// int4 kernel on x in bfloat16, its result cast back to x's dtype when `same_dtype` or there is
-// a bias (then added), else left bfloat16 for the caller's float32 add to promote.
-at::Tensor linear(const at::Tensor& x, int i, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
-                  at::TensorList int4, int64_t group, bool same_dtype) {
-  static constexpr int kWeight[4] = {1, 2, 4, 5};
-  const std::optional<at::Tensor> bias = biases.get(i);
-  if (int4.empty()) return chunkserve::gemv(x, weights[kWeight[i]], bias);
-  at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16).contiguous(), int4[2 * i], group, int4[2 * i + 1]);
-  if (same_dtype || bias.has_value()) y = y.to(x.scalar_type());
-  return bias.has_value() ? y.add_(*bias) : y;
+// `Linear.apply_kernel` of the plan's "gemv" (the native product on the float32 weight) or, with
+// `int4`, "reduced" (the int4 kernel on x in bfloat16, the result cast back to x's dtype when
+// `same_dtype` or there is a bias, then added; else left bfloat16 for the caller's float32 add).
+at::Tensor linear(const at::Tensor& x, const LayerLinear& lin, bool int4, int64_t group, bool same_dtype) {
+  if (!int4) return gemv(x, lin.weight, lin.bias);
+  at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16).contiguous(), lin.int4, group, lin.int4_scales);
+  if (same_dtype || lin.bias.has_value()) y = y.to(x.scalar_type());
+  return lin.bias.has_value() ? y.add_(*lin.bias) : y;
 }
 
-// x [T, hidden] (the previous layer's MLP output, or the embeddings with residual None);
-// weights: input norm, qkv [(Hq + 2 Hkv) hd, hidden], o [hidden, Hq hd], post-attention norm,
-// gate_up [2 I, hidden], down [hidden, I]; biases: qkv, o, gate_up, down (each may be None);
-// int4: empty (float32 products) or the int4 copies' packed weight and scales_and_zeros for
-// qkv, o, gate_up, down in turn, `group` weights per scale. -> (this layer's MLP output, the
-// residual stream before it is added), as `LlamaDecoderLayer.forward`.
-std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                                                at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
-                                                at::TensorList int4, int64_t group, double eps, const at::Tensor& cos,
-                                                const at::Tensor& sin, int64_t heads, int64_t kv_heads,
-                                                const at::Tensor& cache, const at::Tensor& slot_mapping,
-                                                const at::Tensor& block_table, const at::Tensor& context_lens,
-                                                double scale) {
-  TORCH_CHECK(weights.size() == 6, "weights must be [input norm, qkv, o, post-attention norm, gate_up, down]");
-  TORCH_CHECK(biases.size() == 4, "biases must be [qkv, o, gate_up, down] (each may be None)");
-  TORCH_CHECK(int4.empty() || int4.size() == 8, "int4 must be empty or (packed, scales_and_zeros) x 4");
-  TORCH_CHECK(x.dim() == 2, "x must be [T, hidden]");
-  TORCH_CHECK(heads > 0 && kv_heads > 0, "heads and kv_heads must be positive");
-  const at::Tensor &ln1 = weights[0], &qkv_w = weights[1], &ln2 = weights[3];
-  const int64_t T = x.size(0), qk_heads = heads + kv_heads;
-  TORCH_CHECK(qkv_w.size(0) % (qk_heads + kv_heads) == 0, "qkv rows are not (heads + 2 kv_heads) x head_dim");
-  const int64_t hd = qkv_w.size(0) / (qk_heads + kv_heads);
-
-  auto [normed, res] = chunkserve::add_rms_norm(x, residual, ln1, eps);
-  const at::Tensor qkv = linear(normed, 0, weights, biases, int4, group, true).view({T, qk_heads + kv_heads, hd});
-  const at::Tensor qk = rotary(qkv.slice(1, 0, qk_heads), cos, sin);
-  chunkserve::write_kv(cache, qk.slice(1, heads), qkv.slice(1, qk_heads), slot_mapping);
-  const at::Tensor o = chunkserve::paged_decode_attention(qk.slice(1, 0, heads), cache, block_table, context_lens, scale);
-  const at::Tensor y = linear(o.reshape({T, heads * hd}), 1, weights, biases, int4, group, false);
-  std::tie(normed, res) = chunkserve::add_rms_norm(y, res, ln2, eps);
-  const std::vector<at::Tensor> gate_up = linear(normed, 2, weights, biases, int4, group, true).chunk(2, -1);
-  const at::Tensor h = at::silu(gate_up[0]) * gate_up[1];
-  return {linear(h, 3, weights, biases, int4, group, false), res};
+at::Tensor take(c10::Dict<std::string, at::Tensor>& tensors, const std::string& name) {
+  TORCH_CHECK(tensors.contains(name), "DecodeLayers.add_layer: no tensor named ", name);
+  at::Tensor t = tensors.at(name);
+  tensors.erase(name);
+  return t;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(chunkserve, m) {
-  m.def(
-      "decode_layer(Tensor x, Tensor? residual, Tensor[] weights, Tensor?[] biases, Tensor[] int4, int group, "
-      "float eps, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(a!) cache, Tensor slot_mapping, "
-      "Tensor block_table, Tensor context_lens, float scale) -> (Tensor, Tensor)");
-}
+class DecodeLayers : public torch::CustomClassHolder {
+ public:
+  // eps of both norms, this model's query and KV heads, the attention scale, and the int4 copies'
+  // weights per scale (models/quant.GROUP_SIZE).
+  DecodeLayers(double eps, int64_t heads, int64_t kv_heads, double scale, int64_t int4_group)
+      : eps_(eps), heads_(heads), kv_heads_(kv_heads), scale_(scale), group_(int4_group) {
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads must be a positive multiple of kv_heads");
+  }
 
-TORCH_LIBRARY_IMPL(chunkserve, CPU, m) { m.impl("decode_layer", &decode_layer); }
+  // Appends the next layer from its named tensors: input_norm, post_attention_norm, and for each
+  // linear L of qkv, o, gate_up, down: L.weight, L.bias where it has one, and L.int4 with
+  // L.int4_scales where the int4 copies exist (every linear of every layer, or none). Refuses a
+  // missing or unknown name.
+  void add_layer(c10::Dict<std::string, at::Tensor> tensors) {
+    Layer layer;
+    layer.input_norm = take(tensors, "input_norm");
+    layer.post_norm = take(tensors, "post_attention_norm");
+    LayerLinear* linears[] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+    int with_int4 = 0;
+    for (int i = 0; i < 4; ++i) {
+      const std::string name = kLinears[i];
+      LayerLinear& lin = *linears[i];
+      lin.weight = take(tensors, name + ".weight");
+      if (tensors.contains(name + ".bias")) lin.bias = take(tensors, name + ".bias");
+      if (tensors.contains(name + ".int4")) {
+        lin.int4 = take(tensors, name + ".int4");
+        lin.int4_scales = take(tensors, name + ".int4_scales");
+        ++with_int4;
+      }
+    }
+    std::string unknown;
+    for (const auto& item : tensors) unknown += " " + item.key();
+    TORCH_CHECK(unknown.empty(), "DecodeLayers.add_layer: unknown tensor names:", unknown);
+    TORCH_CHECK(with_int4 == 0 || with_int4 == 4, "DecodeLayers.add_layer: int4 copies for all four linears or none");
+    TORCH_CHECK(layers_.empty() || (with_int4 == 4) == has_int4(), "DecodeLayers: int4 copies for every layer or none");
+    const int64_t rows = layer.qkv.weight.size(0);
+    TORCH_CHECK(rows % (heads_ + 2 * kv_heads_) == 0, "qkv.weight rows are not (heads + 2 kv_heads) x head_dim");
+    layers_.push_back(std::move(layer));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  bool has_int4() const { return !layers_.empty() && layers_[0].qkv.int4.defined(); }
+
+  // x [T, hidden] (the embeddings), cos / sin as RotaryEmbedding gives them, kv_cache the whole
+  // cache [layers, 2, blocks, block_size, kv_heads, head_dim], slot_mapping / block_table /
+  // context_lens the step's decodes (int32 tables and lengths, sequence order); `int4`: the linears
+  // through the int4 copies, else the native product. -> (the last layer's MLP output, the residual
+  // stream before it is added), what the model's final norm takes.
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
+                                             at::Tensor slot_mapping, at::Tensor block_table, at::Tensor context_lens,
+                                             bool int4) const {
+    TORCH_CHECK(x.dim() == 2, "x must be [T, hidden]");
+    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == num_layers(), "kv_cache must be [layers, 2, ...] for ",
+                num_layers(), " layers");
+    TORCH_CHECK(!int4 || has_int4(), "int4 asked for but the layers have no int4 copies");
+    std::optional<at::Tensor> residual;
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      std::tie(x, residual) = layer_forward(layers_[i], x, residual, cos, sin, kv_cache.select(0, i), slot_mapping,
+                                            block_table, context_lens, int4);
+    }
+    return {x, *residual};
+  }
+
+ private:
+  // `LlamaDecoderLayer.forward`: (this layer's MLP output, the residual stream before it is added).
+  std::tuple<at::Tensor, at::Tensor> layer_forward(const Layer& L, const at::Tensor& x,
+                                                   const std::optional<at::Tensor>& residual, const at::Tensor& cos,
+                                                   const at::Tensor& sin, const at::Tensor& cache,
+                                                   const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                                                   const at::Tensor& context_lens, bool int4) const {
+    const int64_t T = x.size(0), qk_heads = heads_ + kv_heads_;
+    const int64_t hd = L.qkv.weight.size(0) / (qk_heads + kv_heads_);
+    auto [normed, res] = add_rms_norm(x, residual, L.input_norm, eps_);
+    const at::Tensor qkv = linear(normed, L.qkv, int4, group_, true).view({T, qk_heads + kv_heads_, hd});
+    const at::Tensor qk = rotary(qkv.slice(1, 0, qk_heads), cos, sin);
+    write_kv(cache, qk.slice(1, heads_), qkv.slice(1, qk_heads), slot_mapping);
+    const at::Tensor o = paged_decode_attention(qk.slice(1, 0, heads_), cache, block_table, context_lens, scale_);
+    const at::Tensor y = linear(o.reshape({T, heads_ * hd}), L.o, int4, group_, false);
+    std::tie(normed, res) = add_rms_norm(y, res, L.post_norm, eps_);
+    const std::vector<at::Tensor> gate_up = linear(normed, L.gate_up, int4, group_, true).chunk(2, -1);
+    const at::Tensor h = at::silu(gate_up[0]) * gate_up[1];
+    return {linear(h, L.down, int4, group_, false), res};
+  }
+
+  double eps_;
+  int64_t heads_, kv_heads_;
+  double scale_;
+  int64_t group_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace chunkserve
+
+TORCH_LIBRARY_FRAGMENT(chunkserve, m) {
+  m.class_<chunkserve::DecodeLayers>("DecodeLayers")
+      .def(torch::init<double, int64_t, int64_t, double, int64_t>())
+      .def("add_layer", &chunkserve::DecodeLayers::add_layer)
+      .def("num_layers", &chunkserve::DecodeLayers::num_layers)
+      .def("has_int4", &chunkserve::DecodeLayers::has_int4)
+      .def("forward", &chunkserve::DecodeLayers::forward);
+}

@@ -1,8 +1,8 @@
 """float32 CPU linears with row padding (`padded_rows`, `--cpu-gemm-row-padding`): the padding
 rule's shape, results equal to the unpadded product to float32 rounding whatever the input
-layout, a row's result independent of the other rows' values, and the switch off computing
+layout, a row's result independent of the other rows' values, and padding off computing
 exactly the old product. oneDNN's packed copies (`--cpu-gemm-prepack`): float32 products,
-used from PREPACK_MIN_ROWS rows, on every linear and the head, as the flag says."""
+used from PREPACK_MIN_ROWS rows by the table plan, on every linear and the head, as the flag says."""
 
 from __future__ import annotations
 
@@ -11,22 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from chunkserve_contracts.cpu import CpuInfo
 from executor_svc.config import ExecutorConfig
-from executor_svc.models.layers import (
-    PREPACK_MIN_ROWS,
-    Linear,
-    linear,
-    packed_linear,
-    padded_rows,
-    prepack_weight,
-    set_cpu_gemm_row_padding,
-)
-
-
-@pytest.fixture(autouse=True)
-def _padding_back_on():
-    yield
-    set_cpu_gemm_row_padding(True)
+from executor_svc.models.kernel_plan import PREPACK_MIN_ROWS, padded_rows, table_plan
+from executor_svc.models.layers import Linear, linear, packed_linear, prepack_weight
 
 
 def test_padded_rows_rule():
@@ -71,25 +59,24 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(m, row, seed):
 def test_padding_off_is_the_unpadded_product_bitwise():
     torch.manual_seed(3)
     w, b = torch.randn(40, 32), torch.randn(40)
-    set_cpu_gemm_row_padding(False)
     for m in (1, 3, 7, 13):
         x = torch.randn(m, 32)
-        assert torch.equal(linear(x, w), torch.mm(w, x.t()).t())
-        assert torch.equal(linear(x, w, b), torch.addmm(b[:, None], w, x.t()).t())
+        assert torch.equal(linear(x, w, pad=False), torch.mm(w, x.t()).t())
+        assert torch.equal(linear(x, w, b, pad=False), torch.addmm(b[:, None], w, x.t()).t())
 
 
-def test_the_executor_flag_sets_the_switch(tiny_model_path, tmp_path):
-    import executor_svc.models.layers as layers
-    from executor_svc.server import load
+def test_the_executor_flag_sets_the_table_plan(tiny_model_path, tmp_path):
+    from executor_svc.worker import load
 
     common = dict(
         model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path),
-        cpu_linear_plan="table",  # the tables (the measured plan: test_linear_plan.py)
+        cpu_linear_plan="table", cpu_gemm_prepack=False,  # the tables (the measured plan: test_linear_plan.py)
     )  # fmt: skip
-    load(ExecutorConfig(cpu_gemm_row_padding=False, **common))
-    assert layers._ROW_PADDING[0] is False
-    load(ExecutorConfig(**common))
-    assert layers._ROW_PADDING[0] is True
+    off = load(ExecutorConfig(cpu_gemm_row_padding=False, **common)).runner.model
+    on = load(ExecutorConfig(**common)).runner.model
+    for model, kernel in ((off, "mm"), (on, "mm-pad")):
+        for lin in [*model.decoder_linears(), model.lm_head]:
+            assert {lin.plan(m) for m in range(1, 300)} == {kernel}
 
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -128,6 +115,7 @@ def test_linear_takes_the_packed_copy_from_its_row_count_on():
     lin.bias.data.normal_()
     other = torch.randn(16, 32)
     lin.packed = prepack_weight(other)
+    lin.plan = table_plan(None, packed=True, padding=True, upto=64)
     for m in range(1, 8):
         x = torch.randn(m, 32)
         plain = linear(x, lin.weight, lin.bias)
@@ -140,19 +128,22 @@ def test_linear_takes_the_packed_copy_from_its_row_count_on():
 def test_prepack_model_covers_every_linear_and_the_head_and_load_follows_the_flag(
     tiny_configs, hf_model_factory, tiny_model_path, tmp_path, monkeypatch
 ):
-    import executor_svc.server as server
+    import executor_svc.worker as worker
     from executor_svc.models import get_model_class
-    from executor_svc.models.llama import prepack_model
-    from executor_svc.server import load
+    from executor_svc.worker import load
 
     config = tiny_configs["smollm_tied"]()
     hf = hf_model_factory(config)
     model = get_model_class(config)(config, "torch", torch.float32, torch.device("cpu"))
     model.load_weights(hf.state_dict().items())
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    added = prepack_model(model)
-    assert all(m.packed is not None for m in linears) and model.head_packed is not None
-    assert added == sum(m.weight.nbytes for m in linears) + model.model.embed_tokens.weight.nbytes
+    added = model.prepack()
+    assert model.lm_head in linears and model.lm_head.weight is model.model.embed_tokens.weight  # tied
+    assert all(m.packed is not None for m in linears)
+    assert added == sum(m.weight.nbytes for m in linears)
+    model.use_plan(
+        table_plan(None, packed=True, padding=True, upto=8), table_plan(None, packed=True, padding=True, upto=8)
+    )
     hidden = torch.randn(5, config.hidden_size)  # >= PREPACK_MIN_ROWS: the packed head
     want = hidden.double() @ model.model.embed_tokens.weight.double().t()
     torch.testing.assert_close(model.compute_logits(hidden).double(), want, rtol=1e-5, atol=1e-5)
@@ -161,18 +152,20 @@ def test_prepack_model_covers_every_linear_and_the_head_and_load_follows_the_fla
         model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path),
         cpu_linear_plan="table",  # the tables (the measured plan: test_linear_plan.py)
     )  # fmt: skip
-    monkeypatch.setattr(server, "prepack_measured", lambda: True)  # a CPU class where it was measured
+    monkeypatch.setattr(worker, "prepack_measured", lambda: True)  # a CPU class where it was measured
     on = load(ExecutorConfig(**common)).runner.model
-    assert on.head_packed is not None and on.model.layers[0].mlp.down_proj.packed is not None
+    assert on.lm_head.packed is not None and on.model.layers[0].mlp.down_proj.packed is not None
+    assert on.lm_head.plan(PREPACK_MIN_ROWS) == "packed" and on.lm_head.plan(PREPACK_MIN_ROWS - 1) == "mm-pad"
     off = load(ExecutorConfig(cpu_gemm_prepack=False, **common)).runner.model
-    assert off.head_packed is None and off.model.layers[0].mlp.down_proj.packed is None
+    assert off.lm_head.packed is None and off.model.layers[0].mlp.down_proj.packed is None
+    assert "packed" not in off.lm_head.plan.kernels
     # --dtype bfloat16 on a native-bf16 CPU serves every large step from its bfloat16 copy:
     # no packed float32 copy there; without native bf16 its large steps are float32, packed
     import executor_svc.models.quant as quant
 
-    for native, packed in ((True, False), (False, True)):
-        monkeypatch.setattr(quant, "native_bf16", lambda native=native: native)
+    for flags, packed in (({"avx512_bf16"}, False), (set(), True)):
+        monkeypatch.setattr(quant, "cpu_info", lambda flags=flags: CpuInfo("test", frozenset(flags)))
         half = load(ExecutorConfig(dtype="bfloat16", **common)).runner.model
         assert (half.model.layers[0].mlp.down_proj.packed is not None) is packed
-    monkeypatch.setattr(server, "prepack_measured", lambda: False)  # elsewhere: not applied
-    assert load(ExecutorConfig(**common)).runner.model.head_packed is None
+    monkeypatch.setattr(worker, "prepack_measured", lambda: False)  # elsewhere: not applied
+    assert load(ExecutorConfig(**common)).runner.model.lm_head.packed is None

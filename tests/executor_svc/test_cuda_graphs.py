@@ -13,11 +13,12 @@ import torch
 from chunkserve_kernels.backend import get_backend
 
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from executor_svc.collectives import NO_TP
 from executor_svc.config import ExecutorConfig
 from executor_svc.cuda_graphs import DecodeGraphs, capture_sizes
-from executor_svc.parallel import NO_TP
-from executor_svc.runner import ModelRunner, PlanError
-from executor_svc.server import load, use_cuda_graphs
+from executor_svc.plan_check import PlanError
+from executor_svc.runner import ModelRunner
+from executor_svc.worker import load, use_cuda_graphs
 
 BLOCK, BLOCKS, PER_SEQ = 4, 32, 6  # each test sequence owns PER_SEQ blocks: up to 24 tokens
 SAMPLING = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=3)

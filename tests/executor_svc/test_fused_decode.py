@@ -1,8 +1,8 @@
-"""The fused decode layer (kernels/csrc/cpu_layer.cpp via `LlamaModel.use_fused_decode`): a
-pure-decode step whose linears the plan gives to the native product (float32) or to the int4
-copies runs each decoder layer as one native op. It must compute exactly what the Python layers compute on the same
-native ops (bitwise: same hidden states, same K/V written), and every other step must keep
-the Python layers. Skipped where this machine has no C++ compiler."""
+"""The fused decode layers (kernels/csrc/cpu_layer.cpp via models/fused.py): a pure-decode step
+whose linears the plan gives to the native product (float32) or to the int4 copies runs every
+decoder layer in one native call. It must compute exactly what the Python layers compute on
+the same native ops (bitwise: same hidden states, same K/V written), and every other step must
+keep the Python layers. Skipped where this machine has no C++ compiler."""
 
 from __future__ import annotations
 
@@ -15,18 +15,18 @@ from chunkserve_kernels import cpu_native
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from executor_svc.collectives import TPInfo
 from executor_svc.config import ExecutorConfig
+from executor_svc.models import fused as fused_mod
 from executor_svc.models import get_model_class
-from executor_svc.models import linear_plan as lp
-from executor_svc.models.layers import RMSNorm
-from executor_svc.models.quant import RowRule, quantize_model
-from executor_svc.parallel import TPInfo
+from executor_svc.models.kernel_plan import Plan
+from executor_svc.models.quant import quantize_model
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")
 
 # the plan a 2-core Zen 5 measured for the default model: the native product up to 3 rows
-PLAN = lp.Plan((1, 2, 3, 4, 8), ("gemv", "gemv", "gemv", "mm", "mm"))
-PLANS = {"float32": PLAN, "int4": lp.Plan((1, 2, 3, 4, 8), ("reduced", "reduced", "reduced", "mm", "mm"))}
+PLAN = Plan((1, 2, 3, 4, 8), ("gemv", "gemv", "gemv", "mm", "mm"))
+PLANS = {"float32": PLAN, "int4": Plan((1, 2, 3, 4, 8), ("reduced", "reduced", "reduced", "mm", "mm"))}
 
 
 def _native_model(tiny_configs, hf_model_factory, name, fused, mode="float32"):
@@ -36,16 +36,12 @@ def _native_model(tiny_configs, hf_model_factory, name, fused, mode="float32"):
     hf = hf_model_factory(config)
     model = get_model_class(config)(config, "torch", torch.float32, torch.device("cpu"))
     model.load_weights(hf.state_dict().items())
-    for layer in model.model.layers:
-        layer.self_attn.attn.backend.use_native()
-    for m in model.modules():
-        if isinstance(m, RMSNorm):
-            m.native = True
+    model.use_native_kernels()
     if mode == "int4":
-        quantize_model(model, "int4", RowRule(32))
-    lp.apply(model, PLANS[mode], lp.Plan((1,), ("mm",)))
+        quantize_model(model, "int4")
+    model.use_plan(PLANS[mode], Plan.of("mm"))
     if fused:
-        model.model.use_fused_decode()
+        model.use_fused_decode()
     return model
 
 
@@ -53,14 +49,14 @@ class _Spy:
     """Counts the steps the fused layers ran (the test must not pass by never taking them)."""
 
     def __init__(self, model):
-        self.fused, real = 0, model.model.fused_decode
+        self.fused, real = 0, model.fused.forward
 
-        def spy(x):
-            out = real(x)
+        def spy(*args):
+            out = real(*args)
             self.fused += out is not None
             return out
 
-        model.model.fused_decode = spy
+        model.fused.forward = spy
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -81,7 +77,7 @@ def test_fused_steps_equal_the_python_layers_bitwise(
 ):
     fused = _native_model(tiny_configs, hf_model_factory, name, fused=True, mode=mode)
     plain = _native_model(tiny_configs, hf_model_factory, name, fused=False, mode=mode)
-    assert bool(fused.model.fused[0].int4) == (mode == "int4")
+    assert fused.fused.int4 == (mode == "int4")
     spy = _Spy(fused)
     runs = {m: paged_runner(m, block_size=block_size, num_blocks=256, seed=seed) for m in (fused, plain)}
     gen = torch.Generator().manual_seed(seed)
@@ -119,48 +115,67 @@ def test_other_steps_keep_the_python_layers(tiny_configs, hf_model_factory, page
         run.step({sid: [3]})
     run.step({s: [5] for s in range(5)})  # 5 rows: the plan says mm
     assert spy.fused == 1 + 4  # the four 1-token first steps of 3..6 were decodes of a 1-token prompt
-    lp.apply(model, lp.Plan((1,), ("mm",)), lp.Plan((1,), ("mm",)))
+    model.use_plan(Plan.of("mm"), Plan.of("mm"))
     run.step({0: [1]})
     assert spy.fused == 5  # the plan no longer gives these rows to the native product
-    lp.apply(model, PLAN, lp.Plan((1,), ("mm",)))
-    model.model.layers[1].mlp.down_proj.plan = lp.Plan((1,), ("mm-pad",))  # one linear elsewhere
+    model.use_plan(PLAN, Plan.of("mm"))
     run.step({0: [1]})
-    assert spy.fused == 5
-    model.model.use_fused_decode(False)
-    assert model.model.fused is None
+    assert spy.fused == 6  # the plan that the model's linears run is the one the fused path reads
+    model.use_fused_decode(False)
+    assert model.fused is None
+    model.use_fused_decode()
+    model.use_native_kernels(False)  # the fused layers call the native ops: they go with them
+    assert model.fused is None
 
 
 def test_the_executor_switches_it_on_with_the_native_kernels(tiny_model_path, tmp_path):
-    from executor_svc import server
+    from executor_svc import worker
 
     common = dict(model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path))
-    fused = server.load(ExecutorConfig(**common)).runner.model.model.fused
-    assert fused is not None and len(fused) == 2 and fused[0].int4 == []
-    int4 = server.load(ExecutorConfig(quantization="int4", **common)).runner.model.model.fused
-    assert len(int4[0].int4) == 8  # made after the int4 copies
-    assert server.load(ExecutorConfig(cpu_kernels="torch", **common)).runner.model.model.fused is None
+    fused = worker.load(ExecutorConfig(**common)).runner.model.fused
+    assert fused is not None and fused.native.num_layers() == 2 and not fused.int4
+    int4 = worker.load(ExecutorConfig(quantization="int4", **common)).runner.model.fused
+    assert int4.int4  # made after the int4 copies
+    assert worker.load(ExecutorConfig(cpu_kernels="torch", **common)).runner.model.fused is None
 
 
 def test_fused_decode_needs_the_native_ops_and_no_tensor_parallelism(tiny_configs, hf_model_factory):
     model = _native_model(tiny_configs, hf_model_factory, "llama", fused=False)
     model.model.layers[0].input_layernorm.native = False
     with pytest.raises(ValueError, match="native norms and attention"):
-        model.model.use_fused_decode()
-    model.model.tp = TPInfo(rank=0, size=2)
+        model.use_fused_decode()
+    model.tp = TPInfo(rank=0, size=2)
     with pytest.raises(ValueError, match="tensor-parallel"):
-        model.model.use_fused_decode()
+        model.use_fused_decode()
 
 
-def test_the_layer_op_refuses_bad_arguments(tiny_configs, hf_model_factory):
+def test_the_layers_object_refuses_bad_tensors_and_arguments(tiny_configs, hf_model_factory):
     model = _native_model(tiny_configs, hf_model_factory, "llama", fused=True)
-    f = model.model.fused[0]
+    layer = model.model.layers[0]
+    attn = layer.self_attn
+    good = {"input_norm": layer.input_layernorm.weight, "post_attention_norm": layer.post_attention_layernorm.weight}
+    for name, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", layer.mlp.gate_up_proj)):
+        good |= fused_mod._linear_tensors(name, lin)
+    good |= fused_mod._linear_tensors("down", layer.mlp.down_proj)
+
+    def fresh():
+        return torch.classes.chunkserve.DecodeLayers(1e-5, attn.heads, attn.kv_heads, attn.attn.scale, 32)
+
+    fresh().add_layer(good)
+    for bad, match in (
+        ({k: v for k, v in good.items() if k != "o.weight"}, "no tensor named o.weight"),
+        (good | {"qkv.extra": layer.input_layernorm.weight}, "unknown tensor names: qkv.extra"),
+        (good | {"o.int4": attn.o_proj.weight, "o.int4_scales": attn.o_proj.weight}, "all four linears or none"),
+    ):
+        with pytest.raises(RuntimeError, match=match):
+            fresh().add_layer(bad)
+    layers = fresh()
+    layers.add_layer(good)
     x = torch.randn(1, model.config.hidden_size)
-    cache = torch.zeros(2, 4, 4, f.kv_heads, model.config.hidden_size // f.heads)
-    args = (torch.zeros(1, 2), torch.zeros(1, 2), f.heads, f.kv_heads, cache, torch.zeros(1, dtype=torch.long))
-    tail = (torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
-    with pytest.raises(RuntimeError, match="weights must be"):
-        torch.ops.chunkserve.decode_layer(x, None, f.weights[:5], f.biases, [], 32, f.eps, *args, *tail)
-    with pytest.raises(RuntimeError, match="biases must be"):
-        torch.ops.chunkserve.decode_layer(x, None, f.weights, f.biases[:3], [], 32, f.eps, *args, *tail)
-    with pytest.raises(RuntimeError, match="int4 must be"):
-        torch.ops.chunkserve.decode_layer(x, None, f.weights, f.biases, [x], 32, f.eps, *args, *tail)
+    cache = torch.zeros(2, 2, 4, 4, attn.kv_heads, attn.head_dim)  # 2 layers of cache for 1 layer
+    tail = (torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    cos = sin = torch.zeros(1, 1, attn.head_dim)
+    with pytest.raises(RuntimeError, match="kv_cache must be"):
+        layers.forward(x, cos, sin, cache, *tail, False)
+    with pytest.raises(RuntimeError, match="no int4 copies"):
+        layers.forward(x, cos, sin, cache[:1], *tail, True)

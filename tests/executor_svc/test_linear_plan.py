@@ -1,4 +1,5 @@
-"""The CPU linear plan measured at start-up (models/linear_plan.py, `--cpu-linear-plan`).
+"""The CPU linear plan measured at start-up (models/linear_plan.py, `--cpu-linear-plan`) and
+the Plan every linear computes through (models/kernel_plan.py).
 
 Nothing here depends on timing: the measurement's clock is replaced by one that returns
 chosen costs (and still runs every candidate), so the tests assert which plan a set of
@@ -18,10 +19,11 @@ from hypothesis import strategies as st
 
 from executor_svc.config import ExecutorConfig
 from executor_svc.models import get_model_class
+from executor_svc.models import kernel_plan as kp
 from executor_svc.models import linear_plan as lp
-from executor_svc.models.layers import Linear, padded_rows, prepack_weight
-from executor_svc.models.llama import prepack_model
-from executor_svc.models.quant import RowRule, half_weights_model, quantize_model
+from executor_svc.models.kernel_plan import padded_rows
+from executor_svc.models.layers import Linear, prepack_weight
+from executor_svc.models.quant import default_rules, half_weights_model, quantize_model
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 # the native library's few-row product ("gemv") is a candidate where it builds (a C++ compiler)
@@ -31,8 +33,8 @@ NATIVE = cpu_native.load() is None
 @st.composite
 def plans(draw):
     buckets = sorted(draw(st.sets(st.integers(1, 300), min_size=1, max_size=8)))
-    kernels = draw(st.lists(st.sampled_from(lp.KERNELS), min_size=len(buckets), max_size=len(buckets)))
-    return lp.Plan(tuple(buckets), tuple(kernels))
+    kernels = draw(st.lists(st.sampled_from(kp.KERNELS), min_size=len(buckets), max_size=len(buckets)))
+    return kp.Plan(tuple(buckets), tuple(kernels))
 
 
 @given(plans(), st.integers(1, 1000))
@@ -43,20 +45,20 @@ def test_a_step_takes_the_kernel_of_the_smallest_bucket_at_or_above_it(plan, m):
 
 
 def test_plan_text_and_validation():
-    plan = lp.Plan((1, 2, 4, 8, 16), ("mm", "packed", "packed", "reduced", "reduced"))
+    plan = kp.Plan((1, 2, 4, 8, 16), ("mm", "packed", "packed", "reduced", "reduced"))
     assert str(plan) == "1: mm, 2-4: packed, 5+: reduced"
-    assert str(lp.Plan((1, 3), ("mm", "mm"))) == "1+: mm"
+    assert str(kp.Plan((1, 3), ("mm", "mm"))) == "1+: mm"
     for buckets, kernels in (((), ()), ((1, 2), ("mm",)), ((2, 1), ("mm", "mm")), ((0, 2), ("mm", "mm"))):
         with pytest.raises(ValueError):
-            lp.Plan(buckets, kernels)
+            kp.Plan(buckets, kernels)
 
 
 @given(
-    st.dictionaries(st.sampled_from(lp.KERNELS), st.floats(1e-4, 1.0), min_size=1), st.sampled_from([0.0, 0.05, 0.2])
+    st.dictionaries(st.sampled_from(kp.KERNELS), st.floats(1e-4, 1.0), min_size=1), st.sampled_from([0.0, 0.05, 0.2])
 )
 def test_choose_prefers_the_earlier_kernel_unless_a_later_one_wins_by_the_margin(costs, margin):
-    best = lp.choose(costs, margin)
-    order = sorted(costs, key=lp.KERNELS.index)
+    best = kp.choose(costs, margin)
+    order = sorted(costs, key=kp.KERNELS.index)
     assert best in costs and costs[best] <= costs[order[0]]
     # nothing is more than the margin faster than the choice
     assert all(costs[k] >= costs[best] * (1 - margin) for k in costs)
@@ -66,22 +68,22 @@ def test_choose_prefers_the_earlier_kernel_unless_a_later_one_wins_by_the_margin
 
 def test_candidates_follow_the_copies_and_the_caps():
     base = dict(padding=True, packed=False, reduced=None, reduced_max_rows=None)
-    assert [m for m in range(1, 40) if "mm-pad" in lp.candidates(m, **base)] == [
+    assert [m for m in range(1, 40) if "mm-pad" in kp.candidates(m, **base)] == [
         m for m in range(1, 40) if padded_rows(m) != m
     ]
-    assert lp.candidates(1, **{**base, "padding": False}) == ["mm"]
-    assert "packed" in lp.candidates(2, **{**base, "packed": True})
+    assert kp.candidates(1, **{**base, "padding": False}) == ["mm"]
+    assert "packed" in kp.candidates(2, **{**base, "packed": True})
     int4 = {**base, "reduced": "int4"}
-    assert [m for m in (1, 8, 32, 33, 128) if "reduced" in lp.candidates(m, **int4)] == [1, 8, 32]
-    assert "half-onednn" not in lp.candidates(16, **int4)  # int4 has one reduced kernel
+    assert [m for m in (1, 8, 32, 33, 128) if "reduced" in kp.candidates(m, **int4)] == [1, 8, 32]
+    assert "half-onednn" not in kp.candidates(16, **int4)  # int4 has one reduced kernel
     bf16 = {**base, "reduced": "bfloat16"}
-    assert "reduced" in lp.candidates(512, **bf16)
-    assert [m for m in (1, 11, 12, 64) if "half-onednn" in lp.candidates(m, **bf16)] == [12, 64]
-    assert "reduced" not in lp.candidates(5, **{**bf16, "reduced_max_rows": 4})
-    assert not any("gemv" in lp.candidates(m, **base) for m in range(1, 9))  # not loaded: never
-    with_gemv = [m for m in range(1, 40) if "gemv" in lp.candidates(m, **{**base, "gemv": True})]
-    assert with_gemv == list(range(1, lp.GEMV_MAX_ROWS + 1))
-    assert lp.KERNELS.index("gemv") < lp.KERNELS.index("reduced")  # float32 before a reduced copy
+    assert "reduced" in kp.candidates(512, **bf16)
+    assert [m for m in (1, 11, 12, 64) if "half-onednn" in kp.candidates(m, **bf16)] == [12, 64]
+    assert "reduced" not in kp.candidates(5, **{**bf16, "reduced_max_rows": 4})
+    assert not any("gemv" in kp.candidates(m, **base) for m in range(1, 9))  # not loaded: never
+    with_gemv = [m for m in range(1, 40) if "gemv" in kp.candidates(m, **{**base, "gemv": True})]
+    assert with_gemv == list(range(1, kp.GEMV_MAX_ROWS + 1))
+    assert kp.KERNELS.index("gemv") < kp.KERNELS.index("reduced")  # float32 before a reduced copy
 
 
 def _model(tiny_configs, hf_model_factory, name="llama", seed=0):
@@ -95,11 +97,11 @@ def _model(tiny_configs, hf_model_factory, name="llama", seed=0):
 
 def _with_copies(model, mode):
     if mode == "int4":
-        quantize_model(model, "int4", RowRule(8))
+        quantize_model(model, "int4")
     elif mode in ("bfloat16", "float16"):
-        half_weights_model(model, mode, RowRule(1))
+        half_weights_model(model, mode)
     if torch.backends.mkldnn.is_available():
-        prepack_model(model)
+        model.prepack()
     return model
 
 
@@ -109,9 +111,9 @@ def _with_copies(model, mode):
 def test_every_kernel_computes_the_product_it_names(tiny_configs, hf_model_factory, mode, m):
     model = _with_copies(_model(tiny_configs, hf_model_factory, "llama_bias_headdim"), mode)
     tol = {None: 1e-5, "int4": 0.15, "bfloat16": 0.03, "float16": 0.005}[mode]
-    cands = lp.candidates(m, padding=True, packed=True, reduced=mode, reduced_max_rows=None, gemv=NATIVE)
-    assert ("gemv" in cands) == (NATIVE and m <= lp.GEMV_MAX_ROWS)
-    for lin in lp.decoder_linears(model):
+    cands = kp.candidates(m, padding=True, packed=True, reduced=mode, reduced_max_rows=None, gemv=NATIVE)
+    assert ("gemv" in cands) == (NATIVE and m <= kp.GEMV_MAX_ROWS)
+    for lin in model.decoder_linears():
         x = torch.randn(m, lin.weight.shape[1])
         want = x.double() @ lin.weight.double().t() + lin.bias.double()
         scale = want.abs().max().item()
@@ -122,12 +124,12 @@ def test_every_kernel_computes_the_product_it_names(tiny_configs, hf_model_facto
             assert err <= (tol if k in ("reduced", "half-onednn") else 1e-5), (k, err)
     head = model.lm_head.weight.double()
     h = torch.randn(m, model.config.hidden_size)
-    head_cands = lp.candidates(
+    head_cands = kp.candidates(
         m, padding=True, packed=True, reduced=None if mode is None else "bfloat16", reduced_max_rows=None, gemv=NATIVE
     )
     for k in head_cands:
         want = h.double() @ head.t()
-        err = (model.head_kernel(h, k).double() - want).abs().max().item() / want.abs().max().item()
+        err = (model.lm_head.apply_kernel(h, k).double() - want).abs().max().item() / want.abs().max().item()
         assert err <= (0.03 if k in ("reduced", "half-onednn") else 1e-5), (k, err)
 
 
@@ -152,13 +154,15 @@ def test_measure_picks_by_cost_and_times_every_candidate_of_every_bucket(tiny_co
         return table.get(kernel, 3.0) if part == "linears" else (0.1 if kernel == "reduced" else 1.0)
 
     calls: list = []
-    buckets = (1, 2, 3, 4, 16, 32)
-    measured = lp.measure(model, reduced="bfloat16", buckets=buckets, clock=_fake_clock(cost, calls))
-    assert measured.body == lp.Plan(buckets, ("mm", "mm", "packed", "packed", "reduced", "reduced"))
-    assert measured.head == lp.Plan(buckets, ("reduced",) * 6)
+    measured = lp.measure(model, reduced="bfloat16", budget=32, clock=_fake_clock(cost, calls))
+    buckets = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+    assert lp.buckets_for(32, "linears") == lp.buckets_for(32, "head") == buckets
+    want = tuple("mm" if m < 3 else "packed" if m < 16 else "reduced" for m in buckets)
+    assert measured.body == kp.Plan(buckets, want)
+    assert measured.head == kp.Plan(buckets, ("reduced",) * len(buckets))
     for part in ("linears", "head"):
         for m in buckets:
-            want = lp.candidates(m, padding=True, packed=True, reduced="bfloat16", reduced_max_rows=None)
+            want = kp.candidates(m, padding=True, packed=True, reduced="bfloat16", reduced_max_rows=None)
             assert [k for p, k, b in calls if p == part and b == m] == want * 5  # 5 rounds, taking turns
     # each round runs every candidate of every bucket before the next round starts
     per_round = len(calls) // 5
@@ -168,19 +172,31 @@ def test_measure_picks_by_cost_and_times_every_candidate_of_every_bucket(tiny_co
 
 
 @needs_onednn
-def test_each_candidate_keeps_its_fastest_round(tiny_configs, hf_model_factory):
-    """A burst of load in one round (mm's third, packed's first) does not decide the plan."""
-    model = _with_copies(_model(tiny_configs, hf_model_factory), None)
-    rounds = {"mm": [2.0, 1.0, 9.0, 3.0, 3.0], "packed": [9.0, 0.9, 0.8, 9.0, 9.0]}
-    seen: dict = {}
+def test_the_plan_reaches_the_budget_and_times_large_steps_on_one_layer(tiny_configs, hf_model_factory, monkeypatch):
+    """A prefill chunk takes a kernel measured at its own size, not one extrapolated from
+    decode sizes; from LARGE_FROM rows one layer's linears stand for the model's, fewer rounds."""
+    model = _with_copies(_model(tiny_configs, hf_model_factory), "bfloat16")
+    assert lp.buckets_for(300, "linears")[-3:] == (128, 256, 300) and lp.buckets_for(300, "head")[-1] == 128
+    assert lp.buckets_for(8192, "linears")[-1] == lp.LARGE_BUCKETS[-1]
+    ran: dict = {}
+    real = Linear.apply_kernel
 
-    def cost(part, kernel, m):
-        n = seen[(part, kernel)] = seen.get((part, kernel), -1) + 1
-        return rounds[kernel][n]
+    def spy(self, x, kernel, *args, **kw):
+        ran.setdefault(x.shape[0], set()).add(id(self))
+        return real(self, x, kernel, *args, **kw)
 
-    measured = lp.measure(model, buckets=(4,), padding=False, clock=_fake_clock(cost, []))
-    assert measured.costs[("linears", 4)] == {"mm": 1.0, "packed": 0.8}
-    assert measured.body(4) == "packed" and measured.head(4) == "packed"
+    monkeypatch.setattr(Linear, "apply_kernel", spy)
+
+    def cost(part, kernel, m):  # the 16-bit copy wins at decode sizes only; float32 from 256 rows
+        return {"reduced": 0.1 if m < 256 else 2.0, "mm": 1.0}.get(kernel, 1.5)
+
+    calls: list = []
+    measured = lp.measure(model, reduced="bfloat16", budget=512, clock=_fake_clock(cost, calls))
+    assert measured.body(128) == "reduced" and measured.body(200) == "mm" and measured.body(512) == "mm"
+    first_layer = {id(m) for m in model.model.layers[0].modules() if isinstance(m, Linear)}
+    assert ran[512] == first_layer  # the head's buckets stop at 128: it computes sampled rows only
+    assert ran[128] == {id(m) for m in [*model.decoder_linears(), model.lm_head]}
+    assert [k for p, k, b in calls if b == 512] == ["mm", "packed", "reduced", "half-onednn"] * lp.LARGE_REPS
 
 
 @needs_onednn
@@ -192,19 +208,19 @@ def test_apply_routes_every_linear_and_the_head_and_drops_unchosen_packed_copies
     other = torch.randn_like(lin.weight)
     lin.packed = prepack_weight(other)
     # not what the tables would do (they pack from 3 rows on)
-    freed = lp.apply(model, lp.Plan((1, 4, 8), ("packed", "mm", "packed")), lp.Plan((1,), ("mm",)))
+    freed = model.use_plan(kp.Plan((1, 4, 8), ("packed", "mm", "packed")), kp.Plan((1,), ("mm",)))
     assert freed == model.lm_head.weight.nbytes  # the head's packed copy: chosen for no step
-    assert model.head_packed is None and model.lm_head.packed is None
-    assert all(x.packed is not None and x.plan is not None for x in lp.decoder_linears(model))
+    assert model.lm_head.packed is None
+    assert all(x.packed is not None and x.plan is model.model.plan for x in model.decoder_linears())
     for m in range(1, 12):
         x = torch.randn(m, lin.weight.shape[1])
         want = x @ (lin.weight if 2 <= m <= 4 else other).t()
         torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
-    lp.apply(model, lp.Plan((1,), ("mm",)), lp.Plan((1,), ("mm",)))
-    assert all(x.packed is None for x in lp.decoder_linears(model))
+    model.use_plan(kp.Plan((1,), ("mm",)), kp.Plan((1,), ("mm",)))
+    assert all(x.packed is None for x in model.decoder_linears())
     other_head = torch.randn_like(model.lm_head.weight)
-    model.head_packed = prepack_weight(other_head)
-    lp.apply(model, lp.Plan((1,), ("mm",)), lp.Plan((1, 2), ("mm", "packed")))
+    model.lm_head.packed = prepack_weight(other_head)
+    model.use_plan(kp.Plan((1,), ("mm",)), kp.Plan((1, 2), ("mm", "packed")))
     for m in (1, 2, 5):
         h = torch.randn(m, model.config.hidden_size)
         want = h @ (model.lm_head.weight if m == 1 else other_head).t()
@@ -220,8 +236,8 @@ def test_any_plan_gives_the_float32_logits(tiny_configs, hf_model_factory, paged
     model = _with_copies(_model(tiny_configs, hf_model_factory, "smollm_tied", seed=3), None)
     kernels = ("mm", "mm-pad", "packed") + (("gemv",) if NATIVE else ())
     buckets = (1, 2, 4, 8)
-    body = lp.Plan(buckets, tuple(data.draw(st.sampled_from(kernels)) for _ in buckets))
-    head = lp.Plan(buckets, tuple(data.draw(st.sampled_from(kernels)) for _ in buckets))
+    body = kp.Plan(buckets, tuple(data.draw(st.sampled_from(kernels)) for _ in buckets))
+    head = kp.Plan(buckets, tuple(data.draw(st.sampled_from(kernels)) for _ in buckets))
     m = data.draw(st.integers(1, 12))
     tokens = torch.randint(0, model.config.vocab_size, (m,)).tolist()
 
@@ -231,12 +247,12 @@ def test_any_plan_gives_the_float32_logits(tiny_configs, hf_model_factory, paged
             return model.compute_logits(hidden)
 
     want = logits()
-    lp.apply(model, body, head)
+    model.use_plan(body, head)
     torch.testing.assert_close(logits(), want, rtol=1e-4, atol=1e-4)
 
 
 def test_load_measures_by_default_and_keeps_the_tables_with_table(tiny_model_path, tmp_path, monkeypatch):
-    from executor_svc import server
+    from executor_svc import worker
 
     common = dict(model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path))
     seen = {}
@@ -247,33 +263,32 @@ def test_load_measures_by_default_and_keeps_the_tables_with_table(tiny_model_pat
 
     real = lp.measure
     monkeypatch.setattr(lp, "measure", fake_measure)
-    model = server.load(ExecutorConfig(quantization="int4", **common)).runner.model
-    assert seen == {"reduced": "int4", "reduced_max_rows": None, "padding": True, "gemv": NATIVE}
-    assert set(model.head_plan.kernels) == {"mm"} and model.head_packed is None  # unchosen: dropped
-    assert all(lin.plan is model.model.layers[0].mlp.down_proj.plan for lin in lp.decoder_linears(model))
+    model = worker.load(ExecutorConfig(quantization="int4", **common)).runner.model
+    assert seen == {"reduced": "int4", "reduced_max_rows": None, "padding": True, "gemv": NATIVE, "budget": 2048}
+    assert set(model.lm_head.plan.kernels) == {"mm"} and model.lm_head.packed is None  # unchosen: dropped
+    assert all(lin.plan is model.model.plan for lin in model.decoder_linears())
     seen.clear()
-    server.load(ExecutorConfig(cpu_kernels="torch", **common))
+    worker.load(ExecutorConfig(cpu_kernels="torch", **common))
     assert seen["gemv"] is False  # --cpu-kernels torch: aten and the BLAS kernels only
     seen.clear()
-    table = server.load(ExecutorConfig(cpu_linear_plan="table", **common)).runner.model
-    assert not seen and table.head_plan is None and table.model.layers[0].mlp.down_proj.plan is None
+    table = worker.load(ExecutorConfig(cpu_linear_plan="table", quantization="int4", **common)).runner.model
+    assert not seen  # the tables: no measurement, a plan all the same (int4: the rule per CPU class)
+    rows, _ = default_rules("int4")
+    assert [table.model.plan(m) == "reduced" for m in range(1, 65)] == [rows(m) for m in range(1, 65)]
     with pytest.raises(ValueError, match="--cpu-linear-plan"):
         ExecutorConfig(cpu_linear_plan="fastest")
 
 
 def test_a_kept_plan_is_read_back_for_its_key_only(tiny_configs, hf_model_factory, tmp_path):
     model = _with_copies(_model(tiny_configs, hf_model_factory), "bfloat16")
-    buckets = (1, 2, 8)
-    kw = dict(reduced="bfloat16", reduced_max_rows=None, padding=True, buckets=buckets)
+    kw = dict(reduced="bfloat16", reduced_max_rows=None, padding=True, budget=8)
     key = lp.plan_key(model, **kw)
-    measured = lp.measure(
-        model, reduced="bfloat16", buckets=buckets, clock=_fake_clock(lambda p, k, m: m if k == "mm" else 1, [])
-    )
+    measured = lp.measure(model, **kw, clock=_fake_clock(lambda p, k, m: m if k == "mm" else 1, []))
     path = lp.plan_file(tmp_path, key)
     assert lp.load_plan(path, key) is None  # nothing kept yet
     lp.store_plan(path, key, measured)
     assert lp.load_plan(path, key) == (measured.body, measured.head)
-    assert measured.body.kernels != ("mm",) * 3  # the fake costs made a plan that is not the default
+    assert set(measured.body.kernels) != {"mm"}  # the fake costs made a plan that is not the default
     # whatever the key holds names another file, and a file is used for its own key only
     changes = ({"reduced": "int4"}, {"padding": False}, {"buckets": [1, 2]}, {"threads": key["threads"] + 1})
     for change in (*changes, {"gemv": True}):
@@ -282,7 +297,7 @@ def test_a_kept_plan_is_read_back_for_its_key_only(tiny_configs, hf_model_factor
         assert lp.load_plan(path, other) is None
     assert lp.plan_key(model, **{**kw, "reduced_max_rows": 4}) != key
     doc = json.loads(path.read_text())
-    for edit in ({"body": ["mm", "fastest", "mm"]}, {"buckets": [1, 2, 9]}, {"head": None}):
+    for edit in ({"body": ["mm", "fastest", *doc["body"][2:]]}, {"buckets": [1, 2, 9]}, {"head": None}):
         path.write_text(json.dumps({**doc, **edit}))
         assert lp.load_plan(path, key) is None, edit
     path.write_text("{not json")
@@ -291,7 +306,7 @@ def test_a_kept_plan_is_read_back_for_its_key_only(tiny_configs, hf_model_factor
 
 
 def test_load_keeps_the_measured_plan_for_the_next_start(tiny_model_path, tmp_path, monkeypatch):
-    from executor_svc import server
+    from executor_svc import worker
 
     common = dict(model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path))
     calls = []
@@ -305,8 +320,8 @@ def test_load_keeps_the_measured_plan_for_the_next_start(tiny_model_path, tmp_pa
     monkeypatch.setattr(lp, "measure", fake_measure)
 
     def plans(**kw):
-        model = server.load(ExecutorConfig(**common, **kw)).runner.model
-        return model.model.layers[0].mlp.down_proj.plan, model.head_plan
+        model = worker.load(ExecutorConfig(**common, **kw)).runner.model
+        return model.model.plan, model.lm_head.plan
 
     first = plans()
     assert len(calls) == 1 and len(list((tmp_path / "linear-plans").glob("*.json"))) == 1
@@ -328,10 +343,8 @@ def test_the_step_profile_script_times_and_zeroes_the_planned_kernels(tiny_confi
     model = _with_copies(_model(tiny_configs, hf_model_factory, "smollm_tied"), "int4")
     buckets = (1, 2, 3, 64)
     few = "gemv" if NATIVE else "mm"  # the native product, where it builds
-    lp.apply(
-        model,
-        lp.Plan(buckets, ("reduced", few, "packed", "mm")),
-        lp.Plan(buckets, ("reduced", few, "packed", "mm-pad")),
+    model.use_plan(
+        kp.Plan(buckets, ("reduced", few, "packed", "mm")), kp.Plan(buckets, ("reduced", few, "packed", "mm-pad"))
     )
     for batch in (1, 2, 3, 40):
         ms, calls = bench.gemm_alone(model, batch, repeats=1)
@@ -362,12 +375,12 @@ def test_executor_modes_interleaved_steps_give_each_mode_its_own_tokens(tiny_mod
     """benchmarks/executor_modes.py --interleave: modes loaded side by side take turns without
     sharing state (a table and a measured float32 plan give the same greedy tokens), and every
     mode gets a time per batch size and a prefill time."""
-    from executor_svc import server
+    from executor_svc import worker
 
     bench = _bench("executor_modes")
     common = dict(model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.02, cache_dir=str(tmp_path))
     runners = {
-        plan: server.load(ExecutorConfig(cpu_linear_plan=plan, swap_space=0.0, **common)).runner
+        plan: worker.load(ExecutorConfig(cpu_linear_plan=plan, swap_space=0.0, **common)).runner
         for plan in ("table", "measure")
     }
     with torch.inference_mode():
@@ -379,8 +392,9 @@ def test_executor_modes_interleaved_steps_give_each_mode_its_own_tokens(tiny_mod
     assert out["table"]["tokens"] == out["measure"]["tokens"]
 
 
-def test_linear_without_a_plan_keeps_its_rules():
+def test_a_linear_no_plan_was_applied_to_computes_float32():
     lin = Linear(32, 16, False, torch.float32, "cpu")
+    assert lin.plan is kp.DEFAULT_PLAN
     lin.weight.data.normal_()
     x = torch.randn(3, 32)
     torch.testing.assert_close(lin(x), x @ lin.weight.t(), rtol=1e-5, atol=1e-5)

@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.config import ExecutorConfig
-from executor_svc.runner import ModelRunner, PlanError
-from executor_svc.server import ExecutorServicer, load
+from executor_svc.plan_check import PlanError
+from executor_svc.runner import ModelRunner
+from executor_svc.server import ExecutorServicer
+from executor_svc.worker import load
 from scheduler_svc.validation import MAX_LOGPROBS
 
 GREEDY = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1)
@@ -398,7 +400,7 @@ def test_bad_sampling_params_are_invalid_argument_over_grpc(loaded, runner):
 
 
 def test_the_logprobs_bound_is_the_schedulers():
-    from executor_svc.runner import MAX_NUM_LOGPROBS
+    from executor_svc.plan_check import MAX_NUM_LOGPROBS
 
     assert MAX_NUM_LOGPROBS == MAX_LOGPROBS
 

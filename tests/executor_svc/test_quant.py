@@ -1,5 +1,5 @@
 """--quantization int4: the kernel multiplies by exactly the weights it claims, steps pick the
-path their row count says, Q4_1-born weights are held exactly, and the default model's
+path their table plan gives their row count, Q4_1-born weights are held exactly, and the default model's
 int4 path agrees with float32 above the thresholds docs and RESULTS.md state. The CPU 16-bit
 modes (--dtype bfloat16 / float16, HalfWeights): the same path choice, the same arithmetic as
 the quality benchmark emulates, a server that loads and serves them, and their agreement."""
@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from chunkserve_contracts.cpu import CpuInfo
 from executor_svc.config import ExecutorConfig
+from executor_svc.models.kernel_plan import table_plan
 from executor_svc.models.layers import Linear
 from executor_svc.models.quant import (
     GROUP_SIZE,
@@ -64,7 +66,7 @@ def _depart_only_at_near_ties(qq, tok, mode_runner, fp32_runner, prompts: list[s
 def test_kernel_multiplies_by_the_reference_weights():
     torch.manual_seed(0)
     w = torch.randn(48, 96)
-    q = Int4Weights(w, RowRule(8))
+    q = Int4Weights(w)
     x = torch.randn(5, 96)
     out = q.matmul(x)
     want = _bf16_reference(x, int4_reference(w))
@@ -101,7 +103,8 @@ def test_steps_within_max_rows_take_the_int4_path_larger_ones_float32():
     lin.weight.data.normal_()
     lin.bias.data.normal_()
     plain = torch.nn.functional.linear
-    lin.reduced = Int4Weights(lin.weight, RowRule(4))
+    lin.reduced = Int4Weights(lin.weight)
+    lin.plan = table_plan(RowRule(4), packed=False, padding=True, upto=64)
     small, big = torch.randn(4, 64), torch.randn(5, 64)
     torch.testing.assert_close(lin(small), lin.reduced.matmul(small) + lin.bias)
     torch.testing.assert_close(lin(big), plain(big, lin.weight, lin.bias), rtol=0, atol=1e-5)
@@ -122,13 +125,14 @@ def test_quantize_model_covers_every_decoder_linear_and_adds_a_bf16_head(tiny_co
     hf = hf_model_factory(config)
     model = get_model_class(config)(config, "torch", torch.float32, torch.device("cpu"))
     model.load_weights(hf.state_dict().items())
-    stats = quantize_model(model, "int4", RowRule(16))
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    stats = quantize_model(model, "int4")
+    linears = model.decoder_linears()
     assert stats["layers"] == len(linears) == 4 * config.num_hidden_layers
-    assert all(m.reduced is not None and m.reduced.rows == RowRule(16) for m in linears)
-    head, rows = model.head_reduced
-    assert head.dtype == torch.bfloat16 and rows == default_rules("int4")[1]  # this CPU's table
-    assert torch.equal(head, model.model.embed_tokens.weight.to(torch.bfloat16))
+    assert all(isinstance(m.reduced, Int4Weights) for m in linears)
+    head = model.lm_head.reduced
+    assert isinstance(head, HalfWeights) and torch.equal(
+        head.weight, model.model.embed_tokens.weight.to(torch.bfloat16)
+    )
 
 
 @pytest.mark.slow  # the default model, twice
@@ -151,7 +155,7 @@ def test_default_model_int4_agrees_with_float32(default_model_path):
     assert qq.perplexity(b, ids) / qq.perplexity(a, ids) <= 1.03
 
     from executor_svc.config import default_cache_dir
-    from executor_svc.server import load
+    from executor_svc.worker import load
 
     def runner(quant: str):
         cfg = ExecutorConfig(
@@ -167,7 +171,7 @@ def test_default_model_int4_agrees_with_float32(default_model_path):
 
 
 def test_int4_is_refused_off_the_float32_cpu_path(tiny_model_path, tmp_path):
-    from executor_svc.server import load
+    from executor_svc.worker import load
 
     cfg = ExecutorConfig(model=str(tiny_model_path), dtype="bfloat16", quantization="int4", cache_dir=str(tmp_path))
     with pytest.raises(ValueError, match="--quantization int4 is a CPU mode over float32 weights"):
@@ -194,7 +198,8 @@ def test_half_weights_one_row_steps_16_bit_larger_ones_float32(dtype):
     lin = Linear(64, 32, True, torch.float32, "cpu")
     lin.weight.data.normal_()
     lin.bias.data.normal_()
-    lin.reduced = HalfWeights(lin.weight, dtype, RowRule(1))
+    lin.reduced = HalfWeights(lin.weight, dtype)
+    lin.plan = table_plan(RowRule(1), packed=False, padding=True, upto=64)
     one, two = torch.randn(1, 64), torch.randn(2, 64)
     w16 = lin.weight.to(dtype)
     # exactly the arithmetic benchmarks/quantization_quality.py emulates
@@ -214,18 +219,17 @@ def test_half_weights_model_covers_every_linear_and_the_head(tiny_configs, hf_mo
     hf = hf_model_factory(config)
     model = get_model_class(config)(config, "torch", torch.float32, torch.device("cpu"))
     model.load_weights(hf.state_dict().items())
-    stats = half_weights_model(model, "float16", RowRule(1))
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    stats = half_weights_model(model, "float16")
+    linears = model.decoder_linears()
     assert stats["layers"] == len(linears) and all(isinstance(m.reduced, HalfWeights) for m in linears)
-    assert all(m.reduced.weight.dtype == torch.float16 and m.reduced.rows == RowRule(1) for m in linears)
-    head, rows = model.head_reduced
-    assert rows == RowRule(1) and torch.equal(head, model.model.embed_tokens.weight.to(torch.float16))
+    assert all(m.reduced.weight.dtype == torch.float16 for m in linears)
+    assert torch.equal(model.lm_head.reduced.weight, model.model.embed_tokens.weight.to(torch.float16))
     assert all(p.dtype == torch.float32 for p in model.parameters())  # float32 kept for larger steps
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_cpu_16_bit_dtype_loads_float32_model_with_16_bit_copies(tiny_model_path, tmp_path, dtype):
-    from executor_svc.server import load
+    from executor_svc.worker import load
 
     common = dict(
         model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path),
@@ -236,12 +240,16 @@ def test_cpu_16_bit_dtype_loads_float32_model_with_16_bit_copies(tiny_model_path
     runner = loaded.runner
     assert runner.kv_cache.dtype == torch.float32
     rows, head_rows = default_rules(dtype)  # the table measured for this CPU's class
-    assert runner.model.head_reduced[1] == head_rows
-    lin = runner.model.model.layers[0].mlp.down_proj
-    assert lin.reduced.weight.dtype == getattr(torch, dtype) and lin.reduced.rows == rows
-    loaded = load(ExecutorConfig(dtype=dtype, quantized_max_rows=3, **common))
-    assert loaded.runner.model.model.layers[0].mlp.down_proj.reduced.rows == RowRule(3)
-    assert loaded.runner.model.head_reduced[1] == RowRule(3)
+
+    def follows(plan, rule):
+        return all((plan(m) == "reduced") == rule(m) for m in range(1, 300))
+
+    model = runner.model
+    assert follows(model.lm_head.plan, head_rows) and follows(model.model.plan, rows)
+    lin = model.model.layers[0].mlp.down_proj
+    assert lin.reduced.weight.dtype == getattr(torch, dtype) and lin.plan is model.model.plan
+    model = load(ExecutorConfig(dtype=dtype, quantized_max_rows=3, **common)).runner.model
+    assert follows(model.model.plan, RowRule(3)) and follows(model.lm_head.plan, RowRule(3))
 
 
 @pytest.mark.slow  # the default model, three times
@@ -255,7 +263,7 @@ def test_default_model_16_bit_modes_agree_with_float32(default_model_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from executor_svc.config import default_cache_dir
-    from executor_svc.server import load
+    from executor_svc.worker import load
 
     tok = AutoTokenizer.from_pretrained(default_model_path)
     ids = tok(qq.TEXTS["english"] + " " + qq.TEXTS["russian"] + " " + qq.TEXTS["code"])["input_ids"]
@@ -303,7 +311,7 @@ def test_row_rules_admit_what_they_say():
 def test_default_rules_follow_the_cpu_class_and_the_flag(monkeypatch, native):
     import executor_svc.models.quant as quant
 
-    monkeypatch.setattr(quant, "native_bf16", lambda: native)
+    monkeypatch.setattr(quant, "cpu_info", lambda: CpuInfo("test", frozenset({"avx512_bf16"} if native else ())))
     for mode in ("int4", "bfloat16", "float16"):
         assert default_rules(mode) == ROW_RULES[native][mode]
         rows, head = default_rules(mode, 5)
@@ -318,18 +326,18 @@ def test_default_rules_follow_the_cpu_class_and_the_flag(monkeypatch, native):
 def test_native_bf16_reads_the_cpu_flags(monkeypatch, tmp_path):
     import builtins
 
-    import executor_svc.models.quant as quant
+    from chunkserve_contracts import cpu
 
     real_open = builtins.open
     for flags, want in (("fpu avx2 avx512f avx512_bf16", True), ("fpu avx2 amx_bf16", True), ("fpu avx2 fma", False)):
         info = tmp_path / "cpuinfo"
-        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        info.write_text(f"processor\t: 0\nmodel name\t: Test CPU\nflags\t\t: {flags}\n")
         monkeypatch.setattr(
             builtins, "open", lambda p, *a, info=info, **k: real_open(info if p == "/proc/cpuinfo" else p, *a, **k)
         )
-        quant.native_bf16.cache_clear()
-        assert quant.native_bf16() is want
-    quant.native_bf16.cache_clear()
+        cpu.cpu_info.cache_clear()
+        assert cpu.cpu_info().native_bf16 is want and cpu.cpu_info().model == "Test CPU"
+    cpu.cpu_info.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

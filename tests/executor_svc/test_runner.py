@@ -11,8 +11,8 @@ import transformers
 
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.config import ExecutorConfig
-from executor_svc.runner import PlanError
-from executor_svc.server import load
+from executor_svc.plan_check import PlanError
+from executor_svc.worker import load
 
 GREEDY = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1)
 

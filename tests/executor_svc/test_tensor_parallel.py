@@ -1,4 +1,4 @@
-"""Tensor parallelism (executor_svc/parallel.py) on CPU with gloo: a TP=2 group runs the same
+"""Tensor parallelism (executor_svc/tp_group.py) on CPU with gloo: a TP=2 group runs the same
 plans as one process and samples the same greedy tokens; bad group sizes are refused."""
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def test_tp2_executor_serves_a_scheduler_and_a_dead_rank_ends_the_group(tiny_mod
         # Ended by the death itself, not by the collectives' 20 s timeout (about 1 s here; the
         # bound is the timeout, so a machine several times slower still passes).
         assert time.time() - killed < 20
-        assert two.executor.wait(10) == 3  # parallel.EXIT_GROUP_LOST
+        assert two.executor.wait(10) == 3  # tp_group.EXIT_GROUP_LOST
     finally:
         two.stop()
 

@@ -173,11 +173,14 @@ def test_a_failed_build_is_a_reason_not_an_exception(tmp_path):
 
 
 def test_build_name_changes_with_what_it_is_built_from(monkeypatch):
+    from chunkserve_contracts.cpu import CpuInfo
+
     name = cpu_native.build_name()
     monkeypatch.setattr(cpu_native, "CFLAGS", (*cpu_native.CFLAGS, "-DX"))
-    assert cpu_native.build_name() != name
-    monkeypatch.setattr(cpu_native, "_cpu_id", lambda: "another cpu")
-    assert cpu_native.build_name() != name
+    flagged = cpu_native.build_name()
+    assert flagged != name
+    monkeypatch.setattr(cpu_native, "cpu_info", lambda: CpuInfo("another cpu", frozenset({"avx2"})))
+    assert cpu_native.build_name() not in (name, flagged)
 
 
 # --- residual add + RMSNorm ---------------------------------------------------------------------
@@ -309,43 +312,41 @@ def test_decoder_layers_pass_the_residual_stream_bitwise_as_before(tiny_model):
     assert torch.equal(new, old)
 
 
-# --- the executor's switch (executor_svc/server.setup_cpu_kernels) ---------------------------
-
-
-def _model_backend(model):
-    from executor_svc.models.layers import PagedAttention
-
-    return {id(m.backend): m.backend for m in model.modules() if isinstance(m, PagedAttention)}
+# --- the executor's start-up phase (executor_svc/worker.load_native_kernels) -------------------
 
 
 def test_setup_switches_every_layer_or_says_why(native, tiny_model, monkeypatch, caplog):
-    from executor_svc.server import setup_cpu_kernels
+    from types import SimpleNamespace
 
-    cpu, f32 = torch.device("cpu"), torch.float32
+    from executor_svc.config import ExecutorConfig
     from executor_svc.models.layers import RMSNorm
+    from executor_svc.worker import Placement, load_native_kernels
+
+    def place(backend="torch", dtype=torch.float32):
+        name = SimpleNamespace(name=backend)
+        return Placement(torch.device("cpu"), dtype, None, None, tiny_model.backend if backend == "torch" else name)
+
+    def setup(choice, where):
+        return load_native_kernels(tiny_model, ExecutorConfig(cpu_kernels=choice), where)
 
     norms = [m for m in tiny_model.modules() if isinstance(m, RMSNorm)]
-    assert setup_cpu_kernels(tiny_model, "auto", "torch", cpu, f32)
-    assert [b.native for b in _model_backend(tiny_model).values()] == [True]
-    assert len(norms) == 5 and all(n.native for n in norms)
-    for b in _model_backend(tiny_model).values():
-        b.native = False
-    for n in norms:
-        n.native = False
-    assert not setup_cpu_kernels(tiny_model, "torch", "torch", cpu, f32)
-    assert not setup_cpu_kernels(tiny_model, "auto", "torch_ref", cpu, f32)
+    assert setup("auto", place())
+    assert tiny_model.backend.native and len(norms) == 5 and all(n.native for n in norms)
+    tiny_model.use_native_kernels(False)
+    assert not tiny_model.backend.native and not any(n.native for n in norms)
+    assert not setup("torch", place())
+    assert not setup("auto", place("torch_ref"))
     with pytest.raises(ValueError, match="needs --device cpu"):
-        setup_cpu_kernels(tiny_model, "native", "triton", cpu, f32)
+        setup("native", place("triton"))
     with pytest.raises(ValueError, match="needs --device cpu"):
-        setup_cpu_kernels(tiny_model, "native", "torch", cpu, torch.bfloat16)
+        setup("native", place(dtype=torch.bfloat16))
     monkeypatch.setattr(cpu_native, "load", lambda: "RuntimeError: no C++ compiler")
     with caplog.at_level(logging.WARNING):
-        assert not setup_cpu_kernels(tiny_model, "auto", "torch", cpu, f32)
+        assert not setup("auto", place())
     assert "no C++ compiler" in caplog.text
     with pytest.raises(ValueError, match="did not build or load: RuntimeError: no C\\+\\+ compiler"):
-        setup_cpu_kernels(tiny_model, "native", "torch", cpu, f32)
-    assert [b.native for b in _model_backend(tiny_model).values()] == [False]
-    assert not any(n.native for n in norms)
+        setup("native", place())
+    assert not tiny_model.backend.native and not any(n.native for n in norms)
 
 
 @pytest.fixture

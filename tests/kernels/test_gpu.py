@@ -83,10 +83,10 @@ def test_triton_other_dtypes_and_gqa(dtype, atol):
 
 def _executor():
     try:
-        from executor_svc import server
+        from executor_svc import worker
     except Exception as e:  # e.g. protobuf/grpcio older than the generated code
-        pytest.skip(f"executor_svc.server does not import here: {e!r}")
-    return server
+        pytest.skip(f"executor_svc.worker does not import here: {e!r}")
+    return worker
 
 
 def _greedy_via_runner(runner, prompts, new_tokens, chunk=256):
@@ -157,10 +157,10 @@ def _e2e(model_path, prompts, name, dtype, block_size, tol, tmp_path):
         pytest.skip(f"{name} is not installed")
     import transformers
 
-    server = _executor()
+    worker = _executor()
     from executor_svc.config import ExecutorConfig
 
-    loaded = server.load(
+    loaded = worker.load(
         ExecutorConfig(
             model=str(model_path),
             device=DEVICE,
@@ -239,11 +239,11 @@ def test_cuda_graphs_replay_decode_steps(random_checkpoint, dtype, tmp_path):
     from executor_svc.config import ExecutorConfig
     from executor_svc.cuda_graphs import capture_sizes
 
-    server = _executor()
+    worker = _executor()
     prompts = RANDOM_PROMPTS + [[(13 * i) % 500 + 1 for i in range(70)], [(17 * i) % 500 + 1 for i in range(9)]]
     got = {}
     for graphs in (False, True):
-        loaded = server.load(
+        loaded = worker.load(
             ExecutorConfig(
                 model=str(random_checkpoint),
                 device=DEVICE,

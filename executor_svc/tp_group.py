@@ -23,7 +23,7 @@ collective fails or their parent dies.
 
 from __future__ import annotations
 
-import datetime
+import json
 import logging
 import os
 import signal
@@ -33,10 +33,15 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from chunkserve_contracts.flags import config_to_argv
+from executor_svc.collectives import NO_TP, PlanChannel, TPInfo, check_divisible
+from executor_svc.config import ExecutorConfig
+from executor_svc.model_loader import resolve_model
+from executor_svc.plan_check import PlanError
 
 log = logging.getLogger(__name__)
 
@@ -45,136 +50,11 @@ CMD_STOP, CMD_STEP, CMD_RESET, CMD_PING = 0, 1, 2, 3
 EXIT_GROUP_LOST = 3  # rank 0's exit status when a rank died or a collective failed
 
 
-@dataclass(frozen=True, slots=True)
-class TPInfo:
-    """This process's place in the group; size 1 = no group (every collective is skipped)."""
-
-    rank: int = 0
-    size: int = 1
-
-    @property
-    def enabled(self) -> bool:
-        return self.size > 1
-
-
-NO_TP = TPInfo()
-
-
-def check_divisible(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
-    """Refuse a group size that does not split the heads evenly (no KV-head replication)."""
-    if tp_size < 1:
-        raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp_size}")
-    if num_kv_heads % tp_size or num_heads % tp_size:
-        raise ValueError(
-            f"--tensor-parallel-size {tp_size} does not divide the model's heads: num_attention_heads "
-            f"{num_heads}, num_key_value_heads {num_kv_heads} (each rank holds whole KV heads); use a "
-            f"size that divides {num_kv_heads}"
-        )
-
-
-def shard_rows(total: int, tp: TPInfo) -> int:
-    """Rows per rank of a dimension split `tp.size` ways (the vocabulary is padded up)."""
-    return -(-total // tp.size)
-
-
-class CommClock:
-    """Nanoseconds this process spent inside collectives (waiting for slower ranks
-    included), for the step-time benchmark's communication share; two clock reads per call."""
-
-    ns = 0
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter_ns()
-
-    def __exit__(self, *exc: object) -> None:
-        CommClock.ns += time.perf_counter_ns() - self.start
-
-
-def all_reduce_(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the group, in place on a contiguous copy when needed; returns the sum."""
-    x = x.contiguous()
-    with CommClock():
-        dist.all_reduce(x)
-    return x
-
-
-def all_gather_last(x: torch.Tensor, size: int) -> torch.Tensor:
-    """Concatenate every rank's x along the last dimension (rank order)."""
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(size)]
-    with CommClock():
-        dist.all_gather(parts, x)
-    return torch.cat(parts, dim=-1)
-
-
 def env_rank() -> TPInfo | None:
     """The torchrun-style rank from the environment, or None when not started in a group."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
     return TPInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-
-
-def init_group(tp: TPInfo, device: torch.device, timeout_s: float) -> None:
-    """Joins the group (env rendezvous) with a timeout on every collective; pins a CUDA rank
-    to its local device."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", tp.rank)))
-    dist.init_process_group(
-        backend, init_method="env://", rank=tp.rank, world_size=tp.size, timeout=datetime.timedelta(seconds=timeout_s)
-    )
-    log.info("rank %d of %d joined the tensor-parallel group (%s)", tp.rank, tp.size, backend)
-
-
-def local_device(device: torch.device) -> torch.device:
-    """A rank's device: cuda -> cuda:LOCAL_RANK once init_group has pinned it."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def min_over_group(values: list[int], device: torch.device) -> list[int]:
-    """Element-wise minimum over the ranks (KV block counts every rank can hold)."""
-    t = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return [int(v) for v in t.tolist()]
-
-
-class PlanChannel:
-    """Rank 0 -> every rank: commands and serialized plans; rank 0's sampled tokens back."""
-
-    def __init__(self, device: torch.device) -> None:
-        # NCCL moves only device tensors; gloo host ones.
-        self.device = device if device.type == "cuda" else torch.device("cpu")
-
-    def send(self, cmd: int, payload: bytes = b"") -> None:
-        header = torch.tensor([cmd, len(payload)], dtype=torch.int64, device=self.device)
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device) if payload else None
-        with CommClock():
-            dist.broadcast(header, src=0)
-            if data is not None:
-                dist.broadcast(data, src=0)
-
-    def recv(self) -> tuple[int, bytes]:
-        header = torch.empty(2, dtype=torch.int64, device=self.device)
-        dist.broadcast(header, src=0)
-        cmd, length = (int(v) for v in header.tolist())
-        if not length:
-            return cmd, b""
-        data = torch.empty(length, dtype=torch.uint8, device=self.device)
-        dist.broadcast(data, src=0)
-        return cmd, data.cpu().numpy().tobytes()
-
-    def share_tokens(self, tokens: list[int] | None, count: int, rank: int) -> list[int]:
-        """Rank 0 passes its sampled token ids, the others `None`; every rank gets them."""
-        t = (
-            torch.tensor(tokens, dtype=torch.int64, device=self.device)
-            if rank == 0
-            else torch.empty(count, dtype=torch.int64, device=self.device)
-        )
-        with CommClock():
-            dist.broadcast(t, src=0)
-        return t.tolist()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -214,6 +94,27 @@ class LocalGroup:
                 proc.wait()
 
 
+def join_group(config: ExecutorConfig) -> tuple[TPInfo, LocalGroup | None]:
+    """This process's tensor-parallel rank, and the local ranks it started (rank 0 started
+    plainly with --tensor-parallel-size N > 1 starts ranks 1..N-1; under torchrun, the
+    environment says the rank and nobody starts anything). Before `load`."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return NO_TP, None
+    path = resolve_model(config.model, Path(config.cache_dir))  # before any rank starts (converts once)
+    hf = json.loads((path / "config.json").read_text())
+    heads = hf.get("num_attention_heads", 0)
+    check_divisible(heads, hf.get("num_key_value_heads") or heads, size)
+    tp = env_rank()
+    if tp is not None:
+        if tp.size != size:
+            raise ValueError(f"WORLD_SIZE is {tp.size} but --tensor-parallel-size is {size}: they must match")
+        return tp, None
+    group = spawn_local_ranks(size, config_to_argv(config))
+    group.watch(lambda rank, code: end_group(f"tensor-parallel rank {rank} exited with status {code}", group))
+    return TPInfo(0, size), group
+
+
 def spawn_local_ranks(size: int, argv: list[str]) -> LocalGroup:
     """Starts ranks 1..size-1 as `python -m executor_svc <argv>` with the torchrun
     environment, and sets it for this process (rank 0) too."""
@@ -233,9 +134,6 @@ def spawn_local_ranks(size: int, argv: list[str]) -> LocalGroup:
 def worker_loop(runner: Any, channel: PlanChannel) -> None:
     """Ranks 1..N-1: run what rank 0 broadcasts until it says stop (or a collective fails,
     which raises and ends the process)."""
-    from chunkserve_contracts.executor.v1 import executor_pb2 as epb
-    from executor_svc.runner import PlanError
-
     while True:
         cmd, payload = channel.recv()
         if cmd == CMD_STEP:
@@ -280,8 +178,6 @@ class Leader:
         self.last = time.monotonic()
 
     def run(self, fn: Any, *args: Any, cmd: int = CMD_STEP, payload: bytes = b"") -> Any:
-        from executor_svc.runner import PlanError
-
         try:
             self.channel.send(cmd, payload)
             self.last = time.monotonic()

@@ -1,0 +1,87 @@
+"""The fused decode path: a small pure-decode step runs every decoder layer in one native call
+(kernels/csrc/cpu_layer.cpp, `torch.classes.chunkserve.DecodeLayers`) instead of ~25 op calls
+per layer from Python.
+
+When a step takes it is decided in one place, `FusedDecode.forward`: a float32 CPU step whose
+decoder linears the model's plan gives to the native product ("gemv") or, where the int4
+copies exist, to them ("reduced"), and whose attention backend hands over the step's decode
+tables (`AttentionBackend.decode_inputs`: a pure-decode step in sequence order on the native
+path). The fused layers compute exactly what the Python layers compute on those paths (a
+hypothesis test holds them bitwise equal), so this is a question of speed only. Built by
+`LlamaForCausalLM.use_fused_decode` after the plan and any int4 copies are in place.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from chunkserve_kernels import get_forward_context
+
+from executor_svc.models.kernel_plan import Plan
+from executor_svc.models.quant import GROUP_SIZE, Int4Weights
+
+if TYPE_CHECKING:
+    from executor_svc.models.layers import Linear
+
+
+def _linear_tensors(name: str, lin: Linear) -> dict[str, torch.Tensor]:
+    """One linear's tensors under the names DecodeLayers.add_layer takes."""
+    out = {f"{name}.weight": lin.weight}
+    if lin.bias is not None:
+        out[f"{name}.bias"] = lin.bias
+    if isinstance(lin.reduced, Int4Weights):
+        out[f"{name}.int4"], out[f"{name}.int4_scales"] = lin.reduced.packed, lin.reduced.scales_and_zeros
+    return out
+
+
+class FusedDecode:
+    """The decoder layers' weights in one native object, and the rule for which steps use it."""
+
+    def __init__(self, layers: torch.nn.ModuleList) -> None:
+        """`layers` are LlamaDecoderLayers whose norms and attention run the native ops."""
+        first = layers[0]
+        attn, norms = first.self_attn, (first.input_layernorm, first.post_attention_layernorm)
+        self.backend = attn.attn.backend
+        self.native = torch.classes.chunkserve.DecodeLayers(
+            norms[0].eps, attn.heads, attn.kv_heads, attn.attn.scale, GROUP_SIZE
+        )
+        for i, layer in enumerate(layers):
+            if layer.input_layernorm.eps != norms[0].eps or layer.post_attention_layernorm.eps != norms[0].eps:
+                raise ValueError("the fused decode layers need one norm eps for every layer")
+            if layer.self_attn.attn.layer_idx != i:
+                raise ValueError("the fused decode layers need layer i at index i of the KV cache")
+            tensors = {
+                "input_norm": layer.input_layernorm.weight,
+                "post_attention_norm": layer.post_attention_layernorm.weight,
+            }
+            for name, lin in (
+                ("qkv", layer.self_attn.qkv_proj),
+                ("o", layer.self_attn.o_proj),
+                ("gate_up", layer.mlp.gate_up_proj),
+                ("down", layer.mlp.down_proj),
+            ):
+                tensors |= _linear_tensors(name, lin)
+            self.native.add_layer(tensors)
+        self.int4 = bool(self.native.has_int4())
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: Plan
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the last layer's MLP output, the residual stream before it) when this step runs
+        fused (module doc), else None and nothing was computed."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        kernel = plan(x.shape[0])
+        if kernel == "gemv":
+            int4 = False
+        elif kernel == "reduced" and self.int4:
+            int4 = True
+        else:
+            return None
+        ctx = get_forward_context()
+        inputs = self.backend.decode_inputs(ctx.meta, ctx.kv_cache[0])
+        if inputs is None:
+            return None
+        tables, context_lens = inputs
+        return self.native.forward(x, cos, sin, ctx.kv_cache, ctx.meta.slot_mapping, tables, context_lens, int4)

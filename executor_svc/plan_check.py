@@ -1,0 +1,295 @@
+"""The plan contract: a step plan comes from the network, so it is checked whole before anything
+happens. `check_plan` reads the runner's state and returns what the step needs; the runner
+then commits it (runner.py `_apply`), and only then are blocks copied and the model run. A
+refused plan (PlanError -> INVALID_ARGUMENT) changes nothing: no sequence registered or
+dropped, no cursor moved, no KV byte copied; its finished ids and swaps included, it did not
+happen.
+
+The rules: new sequences are unknown (after this plan's finished ids), once each, with valid
+sampling parameters (SamplingSpec's ranges, at most MAX_NUM_LOGPROBS) and an entry; entries
+name known sequences once each, match their cursor, compute >= 1 token, stay below
+max_model_len, bring token ids inside the vocabulary (or decode the token sampled last) and
+in-range block ids, never one twice in a table, enough for their tokens; the tokens fit the
+budget; copies stay in range, with distinct destinations.
+
+Block ownership. `holders[b]` counts the live sequences whose block table holds device
+block b. A sequence may *read* blocks others hold (a new sequence's leading prefix-cache
+blocks, below its num_computed_tokens), but every block it *writes* this step must be held
+by it alone, and a block appended to a running table or swapped in must be fresh. A
+swap-out ends a sequence's claim on its blocks (the scheduler frees them; the sequence
+comes back with replace_block_table); it is recognised as a sequence whose whole table is
+swapped out. A sequence that only shares all its blocks with a swapped one loses its claim
+too, and claims its table again with its next entry. Each step costs O(entries + blocks the
+plan names), plus a pass over the live sequences in steps that swap out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from executor_svc.sampler import SamplingSpec
+
+# The scheduler never asks for more (scheduler_svc/validation.py MAX_LOGPROBS; a test keeps
+# the two equal): anything larger is a bad plan, and would make the response vocab-sized.
+MAX_NUM_LOGPROBS = 20
+
+
+class PlanError(ValueError):
+    """The plan contradicts the executor's state or limits (a scheduler bug or a bad client)."""
+
+
+@dataclass(slots=True)
+class SeqState:
+    sampling: SamplingSpec
+    block_table: list[int]
+    # None until the first entry: a prefix-cache hit makes a new sequence start mid-prompt.
+    num_computed_tokens: int | None = None
+    last_token: int | None = None
+    holds_blocks: bool = True  # counted in the runner's holders (False after a swap-out)
+
+
+class ExecutorState(Protocol):
+    """What the check reads (the ModelRunner's state and limits)."""
+
+    seqs: dict[int, SeqState]
+    holders: list[int]
+    num_blocks: int
+    num_host_blocks: int
+    block_size: int
+    max_num_batched_tokens: int
+    max_model_len: float
+    vocab_size: int
+
+
+@dataclass(slots=True)
+class CheckedPlan:
+    """What `check_plan` found: everything the runner's `_apply` and the forward pass need."""
+
+    finished: set[int] = field(default_factory=set)  # known sequences to drop
+    new: dict[int, SamplingSpec] = field(default_factory=dict)
+    swapped_out: set[int] = field(default_factory=set)  # sequences whose claims end
+    # Per entry: the replacing table (new sequence or replace_block_table), else None.
+    tables: list[list[int] | None] = field(default_factory=list)
+    holder_delta: dict[int, int] = field(default_factory=dict)  # block -> change of holders
+    token_ids: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    computed: list[int] = field(default_factory=list)
+    sampling: list[tuple[int, int]] = field(default_factory=list)  # (entry index, sampled position)
+
+
+@dataclass(slots=True)
+class _EntryPass:
+    """Running totals of the pass over a plan's entries."""
+
+    total: int = 0  # tokens so far
+    num_new_entries: int = 0
+    seen: set[int] = field(default_factory=set)
+    writes: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # seq, first/last block written, table
+    replaced: set[int] = field(default_factory=set)  # blocks of the tables replace_block_table installs
+
+
+def spec_from_proto(p: epb.SamplingParams) -> SamplingSpec:
+    """SamplingSpec of a NewSequence; ValueError on a parameter the sampler cannot honour."""
+    spec = SamplingSpec(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        seed=p.seed if p.has_seed else None,
+        num_logprobs=p.num_logprobs,
+    )
+    if spec.num_logprobs > MAX_NUM_LOGPROBS:
+        raise ValueError(f"num_logprobs must be at most {MAX_NUM_LOGPROBS}, got {spec.num_logprobs}")
+    return spec
+
+
+def _at(step: int, seq_id: int) -> str:
+    return f"step {step}, sequence {seq_id}"
+
+
+def _count(delta: dict[int, int], blocks: Iterable[int], sign: int) -> None:
+    for b in blocks:
+        delta[b] = delta.get(b, 0) + sign
+
+
+def check_plan(plan: epb.StepRequest, st: ExecutorState) -> CheckedPlan:
+    """Checks the whole plan against the state as the plan leaves it; changes nothing.
+
+    Raises PlanError naming the step, the sequence and the rule.
+    """
+    c = CheckedPlan()
+    _check_finished_and_new(plan, st, c)
+    swap_in_dst = _check_swaps(plan, st, c)
+    entries = _EntryPass()
+    for i, s in enumerate(plan.seqs):
+        _check_entry(plan.step_id, i, s, st, c, entries)
+    _check_claims(plan, st, c, entries, swap_in_dst)
+    return c
+
+
+def _check_finished_and_new(plan: epb.StepRequest, st: ExecutorState, c: CheckedPlan) -> None:
+    step, seqs = plan.step_id, st.seqs
+    for seq_id in plan.finished_seq_ids:  # unknown ids are fine: finishing is idempotent
+        state = seqs.get(seq_id)
+        if state is not None and seq_id not in c.finished:
+            c.finished.add(seq_id)
+            if state.holds_blocks:
+                _count(c.holder_delta, state.block_table, -1)
+    for new in plan.new_seqs:
+        if new.seq_id in c.new or (new.seq_id in seqs and new.seq_id not in c.finished):
+            raise PlanError(f"step {step}: sequence {new.seq_id} is already known")
+        try:
+            c.new[new.seq_id] = spec_from_proto(new.sampling)
+        except ValueError as exc:
+            raise PlanError(f"step {step}, new sequence {new.seq_id}: {exc}") from None
+
+
+def _check_entry(step: int, i: int, s: epb.ScheduledSequence, st: ExecutorState, c: CheckedPlan, e: _EntryPass) -> None:
+    """One entry: its sequence, cursor, token count and ids, then its blocks."""
+    seq_id, computed, n = s.seq_id, s.num_computed_tokens, s.num_new_tokens
+    if seq_id in e.seen:
+        raise PlanError(f"{_at(step, seq_id)}: appears twice")
+    e.seen.add(seq_id)
+    is_new = seq_id in c.new
+    state = None if is_new else st.seqs.get(seq_id)
+    if not is_new and (state is None or seq_id in c.finished):
+        raise PlanError(f"{_at(step, seq_id)}: unknown sequence (never sent as new, or finished)")
+    e.num_new_entries += is_new
+    if state is not None and state.num_computed_tokens is not None and computed != state.num_computed_tokens:
+        raise PlanError(
+            f"{_at(step, seq_id)}: plan says {computed} computed tokens, executor has {state.num_computed_tokens}"
+        )
+    if n < 1:
+        raise PlanError(f"{_at(step, seq_id)}: num_new_tokens must be >= 1")
+    e.total += n
+    if e.total > st.max_num_batched_tokens:
+        raise PlanError(
+            f"step {step}: more than the executor's max_num_batched_tokens {st.max_num_batched_tokens} tokens"
+        )
+    end = computed + n
+    if end > st.max_model_len:
+        raise PlanError(f"{_at(step, seq_id)}: positions up to {end - 1} exceed max_model_len {st.max_model_len}")
+    tokens = s.token_ids
+    if tokens:
+        if len(tokens) != n:
+            raise PlanError(f"{_at(step, seq_id)}: {len(tokens)} token ids for {n} new tokens")
+        if max(tokens) >= st.vocab_size:
+            raise PlanError(f"{_at(step, seq_id)}: token id {max(tokens)} >= vocab size {st.vocab_size}")
+        c.token_ids.extend(tokens)
+    elif n == 1 and state is not None and state.last_token is not None:
+        c.token_ids.append(state.last_token)
+    else:
+        raise PlanError(f"{_at(step, seq_id)}: no token ids and no sampled token to feed back")
+    table = _check_blocks(step, s, state, is_new, st, c, e)
+    if len(table) * st.block_size < end:
+        raise PlanError(f"{_at(step, seq_id)}: {len(table)} blocks cannot hold {end} tokens")
+    e.writes.append((seq_id, computed // st.block_size, (end - 1) // st.block_size, table))
+    c.query_lens.append(n)
+    c.computed.append(computed)
+    if s.sample:
+        c.sampling.append((i, end))
+
+
+def _check_blocks(
+    step: int,
+    s: epb.ScheduledSequence,
+    state: SeqState | None,
+    is_new: bool,
+    st: ExecutorState,
+    c: CheckedPlan,
+    e: _EntryPass,
+) -> list[int]:
+    """An entry's block ids: in range; a new or replaced table without repeats, appended blocks
+    fresh. Records the change of holders; returns the table the entry computes with."""
+    seq_id, blocks, delta = s.seq_id, s.block_ids, c.holder_delta
+    if blocks and max(blocks) >= st.num_blocks:
+        raise PlanError(f"{_at(step, seq_id)}: block id {max(blocks)} >= {st.num_blocks} device blocks")
+    claimed = state is not None and state.holds_blocks and seq_id not in c.swapped_out
+    if is_new or s.replace_block_table:
+        table = list(blocks)
+        if len(set(table)) != len(table):
+            raise PlanError(f"{_at(step, seq_id)}: a block id appears twice in the block table")
+        if claimed:
+            _count(delta, state.block_table, -1)
+        _count(delta, table, 1)
+        if not is_new:
+            e.replaced.update(table)
+        c.tables.append(table)
+        return table
+    old = state.block_table
+    if not claimed:  # its blocks were swapped out and it continues: claim them again
+        _count(delta, old, 1)
+    for b in blocks:  # appended blocks are fresh: nobody holds them, not even twice
+        if st.holders[b] + delta.get(b, 0):
+            raise PlanError(f"{_at(step, seq_id)}: appends block {b}, which a sequence already holds")
+        delta[b] = delta.get(b, 0) + 1
+    c.tables.append(None)
+    return old + list(blocks) if blocks else old
+
+
+def _check_claims(
+    plan: epb.StepRequest, st: ExecutorState, c: CheckedPlan, e: _EntryPass, swap_in_dst: set[int]
+) -> None:
+    """After every entry: each new sequence had one, every written block is held by its
+    writer alone, every swap-in lands in a table this plan installs."""
+    step, holders, delta = plan.step_id, st.holders, c.holder_delta
+    if e.num_new_entries != len(c.new):
+        missing = sorted(c.new.keys() - e.seen)[0]
+        raise PlanError(f"step {step}: new sequence {missing} has no entry in the plan")
+    for seq_id, first, last, table in e.writes:
+        for k in range(first, last + 1):
+            if holders[table[k]] + delta.get(table[k], 0) != 1:
+                raise PlanError(
+                    f"{_at(step, seq_id)}: writes into block {table[k]}, which another "
+                    "sequence holds (or its own table holds twice)"
+                )
+    for dst in swap_in_dst:
+        if dst not in e.replaced or holders[dst] + delta.get(dst, 0) != 1:
+            raise PlanError(
+                f"step {step}: swap-in destination {dst} is not a block of a table this "
+                "plan installs (replace_block_table), held by that sequence alone"
+            )
+
+
+def _check_swaps(plan: epb.StepRequest, st: ExecutorState, c: CheckedPlan) -> set[int]:
+    """Checks the block copies and ends the claims of swapped-out sequences (in `c`);
+    returns the swap-in destinations, checked against the tables once the entries are."""
+    if not plan.swap_out and not plan.swap_in:
+        return set()
+    step = plan.step_id
+    if not st.num_host_blocks:
+        raise PlanError(f"step {step}: swap requested but the executor has no swap space")
+    sources: set[int] = set()
+    destinations: set[int] = set()
+    for kind, copies, src_limit, dst_limit in (
+        ("swap-out", plan.swap_out, st.num_blocks, st.num_host_blocks),
+        ("swap-in", plan.swap_in, st.num_host_blocks, st.num_blocks),
+    ):
+        destinations = set()
+        for copy in copies:
+            if copy.src >= src_limit or copy.dst >= dst_limit:
+                raise PlanError(
+                    f"step {step}: {kind} {copy.src} -> {copy.dst} out of range "
+                    f"(source blocks {src_limit}, destination blocks {dst_limit})"
+                )
+            if copy.dst in destinations:
+                raise PlanError(f"step {step}: {kind} destination {copy.dst} appears twice")
+            destinations.add(copy.dst)
+            if kind == "swap-out":
+                sources.add(copy.src)
+    if sources:
+        for seq_id, state in st.seqs.items():
+            table = state.block_table
+            if (
+                state.holds_blocks
+                and table
+                and table[-1] in sources
+                and seq_id not in c.finished
+                and sources.issuperset(table)
+            ):
+                c.swapped_out.add(seq_id)
+                _count(c.holder_delta, table, -1)
+    return destinations
