@@ -139,7 +139,7 @@ def test_quantize_model_covers_every_decoder_linear_and_adds_a_bf16_head(tiny_co
 def test_default_model_int4_agrees_with_float32(default_model_path):
     """Teacher-forced over a fixed text (emulating the int4 path's arithmetic on HF's model;
     the kernel == reference test above links the two): perplexity within 3% and top-1 within
-    90% of float32, the thresholds README states; and greedy decoding through the executor
+    90% of float32, the thresholds docs/cpu.md states; and greedy decoding through the executor
     leaves float32's tokens only at float32's own near-ties (NEAR_TIE_NATS), on 8 chat prompts."""
     sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
     import quantization_quality as qq
@@ -256,7 +256,7 @@ def test_cpu_16_bit_dtype_loads_float32_model_with_16_bit_copies(tiny_model_path
 def test_default_model_16_bit_modes_agree_with_float32(default_model_path):
     """Teacher-forced over a fixed text with the 16-bit path's arithmetic on HF's model (the
     test above links it to HalfWeights): top-1 >= 0.92 (bf16) / 0.95 (fp16) and perplexity
-    within 1% of float32, as README states; greedy through the executor leaves float32's tokens
+    within 1% of float32, as docs/cpu.md states; greedy through the executor leaves float32's tokens
     only at float32's own near-ties (NEAR_TIE_NATS), on 8 chat prompts."""
     sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
     import quantization_quality as qq
