@@ -33,7 +33,7 @@ from executor_svc.config import ExecutorConfig
 from executor_svc.cuda_graphs import DecodeGraphs, capture_sizes
 from executor_svc.model_loader import load_model, resolve_model
 from executor_svc.models import linear_plan
-from executor_svc.models.kernel_plan import table_plan
+from executor_svc.models.kernel_plan import Plan, table_plan
 from executor_svc.models.layers import prepack_measured
 from executor_svc.models.quant import default_rules, half_weights_model, quantize_model
 from executor_svc.runner import ModelRunner
@@ -212,15 +212,17 @@ def load_native_kernels(model: Any, config: ExecutorConfig, place: Placement) ->
 def plan_linears(model: Any, config: ExecutorConfig, place: Placement, native: bool, tp: TPInfo) -> None:
     """Which kernel each linear uses per step size (models/kernel_plan.py): measured on this
     machine (--cpu-linear-plan measure / remeasure, float32 CPU, no tensor parallelism) or
-    built from the tables; either way one Plan per part, set by `model.use_plan`."""
+    built from the tables (also when a measurement was disturbed by other work on the CPU);
+    either way one Plan per part, set by `model.use_plan`."""
     cpu_fp32 = place.device.type == "cpu" and place.dtype == torch.float32
     measured = config.cpu_linear_plan != "table" and cpu_fp32 and not tp.enabled
     if config.cpu_linear_plan != "table" and cpu_fp32 and tp.enabled:
         log.info("--cpu-linear-plan measure: not under tensor parallelism (the ranks would need one plan); table")
+    plans, source = None, "from the tables (--cpu-linear-plan table)"
     if measured:
         if config.cpu_gemm_prepack:  # timed per step size, dropped where no size chose them
             model.prepack()
-        (body, head), source = linear_plan.kept_or_measured(
+        plans, source = linear_plan.kept_or_measured(
             model,
             Path(config.cache_dir) / "linear-plans",
             remeasure=config.cpu_linear_plan == "remeasure",
@@ -230,17 +232,7 @@ def plan_linears(model: Any, config: ExecutorConfig, place: Placement, native: b
             gemv=native,
             budget=config.max_num_batched_tokens,
         )
-    else:
-        rows, head_rows = default_rules(place.reduced, config.quantized_max_rows) if place.reduced else (None, None)
-        # Not where a reduced copy serves every large step (bfloat16 on a native-bf16 CPU): the
-        # packed copy would serve only 3-4 token steps there, for float32's memory once more.
-        if config.cpu_gemm_prepack and cpu_fp32 and prepack_measured() and not (rows and rows.max_rows is None):
-            model.prepack()
-        upto, pad = config.max_num_batched_tokens, config.cpu_gemm_row_padding
-        packed = any(lin.packed is not None for lin in model.decoder_linears())
-        body = table_plan(rows, packed=packed, padding=pad, upto=upto)
-        head = table_plan(head_rows, packed=model.lm_head.packed is not None, padding=pad, upto=upto)
-        source = "from the tables (--cpu-linear-plan table)"
+    body, head = plans or table_plans(model, config, place)
     freed = model.use_plan(body, head)
     kept = sum(lin.weight.nbytes for lin in [*model.decoder_linears(), model.lm_head] if lin.packed is not None)
     log.info(
@@ -248,6 +240,22 @@ def plan_linears(model: Any, config: ExecutorConfig, place: Placement, native: b
         "(%.0f MB not chosen, dropped)",
         *(source, body, head, kept / 1e6, freed / 1e6),
     )
+
+
+def table_plans(model: Any, config: ExecutorConfig, place: Placement) -> tuple[Plan, Plan]:
+    """The (linears, head) plans the per-CPU-class tables give: row padding per
+    --cpu-gemm-row-padding, oneDNN's packed copies from 3 rows on AVX512 CPUs, the reduced
+    mode's row rule (models/quant.ROW_RULES, or --quantized-max-rows)."""
+    rows, head_rows = default_rules(place.reduced, config.quantized_max_rows) if place.reduced else (None, None)
+    # Not where a reduced copy serves every large step (bfloat16 on a native-bf16 CPU): the
+    # packed copy would serve only 3-4 token steps there, for float32's memory once more.
+    cpu_fp32 = place.device.type == "cpu" and place.dtype == torch.float32
+    pack = config.cpu_gemm_prepack and cpu_fp32 and prepack_measured() and not (rows and rows.max_rows is None)
+    if pack and model.lm_head.packed is None:
+        model.prepack()
+    upto, pad = config.max_num_batched_tokens, config.cpu_gemm_row_padding
+    body = table_plan(rows, packed=pack, padding=pad, upto=upto)
+    return body, table_plan(head_rows, packed=pack, padding=pad, upto=upto)
 
 
 def use_fused_decode(model: Any, native: bool) -> bool:

@@ -1,12 +1,26 @@
-"""Shared fixtures: real two-process servers on free loopback ports."""
+"""Shared fixtures: real two-process servers on free loopback ports.
+
+The suite never writes into the user's cache (~/.cache/chunkserve, or $CHUNKSERVE_CACHE_DIR):
+converted models and measured CPU linear plans go to the repository's own .test-cache/ (kept
+between runs, so the default model is converted once), or $CHUNKSERVE_TEST_CACHE_DIR. A plan
+measured by a test on a loaded machine must not become what a user's server serves with.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from chunkserve.launch import Server, start_server, write_tiny_model
+
+TEST_CACHE_DIR = os.environ.get("CHUNKSERVE_TEST_CACHE_DIR") or str(Path(__file__).resolve().parents[1] / ".test-cache")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before any test, fixture or server child: every default cache folder is the test one."""
+    os.environ["CHUNKSERVE_CACHE_DIR"] = TEST_CACHE_DIR
 
 
 @pytest.fixture(scope="session")

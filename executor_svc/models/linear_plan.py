@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from chunkserve_contracts.cpu import cpu_info
+from chunkserve_contracts.cpu import CpuTimes, cpu_info, cpu_times
 from executor_svc.models.kernel_plan import GEMV_MAX_ROWS, INT4_MAX_ROWS, KERNELS, MARGIN, Plan, candidates, choose
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,8 @@ BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)  # de
 LARGE_FROM = 256  # buckets from here are prefill chunks: one layer's linears, LARGE_REPS rounds
 LARGE_BUCKETS: tuple[int, ...] = (256, 512, 1024, 2048)  # measured up to the budget (2048 at most)
 LARGE_REPS = 3
+OTHERS_MAX = 0.2  # a measurement while other processes used more of our CPUs is not kept
+SPREAD_MAX = 1.25  # nor one whose repeats disagree more (`disturbance`)
 PLAN_FORMAT = 2  # bump when what a stored plan means changes (kernels, bucket semantics)
 
 
@@ -99,6 +101,7 @@ class Measured:
     head: Plan
     costs: dict[tuple[str, int], dict[str, float]]  # (part, bucket) -> kernel -> seconds
     seconds: float  # the measurement's own wall time
+    disturbed: str | None = None  # why the timings cannot be trusted (`disturbance`), None when fair
 
     def table(self) -> str:
         """One line per part and bucket: each candidate's milliseconds, the choice starred."""
@@ -124,13 +127,17 @@ def measure(
     budget: int = LARGE_BUCKETS[-1],
     clock: Clock | None = None,
     reps: int = 5,
+    cpu: Callable[[], CpuTimes | None] | None = None,
 ) -> Measured:
     """Times every candidate kernel per bucket on `model` (a LlamaForCausalLM on CPU, its
     copies loaded: `Linear.packed`, `Linear.reduced`, the head's too) and returns the plans;
     `reduced` names the mode of the reduced copies ("int4", "bfloat16", "float16", or None);
     `gemv` whether the native library's product is a candidate (loaded, --cpu-kernels not
-    torch); `budget` the executor's largest step. `clock` (tests) replaces the timing."""
+    torch); `budget` the executor's largest step. `clock` (tests) replaces the timing, `cpu`
+    the reading of what other processes ran meanwhile (by default read only with the real clock)."""
     t0 = time.perf_counter()
+    cpu = cpu or (cpu_times if clock is None else lambda: None)
+    before = cpu()
     linears = model.decoder_linears()
     opts = dict(padding=padding, reduced_max_rows=reduced_max_rows, gemv=gemv)
     work: Work = {}
@@ -152,10 +159,30 @@ def measure(
         h = {head.weight.shape[1]: torch.randn(m, head.weight.shape[1], generator=gen)}
         kernels = candidates(m, packed=head.packed is not None, reduced=head_mode, **opts | _head_cap(reduced, opts))
         work[("head", m)] = flush, {k: lambda k=k, h=h: _run([head], k, h) for k in kernels}
-    costs = _rounds(work, clock or wall_clock, reps)
+    samples = _rounds(work, clock or wall_clock, reps)
+    after = cpu()
+    others = None if before is None or after is None else after.others_share(before)
+    costs = {key: {k: min(v) for k, v in runs.items()} for key, runs in samples.items()}
     body = Plan(*zip(*((m, choose(c)) for (part, m), c in costs.items() if part == "linears"), strict=True))
     head_plan = Plan(*zip(*((m, choose(c)) for (part, m), c in costs.items() if part == "head"), strict=True))
-    return Measured(body, head_plan, costs, time.perf_counter() - t0)
+    return Measured(body, head_plan, costs, time.perf_counter() - t0, disturbance(samples, others))
+
+
+def disturbance(samples: dict[tuple[str, int], dict[str, list[float]]], others: float | None) -> str | None:
+    """Why a measurement is not a fair one to keep, or None: other processes used more than
+    OTHERS_MAX of our CPUs' time while it ran (a plan measured beside a test suite took 410-440 s
+    instead of ~17 s, and its choices, which turn on margins of a few percent, were the load's),
+    or its repeats disagree: the median over candidates of second-fastest / fastest run above
+    SPREAD_MAX (bursts of load; on an idle machine the repeats agree within a few percent)."""
+    if others is not None and others > OTHERS_MAX:
+        return f"other processes used {others:.0%} of this process's CPUs while it measured"
+    spreads = sorted(
+        sorted(runs)[1] / sorted(runs)[0] for c in samples.values() for runs in c.values() if len(runs) > 1
+    )
+    spread = spreads[len(spreads) // 2] if spreads else 1.0
+    if spread > SPREAD_MAX:
+        return f"its repeats disagree (second-fastest / fastest run: median {spread:.2f})"
+    return None
 
 
 def _head_cap(reduced: str | None, opts: dict[str, Any]) -> dict[str, Any]:
@@ -168,23 +195,25 @@ def _run(linears: list[Any], kernel: str, xs: dict[int, torch.Tensor]) -> None:
         lin.apply_kernel(xs[lin.weight.shape[1]], kernel)
 
 
-def _rounds(work: Work, clock: Clock, reps: int) -> dict[tuple[str, int], dict[str, float]]:
-    """Each candidate's fastest run. One warm-up run of each, then `reps` rounds over
-    everything (LARGE_REPS for the large buckets): a candidate's runs are spread over the whole
-    measurement (seconds), not over the ~1 s of its bucket, and the candidates of a bucket take
-    turns, so neither a burst of load nor a slow minute on a shared machine lands on one
-    candidate alone (noise only adds time: the fastest counts)."""
+def _rounds(work: Work, clock: Clock, reps: int) -> dict[tuple[str, int], dict[str, list[float]]]:
+    """Each candidate's timed runs. One warm-up run of each, then `reps` rounds over everything
+    (LARGE_REPS for the large buckets): a candidate's runs are spread over the whole measurement
+    (seconds), not over the ~1 s of its bucket, and the candidates of a bucket take turns, so
+    neither a burst of load nor a slow minute on a shared machine lands on one candidate alone
+    (noise only adds time: the fastest counts)."""
     for _, runs in work.values():
         for run in runs.values():
             run()
-    costs = {key: dict.fromkeys(runs, float("inf")) for key, (_, runs) in work.items()}
+    samples: dict[tuple[str, int], dict[str, list[float]]] = {
+        key: {k: [] for k in runs} for key, (_, runs) in work.items()
+    }
     for rep in range(reps):
         for (part, m), (before, runs) in work.items():
             if m >= LARGE_FROM and rep >= LARGE_REPS:
                 continue
             for k, run in runs.items():
-                costs[(part, m)][k] = min(costs[(part, m)][k], clock(part, k, m, run, before))
-    return costs
+                samples[(part, m)][k].append(clock(part, k, m, run, before))
+    return samples
 
 
 def plan_key(
@@ -276,10 +305,12 @@ def kept_or_measured(
     padding: bool,
     gemv: bool = False,
     budget: int = LARGE_BUCKETS[-1],
-) -> tuple[tuple[Plan, Plan], str]:
+) -> tuple[tuple[Plan, Plan] | None, str]:
     """The (body, head) plans for `model`: the one kept in `folder` for this key, else (or
     with `remeasure`) a new measurement, kept there for the next start; and where it came
-    from, for the log. A folder that cannot be written costs only the keeping."""
+    from, for the log. A folder that cannot be written costs only the keeping. None when the
+    measurement was disturbed (`disturbance`): nothing is kept, and the caller serves the
+    tables, the conservative choice, until a later start measures on a quieter machine."""
     kw = dict(reduced=reduced, reduced_max_rows=reduced_max_rows, padding=padding, gemv=gemv, budget=budget)
     key = plan_key(model, **kw)
     path = plan_file(folder, key)
@@ -288,6 +319,11 @@ def kept_or_measured(
         return plans, f"read from {path} (--cpu-linear-plan remeasure measures again)"
     measured = measure(model, **kw)
     log.debug("CPU linear plan, ms per candidate:\n%s", measured.table())
+    if measured.disturbed:
+        return None, (
+            f"not kept: {measured.disturbed} (measured in {measured.seconds:.1f} s); this start serves "
+            "the tables, the next one measures again"
+        )
     try:
         store_plan(path, key, measured)
         source = f"measured in {measured.seconds:.1f} s, kept in {path}"

@@ -22,7 +22,7 @@ from executor_svc.models import get_model_class
 from executor_svc.models import kernel_plan as kp
 from executor_svc.models import linear_plan as lp
 from executor_svc.models.kernel_plan import padded_rows
-from executor_svc.models.layers import Linear, prepack_weight
+from executor_svc.models.layers import Linear, prepack_measured, prepack_weight
 from executor_svc.models.quant import default_rules, half_weights_model, quantize_model
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -400,3 +400,66 @@ def test_a_linear_no_plan_was_applied_to_computes_float32():
     torch.testing.assert_close(lin(x), x @ lin.weight.t(), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="unknown linear kernel"):
         lin.apply_kernel(x, "fastest")
+
+
+def test_a_disturbed_measurement_is_not_kept_and_the_tables_serve(tiny_model_path, tmp_path, monkeypatch, caplog):
+    """Issue 32: a plan measured while other work shared the CPU (its repeats disagree, or other
+    processes used our CPUs meanwhile) would serve every later start with the load's choices.
+    It is not kept: this start serves the tables, the next one measures again."""
+    import logging
+
+    from chunkserve_contracts.cpu import CpuTimes
+    from executor_svc import worker
+
+    busy = iter([CpuTimes(0.0, 0.0, 0.0, 2), CpuTimes(1.0, 0.5, 1.0, 2)])  # others: 0.5 of 2 CPU-seconds
+    quiet = dict(cpu=lambda: None)
+    real = lp.measure
+    modes = {"load": dict(cpu=lambda: next(busy)), "bursts": {}, "fair": quiet}
+
+    def fake_measure(model, **kw):
+        burst = mode[0] == "bursts"
+        seen = {}
+
+        def cost(p, k, m):  # "packed" wins; with bursts every run of a candidate after its first is 1.5x
+            n = seen[(p, k, m)] = seen.get((p, k, m), -1) + 1
+            return (0.1 if k == "packed" else 1.0) * (1.5 if burst and n else 1.0)
+
+        return real(model, clock=_fake_clock(cost, []), **(modes[mode[0]] | kw))
+
+    monkeypatch.setattr(lp, "measure", fake_measure)
+    common = dict(model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path))
+    folder = tmp_path / "linear-plans"
+    for name in ("load", "bursts"):
+        mode = [name]
+        with caplog.at_level(logging.INFO, logger="executor_svc.worker"):
+            model = worker.load(ExecutorConfig(**common)).runner.model
+        assert not folder.exists() or not list(folder.glob("*.json"))  # nothing kept
+        assert "not kept" in caplog.text and "the tables" in caplog.text
+        tables = kp.table_plan(None, packed=prepack_measured(), padding=True, upto=2048)
+        assert model.model.plan == tables and model.lm_head.plan == tables
+        caplog.clear()
+    mode = ["fair"]
+    model = worker.load(ExecutorConfig(**common)).runner.model
+    assert len(list(folder.glob("*.json"))) == 1 and "packed" in model.model.plan.kernels
+
+
+def test_disturbance_reads_the_load_and_the_spread():
+    fair = {("linears", 1): {"mm": [1.0, 1.02, 1.01], "packed": [0.5, 0.51, 0.5]}}
+    assert lp.disturbance(fair, 0.05) is None and lp.disturbance(fair, None) is None
+    assert "other processes used 50%" in lp.disturbance(fair, 0.5)
+    bursty = {("linears", m): {"mm": [1.0, 1.6, 2.0]} for m in (1, 2, 4)}
+    assert "repeats disagree" in lp.disturbance(bursty, 0.0)
+
+
+def test_the_suite_keeps_out_of_the_users_cache():
+    """Issue 32: tests wrote tiny-model and loaded-machine plans into ~/.cache/chunkserve, which
+    every later start of the user's server then read. tests/conftest.py points every default
+    cache folder (this process's and every server child's) at the suite's own."""
+    import os
+    from pathlib import Path
+
+    from executor_svc.config import default_cache_dir
+
+    assert Path(default_cache_dir()) != Path.home() / ".cache" / "chunkserve"
+    assert default_cache_dir() == os.environ["CHUNKSERVE_CACHE_DIR"]
+    assert os.environ.get("CHUNKSERVE_TEST_CACHE_DIR", ".test-cache") in default_cache_dir()
