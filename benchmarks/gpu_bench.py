@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from chunkserve_kernels import build_metadata, choose_backend, get_backend, set_forward_context  # noqa: E402
 
+from chunkserve.launch import TINY_LLAMA  # noqa: E402
 from executor_svc.cuda_graphs import DecodeGraphs  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12  # H200, measured device-to-device copy
@@ -54,11 +55,10 @@ LLAMA3_8B = dict(
     rope_theta=500000.0,
 )
 TINY = dict(
+    TINY_LLAMA,
     hidden_size=256,
     intermediate_size=512,
-    num_hidden_layers=2,
     num_attention_heads=8,
-    num_key_value_heads=2,
     vocab_size=1024,
     max_position_embeddings=4096,
 )

@@ -18,6 +18,7 @@ import torch
 import transformers
 
 import executor_svc.runner as R
+from chunkserve.launch import tiny_llama_config
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.config import ExecutorConfig
 from executor_svc.worker import load
@@ -27,15 +28,7 @@ torch.set_num_threads(1)
 CTX = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
 path = tempfile.mkdtemp()
 torch.manual_seed(0)
-cfg = transformers.LlamaConfig(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    max_position_embeddings=4096,
-)
+cfg = tiny_llama_config(max_position_embeddings=4096)
 transformers.LlamaForCausalLM(cfg).save_pretrained(path)
 loaded = load(
     ExecutorConfig(

@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 
 from chunkserve.client import build_request
-from chunkserve.launch import start_server
+from chunkserve.launch import bench_model, start_server
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 
@@ -40,34 +40,6 @@ BAD = [
     lambda: build_request("hi", top_p=2.0),
     lambda: build_request("hi", max_tokens=10**7),
 ]
-
-
-def tiny_model(folder: Path) -> Path:
-    """A 2-layer random Llama with the default model's tokenizer files."""
-    import shutil
-
-    import torch
-    import transformers
-
-    from executor_svc.config import default_cache_dir
-    from executor_svc.model_loader import resolve_model
-
-    source = resolve_model("default", Path(default_cache_dir()))
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=49152,
-        max_position_embeddings=4096,
-        eos_token_id=2,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(source / name, folder / name)
-    return folder
 
 
 async def one(stub: pb_grpc.GenerationStub, rng: random.Random, outcome: collections.Counter) -> None:
@@ -134,7 +106,7 @@ def main() -> None:
     ap.add_argument("--model", help="model folder (default: tiny random model)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="chunkserve-soak-"))
-    model = args.model or str(tiny_model(work / "model"))
+    model = args.model or str(bench_model("tiny"))
     server = start_server(
         work,
         ["--model", model, "--dtype", "float32", "--num-gpu-blocks-override", "256", "--block-size", "16"],

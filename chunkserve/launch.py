@@ -13,12 +13,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
 
 from chunkserve_contracts.ownership import TOKEN_ENV, executor_child_env, new_token
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    import transformers
 
 
 def free_port() -> int:
@@ -168,6 +172,30 @@ def child_pids(pid: int) -> list[int]:
     return found
 
 
+TINY_LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=256,
+)
+
+
+def tiny_llama_config(
+    architecture: Literal["Llama", "Mistral", "Qwen2"] = "Llama", **overrides: Any
+) -> transformers.PretrainedConfig:
+    """TINY_LLAMA with `overrides` on top, as transformers' `{architecture}Config`: the one
+    place for the tiny model's shape that the tests, the benchmarks and write_tiny_model build
+    random weights from (seeded; never a hub download). A caller overrides only what it needs
+    (heads TP=2 can split, a tokenizer's vocabulary, a context length), so its numbers, and the
+    weights its seed gives, stay what they were. Imports transformers here, not at import time."""
+    import transformers
+
+    return getattr(transformers, f"{architecture}Config")(**{**TINY_LLAMA, **overrides})
+
+
 def write_tiny_model(
     path: Path, tokenizer_from: Path, vocab_size: int = 49152, eos_token_id: int = 2, bos_token_id: int | None = 1
 ) -> Path:
@@ -182,16 +210,8 @@ def write_tiny_model(
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=vocab_size,
-        max_position_embeddings=4096,
-        eos_token_id=eos_token_id,
-        bos_token_id=bos_token_id,
+    config = tiny_llama_config(
+        vocab_size=vocab_size, max_position_embeddings=4096, eos_token_id=eos_token_id, bos_token_id=bos_token_id
     )
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

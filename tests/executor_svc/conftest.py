@@ -9,17 +9,9 @@ import torch
 import transformers
 from chunkserve_kernels import build_metadata, set_forward_context
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    initializer_range=0.1,
-)
+from chunkserve.launch import tiny_llama_config
+
+TINY = dict(rms_norm_eps=1e-5, initializer_range=0.1)  # on top of chunkserve.launch.TINY_LLAMA
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 500000.0,
@@ -29,12 +21,12 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 16,
 }
 CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**TINY, tie_word_embeddings=False),
-    "smollm_tied": lambda: transformers.LlamaConfig(**TINY, tie_word_embeddings=True, rope_theta=100000.0),
-    "llama_bias_headdim": lambda: transformers.LlamaConfig(**TINY, attention_bias=True, mlp_bias=True, head_dim=24),
-    "llama3_rope": lambda: transformers.LlamaConfig(**TINY, rope_parameters=LLAMA3_ROPE),
-    "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=4096),
-    "qwen2_bias": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
+    "llama": lambda: tiny_llama_config(**TINY, tie_word_embeddings=False),
+    "smollm_tied": lambda: tiny_llama_config(**TINY, tie_word_embeddings=True, rope_theta=100000.0),
+    "llama_bias_headdim": lambda: tiny_llama_config(**TINY, attention_bias=True, mlp_bias=True, head_dim=24),
+    "llama3_rope": lambda: tiny_llama_config(**TINY, rope_parameters=LLAMA3_ROPE),
+    "mistral": lambda: tiny_llama_config("Mistral", **TINY, sliding_window=4096),
+    "qwen2_bias": lambda: tiny_llama_config("Qwen2", **TINY, tie_word_embeddings=True),
 }
 HF_CLASSES = {
     "LlamaConfig": transformers.LlamaForCausalLM,

@@ -14,6 +14,7 @@ import transformers
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from chunkserve.launch import tiny_llama_config
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.config import ExecutorConfig
 from executor_svc.plan_check import PlanError
@@ -32,16 +33,7 @@ def loaded(tmp_path_factory):
     ~500 host blocks, 64 tokens per step."""
     path = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=MAX_LEN,
-        initializer_range=0.2,
-    )
+    config = tiny_llama_config(vocab_size=VOCAB, max_position_embeddings=MAX_LEN, initializer_range=0.2)
     transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a model this small gains nothing from more; on busy cores it loses 30x

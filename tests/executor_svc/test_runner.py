@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from chunkserve.launch import tiny_llama_config
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.config import ExecutorConfig
 from executor_svc.plan_check import PlanError
@@ -22,16 +23,7 @@ def tiny(tmp_path_factory):
     """A saved random Llama checkpoint, its HF model, and a loaded executor (block size 4)."""
     path = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-    )
+    config = tiny_llama_config(initializer_range=0.2)
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.save_pretrained(path)
     loaded = load(

@@ -11,21 +11,19 @@ import pytest
 import torch
 import transformers
 
+from chunkserve.launch import tiny_llama_config
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from executor_svc.config import ExecutorConfig
 from executor_svc.replay import read_messages, write_messages
 
 ROOT = Path(__file__).resolve().parents[2]
-# 8 heads, 4 KV heads, q/k/v/o and MLP biases, an odd vocabulary (padded to 2 x 64 rows).
+# On top of the tiny Llama: 8 heads, 4 KV heads, q/k/v/o and MLP biases, an odd vocabulary (padded to 2 x 64 rows).
 TP_TINY = dict(
     hidden_size=128,
-    intermediate_size=96,
-    num_hidden_layers=2,
     num_attention_heads=8,
     num_key_value_heads=4,
     vocab_size=127,
-    max_position_embeddings=256,
     rms_norm_eps=1e-5,
     initializer_range=0.2,
     attention_bias=True,
@@ -37,7 +35,7 @@ GREEDY = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=2)
 
 def write_model(path: Path, tied: bool, **overrides) -> Path:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**{**TP_TINY, **overrides}, tie_word_embeddings=tied)
+    config = tiny_llama_config(**{**TP_TINY, **overrides}, tie_word_embeddings=tied)
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():  # non-trivial norms and biases, so a dropped or doubled one shows
         for name, p in model.named_parameters():

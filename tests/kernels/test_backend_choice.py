@@ -13,8 +13,9 @@ import types
 import chunkserve_kernels.backend as backend_mod
 import pytest
 import torch
-import transformers
 from chunkserve_kernels import choose_backend, get_backend
+
+from chunkserve.launch import tiny_llama_config
 
 
 @pytest.mark.parametrize(
@@ -53,13 +54,8 @@ def test_flash_attn_declares_its_limits_in_plain_words():
 def test_model_start_up_refuses_a_head_size_the_backend_cannot_run():
     from executor_svc.models.llama import LlamaForCausalLM
 
-    cfg = transformers.LlamaConfig(
-        hidden_size=80,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=16,
+    cfg = tiny_llama_config(
+        hidden_size=80, intermediate_size=32, num_hidden_layers=1, vocab_size=16, max_position_embeddings=2048
     )  # head_dim 20
     with pytest.raises(ValueError, match="got 20"):
         LlamaForCausalLM(cfg, "flash_attn", torch.bfloat16)

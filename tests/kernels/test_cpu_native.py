@@ -351,14 +351,10 @@ def test_setup_switches_every_layer_or_says_why(native, tiny_model, monkeypatch,
 
 @pytest.fixture
 def tiny_model():
-    from transformers import LlamaConfig
-
+    from chunkserve.launch import tiny_llama_config
     from executor_svc.models.llama import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
+    config = tiny_llama_config(hidden_size=32, intermediate_size=64, vocab_size=64, max_position_embeddings=128)
     return LlamaForCausalLM(config)
 
 

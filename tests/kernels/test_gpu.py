@@ -185,14 +185,15 @@ def random_checkpoint(tmp_path_factory) -> Path:
     """A 4-layer random Llama with head_dim 128 and GQA 8/2: no download needed."""
     import transformers
 
+    from chunkserve.launch import tiny_llama_config
+
     path = tmp_path_factory.mktemp("random-llama")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    config = tiny_llama_config(
         hidden_size=1024,
         intermediate_size=2048,
         num_hidden_layers=4,
         num_attention_heads=8,
-        num_key_value_heads=2,
         vocab_size=512,
         max_position_embeddings=4096,
         initializer_range=0.05,

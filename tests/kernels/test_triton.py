@@ -122,19 +122,11 @@ class _InterpretedCases:
     def test_model_steps_match_the_torch_backend(self):
         """A 2-layer Llama through the registry name "triton": a chunked prefill next to
         a decode, then a decode step; hidden states equal the torch backend's."""
-        import transformers
-
+        from chunkserve.launch import tiny_llama_config
         from executor_svc.models.llama import LlamaForCausalLM
 
         torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=128,
-        )
+        cfg = tiny_llama_config(max_position_embeddings=2048)
         models = {name: LlamaForCausalLM(cfg, name, torch.float32) for name in ("triton", "torch")}
         with torch.no_grad():
             for p in models["torch"].parameters():
