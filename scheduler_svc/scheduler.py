@@ -1,10 +1,11 @@
 """The step scheduler: builds each step's plan under the token budget. Never touches a tensor.
 
 There is no prefill or decode phase: every request has `num_computed_tokens` catching up with
-`num_tokens`. A step hands out the budget to pinned requests, then decodes (never stalled by
-a prefill), short partial prefills, swapped-out requests, waiting requests in policy order,
-and long partial prefills last; each gets `min(remaining known tokens, remaining budget)`
-tokens and exactly the KV blocks those tokens need. Running out of blocks preempts a victim
+`num_tokens`. A step hands out the budget to pinned requests, then decodes, short partial
+prefills, swapped-out requests, waiting requests in policy order, and long partial prefills
+last; each gets `min(remaining known tokens, remaining budget)` tokens and exactly the KV
+blocks those tokens need, except that a prefill chunk placed before decodes leaves each a
+token and a seq slot: no decode waits on a prefill. Running out of blocks preempts a victim
 (recompute or swap, queues.py) instead of failing; a request preempted `max_preemptions`
 times is pinned: placed first, oldest first, and never its own victim while another exists,
 so it always progresses. docs/architecture.md ("Building a step") has the whole order and why.
@@ -113,8 +114,8 @@ class Scheduler(RequestQueues):
             for r in self.running:
                 if not self._is_pinned(r):
                     (decodes if r.num_remaining_tokens == 1 else long if self._is_long(r) else short).append(r)
-            # A pinned prefill leaves one token per decode in the budget: decodes still run.
-            budget = self._schedule_running(plan, pinned, budget, reserve=len(decodes))
+            # Pinned requests first (forward progress), leaving a token and a seq slot per decode.
+            budget = self._schedule_running(plan, pinned, budget, sum(map(self._is_decode, decodes)))
             budget = self._schedule_running(plan, decodes, budget)
             budget = self._schedule_running(plan, short, budget)
             if not plan.preempted:
@@ -149,17 +150,29 @@ class Scheduler(RequestQueues):
     def _is_pinned(self, request: Request) -> bool:
         return request.num_preemptions >= self.config.max_preemptions
 
-    def _schedule_running(self, plan: StepPlan, requests: list[Request], budget: int, reserve: int = 0) -> int:
-        """Schedules running requests in the given order; each chunk leaves `reserve` tokens
-        of the budget for those still to come (at least one token is always given)."""
-        for request in requests:
+    def _is_decode(self, request: Request) -> bool:
+        """One token to compute, and not ended by a token in flight (then it is skipped)."""
+        return request.num_remaining_tokens == 1 and not request.ends_by_length(self.max_model_len)
+
+    def _schedule_running(self, plan: StepPlan, requests: list[Request], budget: int, decodes_after: int = 0) -> int:
+        """Schedules running requests in the given order. No decode waits on a prefill: a chunk
+        of more tokens than one leaves a token and a seq slot for every decode still to come
+        (later in `requests`, pinned ones included, and `decodes_after` more), and waits for
+        the next step when those take all there is."""
+        decodes = [self._is_decode(r) for r in requests]  # as the step begins
+        to_come = decodes_after + sum(decodes)
+        for request, decode in zip(requests, decodes):
+            to_come -= decode
             if budget == 0 or len(plan.seqs) >= self.config.max_num_seqs:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             if request.ends_by_length(self.max_model_len):
                 continue  # a step in flight gives it its last token: nothing more to compute
-            n = self._chunk(request, max(1, budget - reserve))
+            reserve = 0 if decode else to_come
+            if budget <= reserve or len(plan.seqs) + reserve >= self.config.max_num_seqs:
+                continue
+            n = self._chunk(request, budget - reserve)
             if n > 1:
                 # Shrink a chunk to the free blocks rather than preempt for it; with nothing
                 # free, preempt for one block's worth.
@@ -262,7 +275,11 @@ class Scheduler(RequestQueues):
         """Preempts until request's n tokens fit; False when request itself was the victim."""
         scheduled = {s.seq_id for s in plan.seqs}
         while not self.pool.can_allocate(request, n):
-            candidates = [r for r in self.running if r.seq_id not in scheduled]
+            # Not a request whose last token is in flight: it ends when that step's result is
+            # applied, and preempting it first (a swap copies all its KV) would be wasted.
+            candidates = [
+                r for r in self.running if r.seq_id not in scheduled and not r.ends_by_length(self.max_model_len)
+            ]
             if self._is_pinned(request):  # a pinned request never preempts itself while it can
                 candidates = [r for r in candidates if r is not request] or candidates
             # Forward progress: a request preempted max_preemptions times is pinned, never

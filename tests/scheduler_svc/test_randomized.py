@@ -5,9 +5,12 @@ preemption mode, prefix caching on or off, a starting configuration (any policy,
 seq cap, partial-prefill caps, chunking on or off), requests that arrive over time (prompts
 cut from a few shared prefixes, so the prefix cache hits; priorities, tenants, salts),
 aborts of requests in a chosen state (waiting, mid-prefill, decoding, swapped; between
-steps or while the step is in flight) and live reconfigurations between steps
-(`Scheduler.reconfigure`, as the Admin service does). `simulate` plays it step by step
-against the KV-simulating FakeExecutor (conftest.py) and checks after every step:
+steps or while the step is in flight), live reconfigurations between steps
+(`Scheduler.reconfigure`, as the Admin service does; the auto budget among them), async
+scheduling or not (step N+1 planned before step N's result is applied, as engine.py's
+`_loop_async`) and steps the executor refuses (their requests fail; under async scheduling
+those of the step planned on top start over, as engine.py does). `simulate` plays it step
+by step against the KV-simulating FakeExecutor (conftest.py) and checks after every step:
 
 - budget: the plan's tokens <= max_num_batched_tokens and seqs <= max_num_seqs, under the
   configuration the plan was built with; with chunking off an admitted prompt is whole;
@@ -23,6 +26,11 @@ against the KV-simulating FakeExecutor (conftest.py) and checks after every step
 - no cross-request writes: the FakeExecutor asserts it on every KV slot it writes;
 - host blocks: a host block read by a swap-in of step N is not the destination of a swap-out
   of step N (the executor copies swap-outs first);
+- decodes first (issue #32): a request running and decoding as the step began (one known
+  token without KV, not ended by its token in flight) is in every step that schedules a
+  prefill chunk (more than one token, or short of the last known token), pinned or not,
+  unless it was preempted in that step (blocks ran out); with chunking off a step that
+  admits prompts whole runs nothing else, by design;
 - cursors: num_computed_tokens never decreases, except to 0 for a request the step's plan
   lists as preempted and which went back to waiting (recompute); a swapped request keeps it;
 - forward progress (README: "a request preempted --max-preemptions times is pinned, so the
@@ -30,14 +38,16 @@ against the KV-simulating FakeExecutor (conftest.py) and checks after every step
   (num_preemptions >= max_preemptions) is preempted only when no unpinned request is running
   once the step is planned; the oldest live request (arrival order), once pinned, is
   preempted only when no other request is running at all, and with chunked prefill, while
-  it runs, it is scheduled in every step, so it finishes within as many steps as it has
-  tokens left; the run drains within `step_bound` steps (a livelock guard);
+  it runs, it is scheduled in every step whose decodes leave it a token and a seq slot
+  (unless it preempted itself, as above), so it finishes; a request whose last token is in
+  flight (it ends with that step) is no victim (issue #32) and does not count as running
+  here; the run drains within `step_bound` steps (a livelock guard);
 - no leak: once every request finished or was aborted, every device and host block is free,
   check_invariants() passes, the executor holds no sequence;
-- outputs: every request that was not aborted has the token ids and finish reason of a
-  reference run of the same requests (huge pool, chunking on, caching off, big budget,
-  fcfs), and an aborted one a prefix of them. The FakeExecutor's next token is a pure
-  function of the KV it reads back, so wrong KV changes tokens.
+- outputs: every request that was not aborted (or failed) has the token ids and finish
+  reason of a reference run of the same requests (huge pool, chunking on, caching off, big
+  budget, fcfs), and an aborted or failed one a prefix of them. The FakeExecutor's next
+  token is a pure function of the KV it reads back, so wrong KV changes tokens.
 
 Six cases: recompute, swap, and swap "churn" (chunked, small budgets, a few long prompts among
 many short ones, every step preempting, swapping or resuming something), each with prefix
@@ -55,7 +65,7 @@ Add `--hypothesis-show-statistics` to see how often a run aborted in each state,
 hit the cache, preempted a pinned request. Replay a printed scenario with
 `simulate(fakes, Scenario(...))` (the failure names its step and requests).
 
-The `test_regression_*` tests are deterministic repros of scheduler bugs of issue #13.
+The `test_regression_*` tests are deterministic repros of scheduler bugs of issues #13 and #32.
 """
 
 from __future__ import annotations
@@ -73,6 +83,7 @@ from hypothesis import strategies as st
 
 from scheduler_svc.block_pool import BlockPool, blocks_needed
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.plan import StepPlan, StepStats
 from scheduler_svc.policy import create_policy
 from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingParams
 from scheduler_svc.scheduler import Scheduler
@@ -161,6 +172,11 @@ class Scenario:
     requests: tuple[Req, ...] = ()
     aborts: tuple[Abort, ...] = ()
     reconfigs: tuple[Reconfig, ...] = ()
+    # Step N+1 is planned before step N's result is applied (--async-scheduling, engine.py).
+    async_scheduling: bool = False
+    # Plans (by step id) the executor refuses: their requests fail, and under async scheduling
+    # the requests of the step planned on top of one start over (engine.py).
+    failed_steps: tuple[int, ...] = ()
     first_id: int = 0  # request i is f"r{first_id + i}" (the regression tests use the issue's names)
 
 
@@ -280,6 +296,8 @@ def scenarios(
         requests=tuple(requests),
         aborts=tuple(aborts),
         reconfigs=tuple(reconfigs),
+        async_scheduling=draw(st.booleans()),
+        failed_steps=tuple(draw(st.lists(st.integers(0, 30), max_size=2))) if draw(st.integers(0, 3)) == 0 else (),
     )
 
 
@@ -374,11 +392,22 @@ class Trace:
     swap_outs: int = 0
     cache_hits: int = 0
     aborted: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)  # by a failed step (Scenario.failed_steps)
     preempted: Counter[str] = field(default_factory=Counter)  # request id -> times preempted
     preempted_at: dict[str, list[int]] = field(default_factory=dict)  # request id -> steps
     first_pinned_step: dict[str, int] = field(default_factory=dict)  # first step it ran pinned
     finish_step: dict[str, int] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)  # only when simulate(strict=False)
+
+
+@dataclass
+class Sent:
+    """A step sent to the executor, and what it must hold once it ran."""
+
+    plan: StepPlan
+    stats: StepStats
+    known: set[int]  # the sequences the scheduler thought the executor knows after it
+    tables: dict[int, list[int]]  # its sequences' block tables after it
 
 
 class HostBlockReused(AssertionError):
@@ -391,6 +420,39 @@ class NoForwardProgress(AssertionError):
 
 class WrongTokens(AssertionError):
     """A request's tokens differ from the reference run's."""
+
+
+class WastedPreemption(AssertionError):
+    """A request whose last token was in flight (it ends with that step) was preempted."""
+
+
+class DecodeWaitsOnPrefill(AssertionError):
+    """A running decode was left out of a step that scheduled a prefill chunk."""
+
+
+def is_decoding(r: Request, max_model_len: int) -> bool:
+    """Whether r, as the next plan begins, is a running decode the plan can hold: one known
+    token without KV, not ended by a token in flight, that token known to the executor or by id."""
+    return (
+        r.status is RequestStatus.RUNNING
+        and r.num_remaining_tokens == 1
+        and not r.ends_by_length(max_model_len)
+        and (r.executor_has_last_token or r.num_inflight_tokens == 0)
+    )
+
+
+def decodes_left_out(sched: Scheduler, plan, decoding: set[str], admitted: bool) -> list[str]:
+    """The decodes (`decoding`, as the plan began) that `plan` left out although it scheduled a
+    prefill chunk (more tokens than one, or short of the last known token): "decodes are never
+    stalled by a prefill" (issue #32, item 6), pinned requests included. A decode may miss a
+    step only as a preemption victim (blocks ran out) or when decodes alone fill the step's
+    budget or max_num_seqs, and then no prefill chunk is in it; with chunking off, a step that
+    `admitted` prompts whole runs nothing else, by design (README)."""
+    if admitted and not sched.config.enable_chunked_prefill:
+        return []
+    if not any(e.num_new_tokens > 1 or not e.sample for e in plan.seqs):
+        return []
+    return sorted(decoding - {e.request_id for e in plan.seqs} - set(plan.preempted))
 
 
 def _state(r: Request) -> str:
@@ -505,28 +567,14 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
                 sched.abort(victim.request_id)
                 trace.aborted.add(victim.request_id)
 
-    step = 0
-    while pending or sched.has_work() or step <= last_event:
-        assert step < bound, f"no drain within {bound} steps: livelock"
-        while pending and arrival[pending[0].request_id] <= step:
-            sched.add_request(pending.pop(0))
-        for c in sc.reconfigs:
-            if c.step == step:
-                if c.policy is not None:
-                    policy_name = c.policy
-                policy = create_policy(c.policy) if c.policy is not None else sched.policy
-                sched.reconfigure(scheduler_config(sc, c.settings, policy_name), policy)
-                event("reconfigure")
-        abort(step, in_flight=False)
-        check_pools(sched, fake)
-        if not sched.has_work():
-            step += 1
-            continue
-
-        # ---- plan ----
+    def plan_step(step: int) -> Sent | None:
+        """Plans a step and checks it; None when there is nothing to send (as the engine)."""
         config = sched.config
         before = {rid: (r.status, r.num_computed_tokens, r.num_preemptions) for rid, r in sched.requests.items()}
+        tokens_before = {rid: (r.num_tokens, r.num_inflight_tokens) for rid, r in sched.requests.items()}
         oldest = min(sched.requests.values(), key=lambda r: (r.arrival_time, r.seq_id), default=None)
+        decoding = {r.request_id for r in sched.running if is_decoding(r, sc.max_model_len)}
+        ending = {r.request_id for r in sched.running if r.ends_by_length(sc.max_model_len)}
         plan = sched.schedule()
         trace.steps += 1
         where = f"step {plan.step_id}"
@@ -541,6 +589,15 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
         assert len(plan.seqs) <= config.max_num_seqs, f"{where}: {len(plan.seqs)} seqs over {config.max_num_seqs}"
         assert len({e.seq_id for e in plan.seqs}) == len(plan.seqs), f"{where}: a sequence twice in a plan"
         check_pools(sched, fake)
+        admitted = any(before[e.request_id][0] is RequestStatus.WAITING for e in plan.seqs)
+        left_out = decodes_left_out(sched, plan, decoding, admitted)
+        violation(
+            not left_out,
+            DecodeWaitsOnPrefill,
+            f"{where}: decodes {left_out} left out of a step with prefill chunks, scheduled (* = pinned): "
+            + ", ".join(f"{e.request_id}{'*' * (before[e.request_id][2] >= pin)}+{e.num_new_tokens}" for e in plan.seqs)
+            + f"; budget {sched.step_stats.token_budget}, pinned {[r for r in decoding if before[r][2] >= pin]}",
+        )
         scheduled = {}
         for e in plan.seqs:
             r = sched.requests[e.request_id]
@@ -549,15 +606,15 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
                 trace.first_pinned_step.setdefault(r.request_id, step)
             assert r.status is RequestStatus.RUNNING, f"{where}: {r.request_id} scheduled but {r.status}"
             # The plan is committed as it is built: the cursor is past the entry, and a
-            # sampling entry left one in-flight token.
-            known = r.num_prompt_tokens + r.num_output_tokens
+            # sampling entry left one more in-flight token.
+            known, inflight = tokens_before[r.request_id]
             assert e.num_new_tokens >= 1 and e.num_computed_tokens + e.num_new_tokens == r.num_computed_tokens
             assert (
                 before[r.request_id][1] == e.num_computed_tokens or before[r.request_id][0] is not RequestStatus.RUNNING
             )
             assert e.num_computed_tokens + e.num_new_tokens <= known
             assert e.sample == (e.num_computed_tokens + e.num_new_tokens == known)
-            assert r.num_inflight_tokens == e.sample
+            assert r.num_inflight_tokens == inflight + e.sample
             assert len(r.block_ids) == blocks_needed(e.num_computed_tokens + e.num_new_tokens, bs), (
                 f"{where}: {r.request_id} holds {len(r.block_ids)} blocks for {e.num_computed_tokens}+{e.num_new_tokens}"
             )
@@ -618,8 +675,16 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
         trace.swap_outs += len(outs)
         if ins:
             event("swap in")
-        # Forward progress.
-        unpinned_running = [r.request_id for r in sched.running if r.num_preemptions < pin]
+        # Forward progress. A request whose last token is in flight ends when that step's result
+        # is applied: it is skipped, and no victim (that preemption would be wasted: issue #32).
+        violation(
+            not preempted & ending,
+            WastedPreemption,
+            f"{where}: {sorted(preempted & ending)} preempted with the last token in flight",
+        )
+        unpinned_running = [
+            r.request_id for r in sched.running if r.num_preemptions < pin and r.request_id not in ending
+        ]
         for rid in plan.preempted:
             if before[rid][2] >= pin:
                 event("pinned request preempted")
@@ -629,45 +694,106 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
                     f"{where}: {rid}, pinned ({before[rid][2]} preemptions), was preempted while unpinned "
                     f"{unpinned_running} kept running",
                 )
-        if oldest is not None and before[oldest.request_id][2] >= pin:
+        if oldest is not None and before[oldest.request_id][2] >= pin and oldest.request_id not in ending:
             o = oldest.request_id
-            others = [r.request_id for r in sched.running]
+            others = [r.request_id for r in sched.running if r.request_id not in ending]
             violation(
                 o not in preempted or not others,
                 NoForwardProgress,
                 f"{where}: the oldest request {o}, pinned, was preempted while {others} kept running",
             )
             # With chunked prefill the oldest pinned request, if running, gains at least one token
-            # every step, so it finishes within its remaining tokens' worth of steps.
+            # every step, unless the decodes alone need every token or seq slot of the step
+            # (decodes first), or it had to preempt itself (checked just above: only when no
+            # other request could be a victim), so it finishes once they are done.
             # (Chunking off, a step of whole-prompt admissions runs no running request.)
             if before[o][0] is RequestStatus.RUNNING and config.enable_chunked_prefill:
+                decodes = len(decoding - {o})
                 violation(
-                    o in scheduled,
+                    o in scheduled
+                    or o in preempted
+                    or (o not in decoding and decodes >= min(sched.step_stats.token_budget, config.max_num_seqs)),
                     NoForwardProgress,
-                    f"{where}: the oldest request {o}, pinned and running, was not scheduled",
+                    f"{where}: the oldest request {o}, pinned and running, was not scheduled; step: "
+                    + ", ".join(f"{e.request_id}+{e.num_new_tokens}" for e in plan.seqs)
+                    + f"; preempted {plan.preempted}, decoding {sorted(decoding)}",
                 )
-
-        # ---- execute and apply ----
+        if plan.is_empty:
+            return None
         known = {r.seq_id for r in sched.requests.values() if r.known_to_executor}
-        abort(step, in_flight=True)
+        tables = {e.seq_id: list(sched.requests[e.request_id].block_ids) for e in plan.seqs}
+        return Sent(plan, sched.step_stats, known, tables)
+
+    def fail(plan, restart: bool) -> None:
+        """A step the executor refused (engine.py's _fail_step: its requests and swap victims
+        fail, its drops are sent again), or, restart=True, the step planned on top of it
+        (_restart_step: they start over under new sequence ids)."""
+        nonlocal next_seq
+        sched.drop_on_executor(plan.finished_seq_ids)
+        for rid in [e.request_id for e in plan.seqs] + plan.preempted:
+            r = sched.requests.get(rid)
+            if r is None or (rid in plan.preempted and r.status is not RequestStatus.SWAPPED):
+                continue
+            if restart:
+                sched.restart(r, next_seq)
+                next_seq += 1
+                event("restart")
+            else:
+                sched.finish(r, FinishReason.ABORTED)
+                trace.failed.add(rid)
+
+    def complete(done: Sent, later: Sent | None) -> bool:
+        """Runs a sent step on the executor and applies its result (a step in `failed_steps`
+        fails, and `later` starts over); False when it failed."""
+        plan, where = done.plan, f"step {done.plan.step_id}"
+        if plan.step_id in sc.failed_steps:
+            event("failed step")
+            fail(plan, restart=False)
+            if later is not None:
+                fail(later.plan, restart=True)
+            return False
         result = fake.execute(plan)
-        assert set(fake.seqs) == known, (
-            f"{where}: the executor holds sequences {sorted(fake.seqs)}, the scheduler thinks {sorted(known)}"
+        assert set(fake.seqs) == done.known, (
+            f"{where}: the executor holds sequences {sorted(fake.seqs)}, the scheduler thought {sorted(done.known)}"
         )
-        stats = sched.step_stats
+        for seq_id, table in done.tables.items():
+            assert fake.seqs[seq_id]["blocks"] == table, (
+                f"{where}: the executor's table for sequence {seq_id} is {fake.seqs[seq_id]['blocks']}, not {table}"
+            )
         outputs = sched.update(plan, result)
-        if config.target_itl_ms is not None:  # the auto budget learns a made-up, fixed step cost
-            sched.budget.observe(plan, stats, 1e-3 + 5e-5 * plan.num_tokens + 2e-4 * len(plan.seqs))
+        if sched.config.target_itl_ms is not None:  # the auto budget learns a made-up, fixed step cost
+            sched.budget.observe(plan, done.stats, 1e-3 + 5e-5 * plan.num_tokens + 2e-4 * len(plan.seqs))
         for out in outputs:
             if out.finish_reason is not None:
                 trace.finish_step[out.request.request_id] = step
-        for rid, e in scheduled.items():
-            r = sched.requests.get(rid)
-            if r is not None and r.status is RequestStatus.RUNNING:
-                assert r.num_computed_tokens == e.num_computed_tokens + e.num_new_tokens
-                assert fake.seqs[r.seq_id]["blocks"] == r.block_ids, (
-                    f"{where}: the executor's table for {rid} is {fake.seqs[r.seq_id]['blocks']}, not {r.block_ids}"
-                )
+        if not sc.async_scheduling:  # nothing planned since: update moved no cursor
+            for e in plan.seqs:
+                r = sched.requests.get(e.request_id)
+                if r is not None and r.status is RequestStatus.RUNNING:
+                    assert r.num_computed_tokens == e.num_computed_tokens + e.num_new_tokens
+        return True
+
+    next_seq = sc.first_id + len(reqs)  # sequence ids for requests that start over
+    inflight: Sent | None = None  # async scheduling: the step sent and not yet applied
+    step = 0
+    while pending or sched.has_work() or inflight is not None or step <= last_event:
+        assert step < bound, f"no drain within {bound} steps: livelock"
+        while pending and arrival[pending[0].request_id] <= step:
+            sched.add_request(pending.pop(0))
+        for c in sc.reconfigs:
+            if c.step == step:
+                if c.policy is not None:
+                    policy_name = c.policy
+                policy = create_policy(c.policy) if c.policy is not None else sched.policy
+                sched.reconfigure(scheduler_config(sc, c.settings, policy_name), policy)
+                event("reconfigure")
+        abort(step, in_flight=False)
+        check_pools(sched, fake)
+        sent = plan_step(step) if sched.has_work() else None
+        abort(step, in_flight=True)
+        done, inflight = (inflight, sent) if sc.async_scheduling else (sent, None)
+        if done is not None and not complete(done, inflight):
+            inflight = None  # started over
         for r in sched.running:
             assert len(r.block_ids) == blocks_needed(r.num_computed_tokens, bs)
         check_pools(sched, fake)
@@ -685,7 +811,7 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
     expected = reference if reference is not None else reference_outputs(fakes, sc)
     for r in reqs:
         tokens, reason = expected[r.request_id]
-        if r.request_id in trace.aborted:
+        if r.request_id in trace.aborted | trace.failed:
             assert r.finish_reason is FinishReason.ABORTED
             violation(
                 r.output_token_ids == tokens[: len(r.output_token_ids)],
@@ -801,3 +927,82 @@ def test_regression_the_pinned_oldest_request_is_not_preempted_again_and_finishe
     if "r1" in trace.first_pinned_step:
         assert done["r1"] - trace.first_pinned_step["r1"] < 45, summary
     assert done["r1"] < STREAM_STEPS, summary
+
+
+# ---- regression tests (issue #32) ----------------------------------------------------------
+
+
+def _decodes_left_out(sched: Scheduler, fake, steps: int) -> list[str]:
+    """Runs `steps` steps, each planned after the last one's result; returns the decodes each
+    left out of a step that scheduled a prefill chunk, as "step N: request"."""
+    left = []
+    for _ in range(steps):
+        decoding = {r.request_id for r in sched.running if is_decoding(r, sched.max_model_len)}
+        plan = sched.schedule()
+        left += [f"step {plan.step_id}: {rid}" for rid in decodes_left_out(sched, plan, decoding, admitted=False)]
+        sched.update(plan, fake.execute(plan))
+    return left
+
+
+def _pinned_setup(fakes, *decoding: int):
+    """A scheduler (budget 8, max_preemptions 1, no prefix caching) with requests `decoding`
+    (seq ids, 4-token prompts) admitted and decoding, then r1, older, with an 80-token prompt."""
+    sched = fakes.make_scheduler(max_num_batched_tokens=8, max_preemptions=1, enable_prefix_caching=False)
+    fake = fakes.FakeExecutor(64, 4)
+    for seq_id in decoding:
+        sched.add_request(fakes.make_request(seq_id, prompt_len=4, max_tokens=40))
+    sched.update(plan := sched.schedule(), fake.execute(plan))
+    sched.add_request(fakes.make_request(1, prompt_len=80, max_tokens=2))  # arrival 1.0: the oldest
+    return sched, fake
+
+
+def test_regression_a_pinned_prefill_does_not_stall_a_younger_pinned_decode(fakes):
+    """Issue #32, item 6 (a). r1 (pinned, the oldest) prefills 80 tokens, r2 (pinned, younger)
+    decodes. The decode reserve counted only unpinned decodes, so r1 took the whole budget of 8
+    and r2 waited 9 steps in a row. Now r1 leaves r2 its token, and still gains 7 every step."""
+    sched, fake = _pinned_setup(fakes, 2)
+    r1, r2 = sched.requests["r1"], sched.requests["r2"]
+    r1.num_preemptions = r2.num_preemptions = 1  # pinned, as after a preemption
+    assert _decodes_left_out(sched, fake, 14) == []
+    assert r1.num_output_tokens >= 1 and r2.num_output_tokens == 15
+
+
+def test_regression_a_pinned_decode_does_not_take_an_unpinned_decodes_token(fakes):
+    """Issue #32, item 6 (b). r1 (pinned, the oldest) prefills, r2 (pinned) and r3 decode. r1
+    left one token, for r3 only; r2, placed after r1, took it (each pinned chunk got at least
+    one), so r3 waited while r1 prefilled. Now r1 leaves a token for each decode."""
+    sched, fake = _pinned_setup(fakes, 2, 3)
+    r1, r2, r3 = sched.requests["r1"], sched.requests["r2"], sched.requests["r3"]
+    r1.num_preemptions = r2.num_preemptions = 1
+    assert _decodes_left_out(sched, fake, 16) == []
+    assert r1.num_output_tokens >= 1 and r2.num_output_tokens == r3.num_output_tokens == 17
+
+
+def test_regression_a_request_whose_last_token_is_in_flight_is_no_victim(fakes):
+    """Issue #32, item 7 (async scheduling: each step is planned before the last one's result).
+    r1 (pinned, the oldest) has its last token in flight, so scheduling skips it; r2 (pinned)
+    needs a block and none is free. r1 was its victim, swapped out (all its KV copied to host)
+    one step before it finished. r1 ends with that step and is no victim now."""
+    sched = fakes.make_scheduler(
+        num_blocks=4, block_size=2, num_host_blocks=8, max_preemptions=1, preemption_mode="swap"
+    )
+    fake = fakes.FakeExecutor(4, 2, num_host_blocks=8)
+    r1 = fakes.make_request(1, prompt_len=2, max_tokens=2)
+    r2 = fakes.make_request(2, prompt_len=3, max_tokens=6)
+    for r in (r1, r2):
+        r.num_preemptions = 1
+        sched.add_request(r)
+    inflight, preempted = None, []
+    for _ in range(30):
+        plan = sched.schedule() if sched.has_work() else None
+        if plan is not None:
+            preempted += [(plan.step_id, rid, r1.ends_by_length(sched.max_model_len)) for rid in plan.preempted]
+        if inflight is not None:
+            sched.update(inflight, fake.execute(inflight))
+        inflight = plan
+        if inflight is None and not sched.has_work():
+            break
+    assert "r1" not in [rid for _, rid, _ in preempted], f"preempted (step, request, r1 ending): {preempted}"
+    assert r1.finish_reason is FinishReason.LENGTH and len(r1.output_token_ids) == 2
+    assert r2.finish_reason is FinishReason.LENGTH and len(r2.output_token_ids) == 6
+    assert sched.pool.num_free_blocks == 4 and sched.host_pool.num_free_blocks == 8 and not fake.seqs
