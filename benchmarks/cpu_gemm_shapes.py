@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from chunkserve_kernels import cpu_native
 
+from chunkserve_contracts.cpu import cpu_info
 from executor_svc.models.layers import linear, native_linear, packed_linear, padded_rows, prepack_weight
-from executor_svc.models.quant import HalfWeights, Int4Weights, RowRule, native_bf16
+from executor_svc.models.quant import HalfWeights, Int4Weights
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152  # SmolLM2-135M
 
@@ -65,15 +66,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     ws = [torch.randn(n, k) * 0.02 for n, k in shapes()]
-    every = RowRule(None)
-    half = {dt: [HalfWeights(w, dt, every) for w in ws] for dt in (torch.bfloat16, torch.float16)}
-    q4 = [Int4Weights(w, every) for w in ws[:-1]] + [half[torch.bfloat16][-1]]
+    half = {dt: [HalfWeights(w, dt) for w in ws] for dt in (torch.bfloat16, torch.float16)}
+    q4 = [Int4Weights(w) for w in ws[:-1]] + [half[torch.bfloat16][-1]]
     wb = [h.weight for h in half[torch.bfloat16]]
     packed = [prepack_weight(w) for w in ws] if torch.backends.mkldnn.is_available() else None
     gemv = cpu_native.load() is None
     print(
         f"torch {torch.__version__}, {args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-        f"native bfloat16: {native_bf16()}"
+        f"native bfloat16: {cpu_info().native_bf16}"
     )
     print(
         f"{'rows':>5}{'padded to':>10}{'plain':>9}{'padded':>9}{'col-major':>11}{'bf16':>9}{'fp16':>9}{'F.lin16':>9}{'int4':>9}{'packed':>9}{'gemv':>9}   ms"
