@@ -129,7 +129,9 @@ class Engine:
             tenant=tenant,
         )
         stream = RequestStream(request.request_id, len(prompt_ids))
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, sampling.stop, sampling.skip_special_tokens, sampling.include_stop_str_in_output
+        )
         self._live[request.request_id] = LiveRequest(request, stream, detok)
         self.scheduler.add_request(request)
         self._wake.set()

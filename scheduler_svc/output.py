@@ -72,8 +72,10 @@ class LiveRequest:
         request, STOP_SEQUENCE when its text completed a stop string (the caller then
         finishes the request in the scheduler, which checks only token ids)."""
         token, reason = out.sampled.token_id, out.finish_reason
-        # A token that stopped the request by id (EOS, stop id) contributes no text.
-        text = self.detok.add(token) if reason is not FinishReason.STOP else ""
+        # A token that stopped the request by id (EOS, stop id) contributes no text, unless the
+        # request keeps its stop strings (vLLM's include_stop_str_in_output keeps that token's).
+        keep = reason is not FinishReason.STOP or self.request.sampling.include_stop_str_in_output
+        text = self.detok.add(token) if keep else ""
         if self.detok.matched_stop is not None:
             reason = FinishReason.STOP_SEQUENCE
         logprobs = []

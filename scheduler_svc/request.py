@@ -22,6 +22,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from scheduler_svc.structured import Constraint
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -54,6 +56,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Structured output: the output must match it (scheduler_svc/structured.py); None: free.
+    constraint: Constraint | None = None
+    skip_special_tokens: bool = True  # output text without special tokens (EOS, template markers)
+    include_stop_str_in_output: bool = False  # keep the matched stop string / stop token's text
 
 
 @dataclass(slots=True)

@@ -89,8 +89,8 @@ class Tokenizer:
         # The template already wrote the special tokens it wants (transformers does the same).
         return self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def id_to_text(self, token_id: int) -> str:
         """One token's text (for logprob alternatives)."""
@@ -228,8 +228,17 @@ class IncrementalDetokenizer:
     here too; text that could be the start of a stop string is held back until it is not.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
+    ) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._include_stop = include_stop  # the matched stop string stays in the text
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -242,8 +251,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Adds one token; returns the text now safe to stream (maybe empty)."""
         self._ids.append(token_id)
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._tok.decode(self._ids[self._prefix_offset :])
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             new_text = full[len(prefix) :]
             self._prefix_offset = self._read_offset
@@ -262,7 +271,7 @@ class IncrementalDetokenizer:
                 best = (at, stop)
         if best is None:
             return False
-        self.text = self.text[: best[0]]
+        self.text = self.text[: best[0] + (len(best[1]) if self._include_stop else 0)]
         self.matched_stop = best[1]
         return True
 
@@ -273,8 +282,8 @@ class IncrementalDetokenizer:
         decoding the whole output would give them; they are never dropped.
         """
         if self.matched_stop is None and self._read_offset < len(self._ids):
-            prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-            self.text += self._tok.decode(self._ids[self._prefix_offset :])[len(prefix) :]
+            prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+            self.text += self._tok.decode(self._ids[self._prefix_offset :], self._skip)[len(prefix) :]
             self._prefix_offset = self._read_offset = len(self._ids)
         return self._take(len(self.text))
 

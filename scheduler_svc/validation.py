@@ -203,4 +203,6 @@ def sampling_params(request: pb.GenerateRequest, num_prompt_tokens: int, limits:
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         logprobs=logprobs,
+        skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
+        include_stop_str_in_output=s.include_stop_str_in_output,
     )
