@@ -13,12 +13,14 @@ before they are read, and a whole message larger than the largest valid request
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from scheduler_svc.errors import InvalidRequestError
 from scheduler_svc.request import SamplingParams
+from scheduler_svc.structured import Constraint
 from scheduler_svc.tokenizer import Tokenizer
 
 MAX_LOGPROBS = 20
@@ -205,4 +207,27 @@ def sampling_params(request: pb.GenerateRequest, num_prompt_tokens: int, limits:
         logprobs=logprobs,
         skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
         include_stop_str_in_output=s.include_stop_str_in_output,
+        constraint=structured_constraint(s),
     )
+
+
+def structured_constraint(s: pb.SamplingParams) -> Constraint | None:
+    """SamplingParams.structured as a checked Constraint (None when unset). Only its shape is
+    checked here; whether it compiles is found off the event loop (scheduler_svc/grammar.py)."""
+    if not s.HasField("structured"):
+        return None
+    kind = s.structured.WhichOneof("kind")
+    if kind is None:
+        _fail("sampling.structured is set but names no constraint (set one of its fields)")
+    if kind == "json_object" and not s.structured.json_object:
+        _fail("sampling.structured.json_object must be true (leave structured unset for free output)")
+    if kind == "choice":
+        spec = json.dumps(list(s.structured.choice.choices))
+    elif kind == "json_object":
+        spec = ""
+    else:
+        spec = getattr(s.structured, kind)
+    try:
+        return Constraint.make(kind, spec)
+    except ValueError as exc:
+        raise InvalidRequestError(f"sampling.structured.{exc}") from None
