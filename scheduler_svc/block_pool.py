@@ -27,13 +27,15 @@ as they are freed, and a request frees its blocks tail first, so the end of a pr
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
+from chunkserve_contracts.block_hash import hash_block  # shared with the router
 from scheduler_svc.request import Request
+
+__all__ = ["Block", "BlockPool", "KVEventSink", "blocks_needed", "hash_block"]
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -41,21 +43,15 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def hash_block(parent: bytes | None, salt: str | None, token_ids: Sequence[int]) -> bytes:
-    """The prefix-cache key of a full block: SHA-256 over (parent hash, salt, token ids).
+class KVEventSink(Protocol):
+    """Who hears the prefix cache change (scheduler_svc/kv_events.py): blocks registered (one
+    chain: each block's parent is the one before it, the first's is `parent`), blocks evicted,
+    everything forgotten. Called synchronously from the pool; None (the default) costs one
+    attribute check per registration run, eviction batch and reset."""
 
-    Every part is length-delimited (the parent is 32 bytes or a 0 flag, the salt a flag plus
-    its length, token ids 8 bytes each), so two different inputs never encode to the same
-    bytes.
-    """
-    h = hashlib.sha256(b"\x01" + parent if parent is not None else b"\x00")
-    if salt is None:
-        h.update(b"\x00")
-    else:
-        encoded = salt.encode()
-        h.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
+    def stored(self, hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int) -> None: ...
+    def removed(self, hashes: list[bytes]) -> None: ...
+    def cleared(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -81,7 +77,8 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self.events: KVEventSink | None = None  # KV cache events (off unless set)
 
     @property
     def num_free_blocks(self) -> int:
@@ -148,6 +145,7 @@ class BlockPool:
             return
         bs = self.block_size
         full = num_computed // bs
+        run: list[Block] = []  # the blocks registered by this call, for the events
         for i in range(len(request.block_hashes), full):
             parent = request.block_hashes[-1] if request.block_hashes else None
             chunk = tuple(request.token_ids(i * bs, (i + 1) * bs))
@@ -157,6 +155,21 @@ class BlockPool:
             if block_hash not in self._cached and block.block_hash is None:
                 block.block_hash, block.parent_hash, block.salt, block.token_ids = block_hash, parent, salt, chunk
                 self._cached[block_hash] = block.block_id
+                if self.events is not None:
+                    run.append(block)
+        if run:
+            self._tell_stored(run)
+
+    def _tell_stored(self, registered: list[Block]) -> None:
+        """One stored event per chain of consecutive blocks (a block already cached by another
+        request's identical prefix breaks a chain: it is not stored again)."""
+        start = 0
+        for i in range(1, len(registered) + 1):
+            if i == len(registered) or registered[i].parent_hash != registered[i - 1].block_hash:
+                chain = registered[start:i]
+                tokens = [t for b in chain for t in b.token_ids]
+                self.events.stored([b.block_hash for b in chain], chain[0].parent_hash, tokens, self.block_size)  # type: ignore[union-attr,misc]
+                start = i
 
     def reset_cache(self) -> int:
         """Forgets every cached block (an operator's reset); returns how many were dropped."""
@@ -164,7 +177,23 @@ class BlockPool:
         for block_id in self._cached.values():
             self._forget(self.blocks[block_id])
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return dropped
+
+    def cached_blocks(self) -> Iterator[Block]:
+        """Every registered block, each after its parent when the parent is cached too (the
+        order a subscriber that joins late is told them in: some build a tree)."""
+        children: dict[bytes | None, list[Block]] = {}
+        for block_id in self._cached.values():
+            block = self.blocks[block_id]
+            parent = block.parent_hash if block.parent_hash in self._cached else None
+            children.setdefault(parent, []).append(block)
+        stack = list(reversed(children.get(None, [])))
+        while stack:
+            block = stack.pop()
+            yield block
+            stack.extend(reversed(children.get(block.block_hash, [])))
 
     # ---- raw blocks (also used for host swap space) --------------------------------------
 
@@ -174,14 +203,19 @@ class BlockPool:
         if n > len(self._free):
             raise RuntimeError(f"allocate {n} blocks with {len(self._free)} free (check the pool first)")
         new = []
+        evicted: list[bytes] = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evict
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    evicted.append(block.block_hash)
                 self._forget(block)
             block.ref_count = 1
             new.append(block_id)
+        if evicted:
+            self.events.removed(evicted)  # type: ignore[union-attr]
         return new
 
     def release(self, block_ids: list[int]) -> None:
