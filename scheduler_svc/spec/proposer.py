@@ -1,0 +1,47 @@
+"""What every draft proposer offers the scheduler (docs/speculative.md).
+
+A proposer guesses the next tokens of a running request from token ids alone (no model, no
+torch), so guesses cost scheduler CPU time only and the executor checks them. It keeps its
+own per-request state, keyed by request id, fed only with *accepted* tokens: a rejected draft
+never reaches it, so nothing ever has to be rolled back here.
+
+Call order for one request: any number of `propose` / `on_tokens` calls (the first one of
+either indexes the prompt), then `on_finish` once. `propose` never changes what later calls
+return; `on_tokens` appends tokens after everything passed before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+
+class SpecRequest(Protocol):
+    """The little of a request a proposer reads (scheduler_svc.request.Request has it)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """A draft source: token ids in, up to k guessed token ids out."""
+
+    def propose(self, req: SpecRequest, k: int) -> list[int]:
+        """Up to `k` tokens guessed to follow the request's accepted tokens ([] for no guess).
+
+        `k <= 0` returns []. Proposing is read-only (the request's state is built on first
+        sight, which is not a visible change)."""
+        ...
+
+    def on_tokens(self, req: SpecRequest, new_tokens: Sequence[int]) -> None:
+        """Tokens the request just gained (accepted drafts and the step's own token), in order."""
+        ...
+
+    def on_finish(self, req: SpecRequest) -> None:
+        """The request ended (any reason): drop its state; a proposer with a cross-request
+        corpus keeps its output there. Unknown requests are ignored."""
+        ...
