@@ -70,6 +70,24 @@ class CpuBudget:
         quota = f"a {self.quota:g}-CPU quota ({self.source})" if self.quota is not None else "no CPU quota"
         return f"{self.affinity} CPUs in the affinity mask, {quota}"
 
+    def torch_threads(self, ranks: int = 1) -> tuple[int, str]:
+        """The executor's default torch thread count per tensor-parallel rank, and why.
+
+        One CPU is left to the scheduler process (its event loop, gRPC and the tokenizer run
+        beside every step) wherever there are two or more: torch's OpenMP threads spin-wait for
+        each other at every parallel region, so a thread that shares its core with the
+        scheduler or with anyone else's work stalls all of them. Measured on a 2-core machine
+        (benchmarks/shared_cpu.py, docs/cpu.md 'Threads on a shared CPU'): with one other busy
+        process, 2 threads fell to 0.43x of their idle batch-1 speed and 0.25x at batch 8,
+        1 thread kept 0.96x and 0.94x, at 0.93x / 0.95x of 2 threads' idle speed."""
+        cpus = self.cpus
+        spare = cpus - 1 if cpus >= 2 else cpus
+        threads = max(1, spare // max(1, ranks))
+        why = f"{self.describe()}: {cpus} usable"
+        why += ", one left to the scheduler process" if cpus >= 2 else ""
+        why += f", split over {ranks} tensor-parallel ranks" if ranks > 1 else ""
+        return threads, why
+
 
 def cpu_budget(root: Path = Path("/")) -> CpuBudget:
     """This process's CpuBudget (`root`: tests read a fake /proc and /sys/fs/cgroup)."""

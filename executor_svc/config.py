@@ -88,7 +88,12 @@ class ExecutorConfig:
         default_factory=default_cache_dir,
         metadata={"help": "folder for the converted default model and other cached files"},
     )
-    num_threads: int = field(default=0, metadata={"help": "torch CPU threads, 0 = all cores"})
+    num_threads: int = field(
+        default=0,
+        metadata={
+            "help": "torch CPU threads per rank; 0 = the usable CPUs (affinity, cgroup quota) less one for the scheduler"
+        },
+    )
     quantization: str = field(
         default="none",
         metadata={

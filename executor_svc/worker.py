@@ -27,6 +27,7 @@ from chunkserve_kernels import cpu_native
 from chunkserve_kernels.backend import AttentionBackend, choose_backend, get_backend
 
 from chunkserve_contracts import __version__
+from chunkserve_contracts.cpu import cpu_budget
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.collectives import NO_TP, PlanChannel, TPInfo, init_group, local_device, min_over_group
 from executor_svc.config import ExecutorConfig
@@ -132,7 +133,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def init_device(config: ExecutorConfig, tp: TPInfo) -> Placement:
     """Threads, the tensor-parallel group, the device, the dtypes and the attention backend."""
     if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+        threads, why = config.num_threads, "set by --num-threads"
+    else:
+        threads, why = cpu_budget().torch_threads(tp.size)
+    torch.set_num_threads(threads)
+    log.info("%d torch CPU threads (%s; --num-threads overrides)", threads, why)
     device = resolve_device(config.device)
     if tp.enabled:
         init_group(tp, device, config.tensor_parallel_timeout_s)

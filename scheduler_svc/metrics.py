@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from scheduler_svc.engine import Observer, StepRecord
 from scheduler_svc.request import FinishReason, Request
+from scheduler_svc.slowdown import SlowdownWatch
 from scheduler_svc.snapshot import SchedulerSnapshot
 
 TTFT_BUCKETS = (
@@ -180,6 +181,13 @@ class Metrics(Observer):
             "auto_budget_predicted_step_seconds",
             "The auto budget's predicted time of the last step's budget (0 when fixed or not fitted yet).",
         )
+        self.slowdown = SlowdownWatch()
+        self.slowdown_ratio = gauge(
+            "decode_step_slowdown_ratio",
+            "Median executor time of recent decode steps of one shape over the best this server saw for that "
+            "shape (1 = as fast as it was; 3+ sustained: CPU contention or a CPU quota, scheduler_svc/slowdown.py).",
+        )
+        self.slowdown_ratio.set(1.0)
 
     def serve(self, host: str, port: int) -> None:
         """Serves /metrics over HTTP in a background thread."""
@@ -202,6 +210,7 @@ class Metrics(Observer):
         self.predicted_step.set(stats.predicted_step_ms / 1e3)
         self.prefix_queries.inc(stats.prefix_queries)
         self.prefix_hits.inc(stats.prefix_hits)
+        self.slowdown_ratio.set(self.slowdown.observe(plan, record.result, record.planned_at))
         self.on_state(record.state)
 
     def on_state(self, state: SchedulerSnapshot) -> None:
