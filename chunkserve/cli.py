@@ -135,18 +135,26 @@ def main(argv: list[str] | None = None) -> None:
 def _serve(args: argparse.Namespace) -> None:
     import uvloop
 
-    from executor_svc.config import ExecutorConfig
+    from executor_svc.config import DEFAULT_MODEL_HUB_ID, ExecutorConfig
     from scheduler_svc.config import AUTO_MAX_BATCHED_TOKENS, SchedulerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = new_token()  # this launch's executor answers this scheduler only
     try:
-        model = check_model(_model_arg(args))
+        given = _model_arg(args)
+        model = check_model(given)
         auto = {"max_num_batched_tokens": AUTO_MAX_BATCHED_TOKENS} if args.max_num_batched_tokens == 0 else {}
         executor = config_from_args(ExecutorConfig, args, executor_token=token, model=model, **auto)
         host = "127.0.0.1" if executor.executor_host in ("0.0.0.0", "::") else executor.executor_host
+        # vLLM serves a model by the id it was given: the default model's hub id, not its file name
+        # (the short name stays accepted, http_api.accepted_names).
+        name = {"served_model_name": DEFAULT_MODEL_HUB_ID} if given in (DEFAULT_MODEL_HUB_ID, "default", "") else {}
         scheduler = config_from_args(
-            SchedulerConfig, args, executor_address=f"{host}:{executor.executor_port}", executor_token=token
+            SchedulerConfig,
+            args,
+            executor_address=f"{host}:{executor.executor_port}",
+            executor_token=token,
+            **({} if args.served_model_name else name),
         )
         # Before anything starts: another server's executor on that port is said in one line.
         ensure_port_free(executor.executor_host, executor.executor_port)

@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,12 +29,15 @@ from scheduler_svc.config import SchedulerConfig, resolve_auto_budget, validate_
 from scheduler_svc.engine import Engine
 from scheduler_svc.executor_client import MAX_MESSAGE_BYTES, ExecutorClient
 from scheduler_svc.http_api import HttpFront
+from scheduler_svc.http_extras import generation_defaults, parse_origins
 from scheduler_svc.metrics import Metrics
+from scheduler_svc.openai_protocol import Settings
 from scheduler_svc.policy import Policy, create_policy
 from scheduler_svc.reflection import enable_reflection
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.servicer import GenerationServicer, add_generation_servicer
-from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.stats_log import log_stats_forever
+from scheduler_svc.tokenizer import Tokenizer, read_chat_template
 from scheduler_svc.trace import StepTracer
 from scheduler_svc.validation import Limits
 
@@ -100,7 +104,16 @@ class SchedulerApp:
         )
         add_generation_servicer(servicer, self.server)
         # The OpenAI-compatible HTTP API: the same servicer's admission path, engine and loop.
-        self.http = HttpFront(servicer, config.api_key) if config.http_port else None
+        self.http = None
+        if config.http_port:
+            self.http = HttpFront(
+                servicer,
+                config.api_key,
+                Settings(trust_request_chat_template=config.trust_request_chat_template),
+                parse_origins(config.allowed_origins),
+                access_log=not config.disable_uvicorn_access_log,
+            )
+        self._stats: asyncio.Task[None] | None = None
         self.http_port = 0
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection(self.server, SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
@@ -157,6 +170,16 @@ class SchedulerApp:
         self.ready = self._build(client, hs, self.config, create_policy(self.config.scheduling_policy))
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="executor-supervisor")
+        if not self.config.disable_log_stats:
+            self._stats = asyncio.get_running_loop().create_task(
+                log_stats_forever(self._stats_source), name="stats-log"
+            )
+
+    def _stats_source(self) -> tuple[Any, str] | None:
+        """The registry and model name for the stats line; None while not serving."""
+        if self.ready is None or self.metrics is None or self.ready.engine.is_dead:
+            return None
+        return self.metrics.registry, self.ready.info.model_name
 
     def _build(
         self, client: ExecutorClient, hs: epb.HandshakeResponse, config: SchedulerConfig, policy: Policy
@@ -164,7 +187,11 @@ class SchedulerApp:
         """A fresh block pool, scheduler and engine sized from a handshake."""
         config = resolve_auto_budget(config, hs)  # `--max-num-batched-tokens auto`: the executor's limit
         max_model_len = validate_against_executor(config, hs)  # the same rules as every live change
-        tokenizer = Tokenizer(config.tokenizer or hs.model_path)
+        template = read_chat_template(config.chat_template) if config.chat_template else None
+        tokenizer = Tokenizer(config.tokenizer or hs.model_path, chat_template=template)
+        if self.http is not None:  # the model's sampling defaults (--generation-config), for the HTTP API
+            self.http.settings.defaults = generation_defaults(config.generation_config, hs.model_path)
+            self.http.model_root = hs.model_path
         limits = Limits.for_tokenizer(max_model_len, hs.model.vocab_size, tokenizer.max_bytes_per_token)
         if limits.max_prompt_bytes is None:
             log.warning(
@@ -279,6 +306,8 @@ class SchedulerApp:
         self.tracer.close()
         if self._supervisor is not None:
             self._supervisor.cancel()
+        if self._stats is not None:
+            self._stats.cancel()
         if self.ready is not None:
             await self.ready.engine.stop()
             await self.ready.client.close()

@@ -119,6 +119,35 @@ class SchedulerConfig:
             "/v1/models, /health, /version), beside the gRPC one; 0 = off"
         },
     )
+    allowed_origins: str = field(
+        default="",
+        metadata={
+            "help": "CORS on the HTTP API: origins allowed, comma-separated or a JSON list, * for any (vLLM's "
+            "flag; vLLM defaults to *); empty = no CORS headers, browsers on other origins cannot read answers"
+        },
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata={"help": "chat template replacing the model's: a file, or the Jinja text itself (as vLLM)"},
+    )
+    trust_request_chat_template: bool = field(
+        default=False,
+        metadata={"help": "run a `chat_template` sent in a request (vLLM's flag); off: such a request gets 400"},
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata={
+            "help": "HTTP sampling defaults: auto = the model's generation_config.json (temperature, top_p, top_k, "
+            "min_p, max_new_tokens), vllm = none, or a folder with a generation_config.json (as vLLM)"
+        },
+    )
+    disable_uvicorn_access_log: bool = field(
+        default=False, metadata={"help": "no access log line (client, method, path, status, ms) per HTTP request"}
+    )
+    disable_log_stats: bool = field(
+        default=False,
+        metadata={"help": "no stats line every 10 s (throughput, running/waiting requests, KV usage, prefix hit rate)"},
+    )
     metrics_host: str = field(default="0.0.0.0", metadata={"help": "address of the Prometheus /metrics HTTP server"})
     metrics_port: int = field(default=9400, metadata={"help": "port of the Prometheus /metrics server; 0 = off"})
     admin_host: str = field(

@@ -24,6 +24,9 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -32,8 +35,19 @@ from chunkserve_contracts import __version__
 from chunkserve_contracts.auth import token_matches
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServingError
-from scheduler_svc.openai_protocol import Choice, HttpError, build_request, error_response, get, usage
-from scheduler_svc.output import RequestStream, collect, stream_deltas
+from scheduler_svc.http_extras import AccessLog, detokenize_ids, http_error, tokenize_response
+from scheduler_svc.openai_fields import HttpError, get
+from scheduler_svc.openai_protocol import (
+    Choice,
+    OpenAIRequest,
+    Settings,
+    accepted_names,
+    build_request,
+    error_response,
+    tokenize_spec,
+    usage,
+)
+from scheduler_svc.output import RequestStream, StreamDelta, collect, stream_deltas
 from scheduler_svc.servicer import GenerationServicer
 
 log = logging.getLogger(__name__)
@@ -43,17 +57,39 @@ MAX_BODY_BYTES = 16 * 1024 * 1024  # the gRPC front's transport limit (app.MAX_P
 class HttpFront:
     """The Starlette app and the uvicorn server that runs it on the current event loop."""
 
-    def __init__(self, servicer: GenerationServicer, api_key: str | None) -> None:
+    def __init__(
+        self,
+        servicer: GenerationServicer,
+        api_key: str | None,
+        settings: Settings | None = None,
+        allowed_origins: tuple[str, ...] = (),
+        access_log: bool = True,
+    ) -> None:
         self.servicer = servicer
         self._expected = f"Bearer {api_key}".encode() if api_key else None
+        # Sampling defaults (--generation-config) are the model's: app.py sets them once the
+        # executor said which model it loaded, with model_root (the /v1/models `root`).
+        self.settings = settings or Settings()
+        self.model_root: str | None = None
+        middleware = [Middleware(AccessLog)] if access_log else []
+        if allowed_origins:  # answers OPTIONS preflights, adds Access-Control-* headers
+            middleware.append(
+                Middleware(
+                    CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
+                )
+            )
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", functools.partial(self._generate, chat=False), methods=["POST"]),
                 Route("/v1/chat/completions", functools.partial(self._generate, chat=True), methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/version", self.version, methods=["GET"]),
-            ]
+            ],
+            middleware=middleware,
+            exception_handlers={HTTPException: http_error},
         )
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
@@ -79,7 +115,44 @@ class HttpFront:
         except ServingError as exc:
             return error_response(exc)
         model = {"id": info.model_name, "object": "model", "created": 0, "owned_by": "chunkserve"}
-        return JSONResponse({"object": "list", "data": [{**model, "max_model_len": limits.max_model_len}]})
+        card = {**model, "root": self.model_root or info.model_name, "parent": None}
+        return JSONResponse({"object": "list", "data": [{**card, "max_model_len": limits.max_model_len}]})
+
+    def _model(self, body: dict[str, Any], served: str) -> str:
+        """The model the body names (the served name, or its short form), or the served one."""
+        model = get(body, "model", (str,), "a string")
+        if model is None:
+            return served
+        if model not in accepted_names(served):
+            raise HttpError(f"the model `{model}` does not exist", 404, "not_found_error", "model")
+        return model
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a prompt or chat messages (with its chat options) to token ids."""
+        try:
+            self._authorize(request)
+            body = await self._body(request)
+            engine, limits, info = self.servicer.ready_state()
+            self._model(body, info.model_name)
+            chat = "messages" in body
+            spec = tokenize_spec(body, chat, self.settings)
+            ids = await self.servicer.run_tokenizer(spec.ids, engine.tokenizer, limits)
+            strs = bool(get(body, "return_token_strs", (bool,), "a boolean"))
+        except ServingError as exc:
+            return error_response(exc)
+        return JSONResponse(tokenize_response(ids, engine.tokenizer, limits.max_model_len, strs))
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: token ids to text (special tokens included, as vLLM decodes)."""
+        try:
+            self._authorize(request)
+            body = await self._body(request)
+            engine, limits, info = self.servicer.ready_state()
+            self._model(body, info.model_name)
+            ids = detokenize_ids(body, limits.vocab_size)
+        except ServingError as exc:
+            return error_response(exc)
+        return JSONResponse({"prompt": engine.tokenizer.decode(ids, skip_special_tokens=False)})
 
     # ---- generation --------------------------------------------------------------------
 
@@ -108,28 +181,21 @@ class HttpFront:
             self._authorize(request)
             body = await self._body(request)
             _, _, info = self.servicer.ready_state()
-            model = get(body, "model", (str,), "a string")
-            if model not in (None, info.model_name):
-                raise HttpError(f"the model `{model}` does not exist", 404, "not_found_error", "model")
-            stream_opts = get(body, "stream_options", (dict,), "an object")
-            streaming = bool(get(body, "stream", (bool,), "a boolean"))
-            return_token_ids = bool(get(body, "return_token_ids", (bool,), "a boolean"))
-            if stream_opts is not None and not streaming:
-                raise HttpError("stream_options needs stream: true", 400, "invalid_request_error", "stream_options")
-            engine, stream = await self.servicer.submit(build_request(body, chat))
+            model = self._model(body, info.model_name)
+            built = build_request(body, chat, self.settings)
+            engine, stream = await self.servicer.submit(built.proto, built.prompt.ids)
         except ServingError as exc:
             return error_response(exc, chat)
-        want_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
-        choice = Choice(engine, chat, want_logprobs, return_token_ids)
+        choice = Choice(engine, chat, **built.choice_options)
+        request_id = built.request_id or request.headers.get("x-request-id") or stream.request_id
         head = {
-            "id": ("chatcmpl-" if chat else "cmpl-") + stream.request_id,
+            "id": ("chatcmpl-" if chat else "cmpl-") + request_id,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": info.model_name,
+            "model": model,
         }
-        if streaming:
-            include_usage = bool((stream_opts or {}).get("include_usage"))
-            events = self._events(engine, stream, choice, head, include_usage)
+        if built.streaming:
+            events = self._events(engine, stream, choice, head, built)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         collected = asyncio.ensure_future(collect(stream))
         gone = asyncio.ensure_future(_disconnected(request))
@@ -148,22 +214,33 @@ class HttpFront:
         return JSONResponse({**head, "choices": [choice.body(final, stream=False)], "usage": usage(final)})
 
     async def _events(
-        self, engine: Engine, stream: RequestStream, choice: Choice, head: dict[str, Any], include_usage: bool
+        self, engine: Engine, stream: RequestStream, choice: Choice, head: dict[str, Any], built: OpenAIRequest
     ) -> AsyncIterator[str]:
         """Server-sent events ending in `data: [DONE]`; the request is aborted when the
-        response is cancelled (client gone) or closed before its final delta."""
+        response is cancelled (client gone) or closed before its final delta. With
+        stream_options.include_usage a last chunk carries the usage; with
+        continuous_usage_stats every chunk does, counting the tokens so far (as vLLM)."""
         head = {**head, "object": "chat.completion.chunk" if choice.chat else "text_completion"}
-        extra = {"usage": None} if include_usage else {}
+        prompt_tokens, generated = stream.num_prompt_tokens, 0
+
+        def extra() -> dict[str, Any]:
+            if not built.include_usage:
+                return {}
+            if not built.continuous_usage:
+                return {"usage": None}
+            return {"usage": usage(StreamDelta(prompt_tokens=prompt_tokens, completion_tokens=generated))}
+
         try:
             if choice.chat:  # OpenAI's first chunk carries the role
                 first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-                yield _sse({**head, "choices": [{**first, "finish_reason": None}], **extra})
+                yield _sse({**head, "choices": [{**first, "finish_reason": None}], **extra()})
             async for d in stream_deltas(stream):
                 if d.error is not None:
                     yield _sse(json.loads(error_response(d.error, choice.chat).body))
                     break
-                yield _sse({**head, "choices": [choice.body(d, stream=True)], **extra})
-                if d.finished and include_usage:
+                generated += len(d.token_ids)
+                yield _sse({**head, "choices": [choice.body(d, stream=True)], **extra()})
+                if d.finished and built.include_usage:
                     yield _sse({**head, "choices": [], "usage": usage(d)})
             yield "data: [DONE]\n\n"
         finally:

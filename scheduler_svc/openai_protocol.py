@@ -1,15 +1,16 @@
 """What OpenAI's JSON means in chunkserve's terms, for the HTTP front (http_api.py).
 
-A request body becomes a chunkserve.v1 GenerateRequest: only types and OpenAI-only rules are
-checked here (n, unsupported penalties, prompt batches), every range and limit by
-validation.py through the gRPC front's own admission path, whose messages are then renamed
+A request body becomes a chunkserve.v1 GenerateRequest plus a PromptSpec (openai_prompt.py:
+the chat-template options gRPC has no fields for): only types and OpenAI-only rules are
+checked here (n, prompt batches, every field rule of openai_fields.py), every range and limit
+by validation.py through the gRPC front's own admission path, whose messages are then renamed
 to the OpenAI field. Outputs become OpenAI choices, usage and error bodies.
 """
 
 from __future__ import annotations
 
-import json
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -18,6 +19,8 @@ from starlette.responses import JSONResponse
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import InvalidRequestError, ServingError
+from scheduler_svc.openai_fields import HttpError, bad, check_fields, get, get_uint
+from scheduler_svc.openai_prompt import PromptSpec, chat_options, encoding_options
 from scheduler_svc.output import StreamDelta
 from scheduler_svc.request import FinishReason
 from scheduler_svc.validation import DEFAULT_MAX_TOKENS
@@ -31,26 +34,40 @@ _STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
 }
 _FINISH = {FinishReason.STOP: "stop", FinishReason.STOP_SEQUENCE: "stop", FinishReason.LENGTH: "length"}
-# Parameters we cannot honour: any value but the neutral one is refused rather than ignored.
-_NEUTRAL = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "repetition_penalty": 1,
-    "echo": False,
-    "best_of": 1,
-    "logit_bias": {},
-}
 # validation.py names GenerateRequest fields; say the OpenAI parameter instead.
 _RENAMES = (("sampling.", ""), ("prompt.chat.messages", "messages"), ("prompt.chat", "messages"))
 _RENAMES_PROMPT = (("prompt.text", "prompt"), ("prompt.token_ids", "prompt"))
+# Sampling defaults a model's generation_config.json may give (vLLM's --generation-config
+# auto): the body field -> its key there.
+GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "max_tokens": "max_new_tokens",
+}
 
 
-class HttpError(ServingError):
-    """A refusal decided here (auth, unknown model, body size) with its HTTP status."""
+@dataclass
+class Settings:
+    """What the server's flags decide for every HTTP request."""
 
-    def __init__(self, message: str, status: int, kind: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.param = status, kind, param
+    defaults: dict[str, Any] = field(default_factory=dict)  # GENERATION_DEFAULTS keys -> values
+    trust_request_chat_template: bool = False
+
+
+@dataclass
+class OpenAIRequest:
+    """A checked OpenAI body: the GenerateRequest, how to make its prompt, and how to answer."""
+
+    proto: pb.GenerateRequest
+    prompt: PromptSpec
+    chat: bool
+    streaming: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    request_id: str | None = None  # vLLM's request_id: the response's id
+    choice_options: dict[str, bool] = field(default_factory=dict)  # Choice's keyword arguments
 
 
 def error_response(exc: ServingError, chat: bool = False) -> JSONResponse:
@@ -69,81 +86,124 @@ def error_response(exc: ServingError, chat: bool = False) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 
-def get(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:
-    """body[name] if of one of `kinds` (JSON true is not a number), None when absent or null."""
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise HttpError(f"{name} must be {what}, got {json.dumps(value)[:64]}", 400, "invalid_request_error", name)
-    return value
+def accepted_names(served: str) -> set[str]:
+    """The `model` values a request may name: the served name and, for a hub id such as
+    HuggingFaceTB/SmolLM2-135M-Instruct, its short form (what earlier versions served)."""
+    names = {served}
+    if re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", served):
+        names.add(served.split("/")[1])
+    return names
 
 
-def _get_uint(body: dict[str, Any], name: str, bits: int = 32) -> int | None:
-    value = get(body, name, (int,), "an integer")
-    if value is not None and not 0 <= value < 1 << bits:
-        raise HttpError(f"{name} must be in [0, {(1 << bits) - 1}], got {value}", 400, "invalid_request_error", name)
-    return value
+def tokenize_spec(body: dict[str, Any], chat: bool, settings: Settings) -> PromptSpec:
+    """The prompt of a /tokenize body (vLLM's TokenizeCompletionRequest or TokenizeChatRequest)."""
+    spec = PromptSpec()
+    if chat:
+        _chat_prompt(body, pb.GenerateRequest(), spec, settings)
+    elif (prompt := get(body, "prompt", (str,), "a string")) is not None:
+        spec.text = prompt
+    else:
+        raise bad("prompt", "prompt (a string) or messages is required")
+    encoding_options(body, spec, chat)
+    return spec
 
 
 def _ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def build_request(body: dict[str, Any], chat: bool) -> pb.GenerateRequest:
-    """The GenerateRequest for an OpenAI body; types and OpenAI-only rules are checked here,
-    ranges and limits by validation.py (via GenerationServicer.submit)."""
-    bad = lambda name, msg: HttpError(msg, 400, "invalid_request_error", name)  # noqa: E731
+def build_request(body: dict[str, Any], chat: bool, settings: Settings | None = None) -> OpenAIRequest:
+    """The checked request for an OpenAI body: types, OpenAI-only rules and every field rule
+    (openai_fields) are checked here, ranges and limits by validation.py (via
+    GenerationServicer.submit)."""
+    settings = settings or Settings()
+    check_fields(body, chat)
     n = get(body, "n", (int,), "an integer")
     if n not in (None, 1):
         raise bad("n", f"n must be 1 (one choice per request), got {n}")
-    for name, neutral in _NEUTRAL.items():
-        if body.get(name) not in (None, neutral):
-            raise bad(name, f"{name} is not supported (only {json.dumps(neutral)})")
     request = pb.GenerateRequest(cache_salt=get(body, "cache_salt", (str,), "a string") or "")
+    request_id = get(body, "request_id", (str,), "a string")
+    if request_id is not None:
+        request.client_request_id = request_id  # bounded like gRPC's label
+    spec = PromptSpec()
     if chat:
-        request.chat.SetInParent()
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            raise bad("messages", "messages must be a list of {role, content} objects")
-        for i, m in enumerate(messages):
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):  # content parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                    raise bad("messages", f"messages[{i}].content: only text parts are supported")
-                content = "".join(str(p.get("text", "")) for p in content)
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str | None):
-                raise bad("messages", f"messages[{i}] must be an object with a string role and content")
-            request.chat.messages.add(role=m["role"], content=content or "")
+        _chat_prompt(body, request, spec, settings)
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and (isinstance(prompt[0], str) or _ids(prompt[0])):
-            if len(prompt) != 1:
-                raise bad("prompt", f"prompt: one prompt per request, got a batch of {len(prompt)}")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            request.text = prompt
-        elif _ids(prompt):
-            if not all(0 <= t < 1 << 32 for t in prompt):
-                raise bad("prompt", "prompt: token ids must be >= 0")
-            request.token_ids.ids.extend(prompt)
-        else:
-            raise bad("prompt", "prompt must be a string or a list of token ids")
-    s = request.sampling
+        _text_prompt(body, request, spec)
+    encoding_options(body, spec, chat)
+    if request.WhichOneof("prompt") == "token_ids" and spec.truncate not in (None, -1):
+        del request.token_ids.ids[: -spec.truncate]
+    _sampling(body, chat, request.sampling, settings.defaults)
+    if (priority := get(body, "priority", (int,), "an integer")) is not None:
+        if not -(2**31) <= priority < 2**31:
+            raise bad("priority", f"priority must be a 32-bit integer, got {priority}")
+        request.priority = priority
+    out = OpenAIRequest(request, spec, chat, request_id=request_id)
+    _stream_options(body, out)
+    out.choice_options = {
+        "want_logprobs": bool(body.get("logprobs")) if chat else body.get("logprobs") is not None,
+        "return_token_ids": bool(get(body, "return_token_ids", (bool,), "a boolean")),
+        "tokens_as_ids": bool(get(body, "return_tokens_as_token_ids", (bool,), "a boolean")),
+    }
+    return out
+
+
+def _chat_prompt(body: dict[str, Any], request: pb.GenerateRequest, spec: PromptSpec, settings: Settings) -> None:
+    request.chat.SetInParent()
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "messages must be a non-empty list of {role, content} objects")
+    spec.messages = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise bad("messages", f"messages[{i}].content: only text parts are supported")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str | None):
+            raise bad("messages", f"messages[{i}] must be an object with a string role and content")
+        request.chat.messages.add(role=m["role"], content=content or "")  # the proto form bounds the size
+        spec.messages.append({**m, "content": content or ""})
+    chat_options(body, spec, settings.trust_request_chat_template)
+
+
+def _text_prompt(body: dict[str, Any], request: pb.GenerateRequest, spec: PromptSpec) -> None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and (isinstance(prompt[0], str) or _ids(prompt[0])):
+        if len(prompt) != 1:
+            raise bad("prompt", f"prompt: one prompt per request, got a batch of {len(prompt)}")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        request.text = spec.text = prompt
+    elif _ids(prompt):
+        if not all(0 <= t < 1 << 32 for t in prompt):
+            raise bad("prompt", "prompt: token ids must be >= 0")
+        request.token_ids.ids.extend(prompt)
+    else:
+        raise bad("prompt", "prompt must be a string or a list of token ids")
+
+
+def _sampling(body: dict[str, Any], chat: bool, s: pb.SamplingParams, defaults: dict[str, Any]) -> None:
+    """The SamplingParams of a body; a field the body leaves unset takes the server's
+    generation defaults (--generation-config), then chunkserve's."""
     for name in ("temperature", "top_p", "min_p"):
-        if (value := get(body, name, (int, float), "a number")) is not None:
+        value = get(body, name, (int, float), "a number")
+        if value is not None or (value := defaults.get(name)) is not None:
             setattr(s, name, value)
-    if (top_k := get(body, "top_k", (int,), "an integer")) is not None:
+    top_k = get(body, "top_k", (int,), "an integer")
+    if top_k is not None or (top_k := defaults.get("top_k")) is not None:
         s.top_k = max(min(top_k, 2**31 - 1), -(2**31))
-    if (seed := _get_uint(body, "seed", 64)) is not None:
+    if (seed := get_uint(body, "seed", 64)) is not None:
         s.seed = seed
-    max_tokens = _get_uint(body, "max_completion_tokens") if chat else None
-    max_tokens = max_tokens if max_tokens is not None else _get_uint(body, "max_tokens")
+    max_tokens = get_uint(body, "max_completion_tokens") if chat else None
+    max_tokens = max_tokens if max_tokens is not None else get_uint(body, "max_tokens")
     if max_tokens is None and not chat:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    if (cap := defaults.get("max_tokens")) is not None:  # the model's max_new_tokens caps it (as vLLM)
+        max_tokens = cap if max_tokens is None else min(max_tokens, cap)
     if max_tokens is not None:
         s.max_tokens = max_tokens
-    if (min_tokens := _get_uint(body, "min_tokens")) is not None:
+    if (min_tokens := get_uint(body, "min_tokens")) is not None:
         s.min_tokens = min_tokens
     stop = get(body, "stop", (str, list), "a string or a list of strings")
     stop = [stop] if isinstance(stop, str) else stop or []
@@ -156,18 +216,32 @@ def build_request(body: dict[str, Any], chat: bool) -> pb.GenerateRequest:
     s.stop_token_ids.extend(stop_ids)
     if get(body, "ignore_eos", (bool,), "a boolean"):
         s.ignore_eos = True
+    if (skip := get(body, "skip_special_tokens", (bool,), "a boolean")) is not None:
+        s.skip_special_tokens = skip
+    if get(body, "include_stop_str_in_output", (bool,), "a boolean"):
+        s.include_stop_str_in_output = True
     if chat:
         if get(body, "logprobs", (bool,), "a boolean"):
-            s.logprobs = _get_uint(body, "top_logprobs") or 0
+            s.logprobs = get_uint(body, "top_logprobs") or 0
         elif body.get("top_logprobs"):
             raise bad("top_logprobs", "top_logprobs needs logprobs: true")
-    elif (logprobs := _get_uint(body, "logprobs")) is not None:
+    elif (logprobs := get_uint(body, "logprobs")) is not None:
         s.logprobs = logprobs
-    if (priority := get(body, "priority", (int,), "an integer")) is not None:
-        if not -(2**31) <= priority < 2**31:
-            raise bad("priority", f"priority must be a 32-bit integer, got {priority}")
-        request.priority = priority
-    return request
+
+
+def _stream_options(body: dict[str, Any], out: OpenAIRequest) -> None:
+    out.streaming = bool(get(body, "stream", (bool,), "a boolean"))
+    options = get(body, "stream_options", (dict,), "an object")
+    if options is None:
+        return
+    if not out.streaming:
+        raise bad("stream_options", "stream_options needs stream: true")
+    for name in ("include_usage", "continuous_usage_stats"):
+        if not isinstance(options.get(name), bool | None):
+            raise bad("stream_options", f"stream_options.{name} must be a boolean")
+    out.include_usage = bool(options.get("include_usage"))
+    # vLLM: usage in every chunk, only together with include_usage
+    out.continuous_usage = out.include_usage and bool(options.get("continuous_usage_stats"))
 
 
 def usage(final: StreamDelta) -> dict[str, Any]:
@@ -182,22 +256,36 @@ def usage(final: StreamDelta) -> dict[str, Any]:
 class Choice:
     """One choice being built: text and logprobs in the shape of chat or completions."""
 
-    def __init__(self, engine: Engine, chat: bool, want_logprobs: bool, return_token_ids: bool = False) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        chat: bool,
+        want_logprobs: bool,
+        return_token_ids: bool = False,
+        tokens_as_ids: bool = False,
+    ) -> None:
         self.engine, self.chat, self.want_logprobs, self.offset = engine, chat, want_logprobs, 0
         # vLLM's extra parameter: each choice (each streamed chunk) also names its token ids.
         self.return_token_ids = return_token_ids
+        # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N" (any token JSON-safe).
+        self.tokens_as_ids = tokens_as_ids
+
+    def _text(self, token_id: int, text: str | None = None) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
+        return self.engine.tokenizer.id_to_text(token_id) if text is None else text
 
     def logprobs(self, d: StreamDelta) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
-        texts = [self.engine.tokenizer.id_to_text(t) for t in d.token_ids]
+        texts = [self._text(t) for t in d.token_ids]
         if self.chat:
 
             def entry(text: str, logprob: float) -> dict[str, Any]:
                 return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
             content = [
-                {**entry(text, lp.logprob), "top_logprobs": [entry(s, v) for _, v, s in lp.top]}
+                {**entry(text, lp.logprob), "top_logprobs": [entry(self._text(t, s), v) for t, v, s in lp.top]}
                 for text, lp in zip(texts, d.logprobs)
             ]
             return {"content": content}
@@ -208,7 +296,7 @@ class Choice:
         return {
             "tokens": texts,
             "token_logprobs": [lp.logprob for lp in d.logprobs],
-            "top_logprobs": [{s: v for _, v, s in lp.top} for lp in d.logprobs],
+            "top_logprobs": [{self._text(t, s): v for t, v, s in lp.top} for lp in d.logprobs],
             "text_offset": offsets,
         }
 

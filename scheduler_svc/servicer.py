@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServingError, UnavailableError
 from scheduler_svc.output import RequestStream, StreamDelta, stream_deltas
+from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.validation import Limits, check_client_request_id, needs_tokenizer, sampling_params, tokenize_prompt
 
 log = logging.getLogger(__name__)
@@ -73,25 +75,34 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise UnavailableError("the executor is unavailable")
         return state
 
-    async def submit(self, request: pb.GenerateRequest) -> tuple[Engine, RequestStream]:
+    async def run_tokenizer(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on the tokenize worker (the HTTP front's /tokenize): off the event loop,
+        in arrival order with the prompts being admitted."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    async def submit(
+        self, request: pb.GenerateRequest, prompt: Callable[[Tokenizer, Limits], list[int]] | None = None
+    ) -> tuple[Engine, RequestStream]:
         """Validates a request, tokenizes it off the event loop and queues it.
 
         The one admission path of both public fronts (Generate here, the OpenAI-compatible
         HTTP API in http_api.py builds a GenerateRequest and calls this), so the two refuse
         and admit exactly the same requests, tokenize on the same worker in arrival order,
         and share one engine. Raises ServingError; the caller aborts the returned stream's
-        request when it stops reading before the final delta.
+        request when it stops reading before the final delta. `prompt` (the HTTP front's
+        chat-template options, openai_prompt.PromptSpec.ids) makes a text or chat prompt's ids
+        in place of tokenize_prompt, on the same worker.
         """
         engine, limits, _ = self.ready_state()
         check_client_request_id(request)
         if needs_tokenizer(request):
-            prompt = await asyncio.get_running_loop().run_in_executor(
-                self._tokenize_pool, tokenize_prompt, request, engine.tokenizer, limits
+            ids = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, prompt or functools.partial(tokenize_prompt, request), engine.tokenizer, limits
             )
         else:  # token ids: bounded by max_model_len, cheap
-            prompt = tokenize_prompt(request, engine.tokenizer, limits)
-        params = sampling_params(request, len(prompt), limits)
-        stream = engine.add_request(prompt, params, request.cache_salt or None, request.priority, request.tenant)
+            ids = tokenize_prompt(request, engine.tokenizer, limits)
+        params = sampling_params(request, len(ids), limits)
+        stream = engine.add_request(ids, params, request.cache_salt or None, request.priority, request.tenant)
         return engine, stream
 
     async def Generate(

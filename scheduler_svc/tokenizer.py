@@ -11,13 +11,16 @@ so a prompt tokenized in a worker thread never stalls the event loop.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -29,7 +32,8 @@ _CONTEXT_TOKENS = 5
 class Tokenizer:
     """Encodes prompts, renders chat messages, decodes ids; loaded from a model folder."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, chat_template: str | None = None) -> None:
+        """chat_template: replaces the model's own (the server's --chat-template, as text)."""
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.is_file():
@@ -48,18 +52,25 @@ class Tokenizer:
         template_path = folder / "chat_template.jinja"
         if template is None and template_path.is_file():
             template = template_path.read_text()
-        self._template = _compile_template(template) if isinstance(template, str) else None
+        template = chat_template if chat_template is not None else template
+        self._template = compile_template(template) if isinstance(template, str) else None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     @property
     def eos_token_id(self) -> int | None:
         return self._tok.token_to_id(self.eos_token) if self.eos_token else None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a plain prompt, with the tokenizer's own special-token convention.
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a plain prompt, with the tokenizer's own special-token convention
+        (BOS and the like) unless add_special_tokens is False.
 
         Releases the GIL while encoding (see the module docstring)."""
-        return self._tok.encode_batch_fast([text], add_special_tokens=True)[0].ids
+        return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable (renders tool definitions)."""
+        return self._template is not None and "tools" in self._template.variables
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Renders messages with the model's template (plus the assistant prompt) and encodes.
@@ -69,20 +80,27 @@ class Tokenizer:
         """
         return self.encode_rendered_chat(self.render_chat(messages))
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
-        """The text the chat template makes of the messages (see apply_chat_template)."""
-        if self._template is None:
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template: Template | None = None,
+        **variables: Any,
+    ) -> str:
+        """The text the chat template (or `template`, a per-request one) makes of the
+        messages (see apply_chat_template); `variables` reach the template as Hugging Face's
+        apply_chat_template passes them (tools, documents, chat_template_kwargs)."""
+        template = template or self._template
+        if template is None:
             raise ValueError("this model has no chat template; send the prompt as text")
         try:
-            text = self._template.render(
+            return template.jinja.render(
+                {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **variables},
                 messages=list(messages),
-                add_generation_prompt=True,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
+                add_generation_prompt=add_generation_prompt,
             )
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"chat template rejected the messages: {exc}") from exc
-        return text
+        except Exception as exc:  # a template is code: a bad one raises anything (TypeError on None + str)
+            raise ValueError(f"chat template rejected the messages: {type(exc).__name__}: {exc}") from exc
 
     def encode_rendered_chat(self, text: str) -> list[int]:
         """Token ids of a rendered conversation (render_chat's output)."""
@@ -91,6 +109,10 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        """One token's vocabulary string (transformers' convert_ids_to_tokens: "Ġhi", "<|im_end|>")."""
+        return self._tok.id_to_token(token_id) or ""
 
     def id_to_text(self, token_id: int) -> str:
         """One token's text (for logprob alternatives)."""
@@ -103,14 +125,42 @@ def _token_text(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _compile_template(source: str) -> jinja2.Template:
+def read_chat_template(value: str) -> str:
+    """--chat-template's value: a file's text, or the template itself written inline (as vLLM
+    takes it); ValueError when it is neither or does not compile."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        value = path.read_text()
+    elif "{{" not in value and "{%" not in value:
+        raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template either")
+    compile_template(value)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Template:
+    """A compiled chat template and the variables it reads (`tools` says it renders tools)."""
+
+    jinja: jinja2.Template
+    variables: frozenset[str]
+
+
+@functools.lru_cache(maxsize=32)  # per-request templates repeat; the model's is compiled once anyway
+def compile_template(source: str) -> Template:
+    """Compiles a chat template in Hugging Face's sandboxed environment; ValueError when it
+    is not valid Jinja."""
+
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
-    return env.from_string(source)
+    try:
+        variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+        return Template(env.from_string(source), variables)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"the chat template is not valid Jinja: {exc}") from None
 
 
 # A character is at most 4 UTF-8 bytes; a normalizer that maps each character to at least one

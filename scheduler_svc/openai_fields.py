@@ -1,0 +1,123 @@
+"""Every request field of vLLM's OpenAI server, and what chunkserve does with it.
+
+The rule (issue 33): a field either works as vLLM documents it or is refused with a 400
+naming it; it is never accepted and silently ignored. The tables below are the audit of
+vLLM's ChatCompletionRequest and CompletionRequest (vllm/entrypoints/openai/protocol.py),
+plus the OpenAI fields with a behaviour vLLM does not implement (`functions`, `suffix`):
+
+- read by openai_protocol.build_request / openai_prompt / openai_tools: HANDLED;
+- accepted only at their neutral value (the one that changes nothing): NEUTRAL;
+- accepted, with no effect to honour here (say why): NO_EFFECT;
+- refused whenever set (not null, not empty): REFUSED, with the reason.
+
+A field in none of these is unknown. vLLM accepts unknown fields and logs that it ignored
+them; so does chunkserve (one warning per field name, not per request).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from scheduler_svc.errors import ServingError
+
+log = logging.getLogger(__name__)
+
+_COMMON_HANDLED = {
+    "model", "max_tokens", "n", "seed", "stop", "stream", "stream_options", "temperature", "top_p", "top_k",
+    "min_p", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
+    "truncate_prompt_tokens", "add_special_tokens", "response_format", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "guided_decoding_backend", "structured_outputs", "priority",
+    "request_id", "return_tokens_as_token_ids", "cache_salt", "return_token_ids", "logprobs",
+}  # fmt: skip
+CHAT_HANDLED = _COMMON_HANDLED | {
+    "messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
+    "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents",
+    "reasoning_effort",
+}  # fmt: skip
+COMPLETION_HANDLED = _COMMON_HANDLED | {"prompt"}
+
+# Any value but this one needs a feature chunkserve does not have.
+NEUTRAL: dict[str, Any] = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "echo": False,
+    "best_of": 1,
+    "logit_bias": {},
+    "use_beam_search": False,
+    "length_penalty": 1,
+    "bad_words": [],
+}
+NO_EFFECT = {
+    "user": "an end-user label for the client's own records; vLLM does not use it either",
+    "spaces_between_special_tokens": "the fast tokenizer never inserts spaces between special tokens "
+    "(as vLLM's fast detokenizer)",
+    "include_reasoning": "no reasoning parser runs, so there is no reasoning content to include or drop",
+}
+REFUSED = {
+    "prompt_logprobs": "prompt logprobs are not computed",
+    "allowed_token_ids": "restricting the vocabulary is not supported (use structured_outputs.choice or regex)",
+    "logits_processors": "custom logits processors are not supported",
+    "mm_processor_kwargs": "multimodal inputs are not supported",
+    "kv_transfer_params": "disaggregated serving is not supported",
+    "vllm_xargs": "no extension reads extra arguments",
+    "guided_whitespace_pattern": "the JSON whitespace pattern cannot be changed",
+    "structural_tag": "structural tags are not supported (use tools or structured_outputs)",
+    "prompt_embeds": "prompt embeddings are not supported",
+    "suffix": "suffix is not supported (as vLLM)",
+    "functions": "the legacy `functions` parameter is not supported; use `tools`",
+    "function_call": "the legacy `function_call` parameter is not supported; use `tool_choice`",
+}
+_WARNED: set[str] = set()
+_MAX_WARNED = 256  # unknown names are logged once each; this bounds the set
+
+
+class HttpError(ServingError):
+    """A refusal the HTTP front decides itself (auth, unknown model, a field rule) with its
+    HTTP status, OpenAI error type and the parameter it names."""
+
+    def __init__(self, message: str, status: int, kind: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+
+def bad(param: str, message: str) -> HttpError:
+    """The 400 naming a request field."""
+    return HttpError(message, 400, "invalid_request_error", param)
+
+
+def check_fields(body: dict[str, Any], chat: bool) -> None:
+    """Refuses a field chunkserve cannot honour (a 400 naming it); logs unknown ones once."""
+    handled = CHAT_HANDLED if chat else COMPLETION_HANDLED
+    for name, value in body.items():
+        if name in handled or name in NO_EFFECT or value is None:
+            continue
+        if name in NEUTRAL:
+            neutral = NEUTRAL[name]
+            if value != neutral or isinstance(value, bool) != isinstance(neutral, bool):
+                raise bad(name, f"{name} is not supported (only {json.dumps(neutral)})")
+        elif name in REFUSED:
+            if value not in ([], {}, ""):
+                raise bad(name, f"{name}: {REFUSED[name]}")
+        elif name not in _WARNED and len(_WARNED) < _MAX_WARNED:
+            _WARNED.add(name)
+            log.warning("request field %r is not one chunkserve knows; ignored (as vLLM ignores unknown fields)", name)
+
+
+def get(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:
+    """body[name] if of one of `kinds` (JSON true is not a number), None when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise bad(name, f"{name} must be {what}, got {json.dumps(value)[:64]}")
+    return value
+
+
+def get_uint(body: dict[str, Any], name: str, bits: int = 32) -> int | None:
+    value = get(body, name, (int,), "an integer")
+    if value is not None and not 0 <= value < 1 << bits:
+        raise bad(name, f"{name} must be in [0, {(1 << bits) - 1}], got {value}")
+    return value

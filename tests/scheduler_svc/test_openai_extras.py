@@ -1,0 +1,397 @@
+"""Issue 33 item 3: the OpenAI front ignores nothing silently. vLLM's chat-template extras,
+output options, stream usage, /tokenize and /detokenize, CORS, JSON bodies for unknown routes,
+access and stats logging, --generation-config, --chat-template and the full model id, against
+SchedulerApp with a fake executor and the byte-level tokenizer (token = byte, <eos> = 256,
+template "<role>content...<assistant>"). No test depends on timing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import httpx
+import openai
+import pytest
+
+from scheduler_svc import http_extras, openai_fields
+from scheduler_svc.metrics import Metrics
+from scheduler_svc.stats_log import Sample, sample, stats_line
+from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer, read_chat_template
+from tests.scheduler_svc.test_http_api import FAILSAFE_S, assert_idle, running, sdk
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def post(http: httpx.AsyncClient, base: str, path: str, body: dict) -> asyncio.Future:
+    return http.post(base + path, json=body)
+
+
+async def rendered(http: httpx.AsyncClient, base: str, body: dict) -> str:
+    """The prompt text a chat body renders to (the byte tokenizer: one token per byte)."""
+    out = (await http.post(base + "/tokenize", json=body)).json()
+    assert out["count"] == len(out["tokens"]), out
+    return (await http.post(base + "/detokenize", json={"tokens": out["tokens"]})).json()["prompt"]
+
+
+def test_chat_template_options_change_the_prompt(fakes, byte_tokenizer_dir, monkeypatch):
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch, trust_request_chat_template=True) as (app, _, base):
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                assert await rendered(http, base, {"messages": HI}) == "<user>hi<assistant>"
+                body = {"messages": HI, "add_generation_prompt": False}
+                assert await rendered(http, base, body) == "<user>hi"
+                prefill = [*HI, {"role": "assistant", "content": "Sure"}]
+                body = {"messages": prefill, "continue_final_message": True}
+                assert await rendered(http, base, body) == "<user>hi<assistant>Sure"
+                template = "{{ greeting }}|{% for d in documents %}{{ d.title }}{% endfor %}|{{ messages[0].content }}"
+                body = {
+                    "messages": HI,
+                    "chat_template": template,
+                    "chat_template_kwargs": {"greeting": "yo"},
+                    "documents": [{"title": "doc1", "text": "x"}],
+                }
+                assert await rendered(http, base, body) == "yo|doc1|hi"
+                # the same options reach generation: prompt_tokens is the rendered length
+                chat = {"messages": HI, "max_tokens": 2, "add_generation_prompt": False}
+                out = (await http.post(base + "/v1/chat/completions", json=chat)).json()
+                assert out["usage"]["prompt_tokens"] == len("<user>hi")
+                for bad_body, param in [
+                    ({"messages": HI, "continue_final_message": True, "add_generation_prompt": True}, None),
+                    ({"messages": HI, "continue_final_message": True}, "continue_final_message"),
+                    ({"messages": HI, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                    ({"messages": HI, "chat_template": "{% for %}"}, "chat_template"),
+                    ({"messages": HI, "documents": ["x"]}, "documents"),
+                ]:
+                    response = await http.post(base + "/v1/chat/completions", json=bad_body)
+                    assert response.status_code == 400, bad_body
+                    assert response.json()["error"]["param"] == (param or "continue_final_message")
+            assert_idle(app)
+
+    asyncio.run(main())
+
+
+def test_a_request_chat_template_needs_the_trust_flag(fakes, byte_tokenizer_dir, monkeypatch):
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch) as (_, _, base):
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                body = {"messages": HI, "chat_template": "{{ messages[0].content }}"}
+                response = await http.post(base + "/v1/chat/completions", json=body)
+                assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template"
+                assert "--trust-request-chat-template" in response.json()["error"]["message"]
+
+    asyncio.run(main())
+
+
+def test_server_chat_template_inline_or_file(fakes, byte_tokenizer_dir, monkeypatch, tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("[{% for m in messages %}{{ m.content }}{% endfor %}]")
+    assert read_chat_template(str(path)) == path.read_text()
+    assert read_chat_template("{{ messages }}") == "{{ messages }}"
+    with pytest.raises(ValueError, match="no such file"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="not valid Jinja"):
+        read_chat_template("{% if %}")
+
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch, chat_template=str(path)) as (_, _, base):
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                assert await rendered(http, base, {"messages": HI}) == "[hi]"
+
+    asyncio.run(main())
+
+
+def test_stop_string_kept_and_special_tokens_decoded_when_asked(fakes, byte_tokenizer_dir, monkeypatch):
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch) as (app, client, base):
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                body = {"prompt": "hello", "max_tokens": 6, "temperature": 0}
+                text = (await http.post(base + "/v1/completions", json=body)).json()["choices"][0]["text"]
+                stop = text[2:4]
+                cut = text[: text.index(stop)]
+                for include, want in ((False, cut), (True, cut + stop)):
+                    for stream in (False, True):
+                        got = await completion_text(
+                            http, base, {**body, "stop": [stop], "include_stop_str_in_output": include}, stream
+                        )
+                        assert got == want, (include, stream)
+                client.fake.eos_after = len("hello") + 2  # two letters, then <eos> forever
+                eos = {**body, "ignore_eos": True, "max_tokens": 4}
+                assert await completion_text(http, base, eos, False) == text[:2]
+                raw = await completion_text(http, base, {**eos, "skip_special_tokens": False}, False)
+                assert raw == text[:2] + "<eos><eos>"
+                stopped = {**body, "max_tokens": 4}  # <eos> ends it: its text is kept only on request
+                assert await completion_text(http, base, {**stopped, "skip_special_tokens": False}, False) == text[:2]
+                kept = {**stopped, "skip_special_tokens": False, "include_stop_str_in_output": True}
+                assert await completion_text(http, base, kept, True) == text[:2] + "<eos>"
+            assert_idle(app)
+
+    asyncio.run(main())
+
+
+async def completion_text(http: httpx.AsyncClient, base: str, body: dict, stream: bool) -> str:
+    if not stream:
+        response = await http.post(base + "/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+    async with http.stream("POST", base + "/v1/completions", json={**body, "stream": True}) as response:
+        lines = [line async for line in response.aiter_lines() if line.startswith("data: {")]
+    return "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines)
+
+
+def test_detokenizer_options_on_fixed_ids(byte_tokenizer_dir):
+    tok = Tokenizer(byte_tokenizer_dir)
+    ids = [*b"ab", 256, *b"cd"]
+    for skip, want in ((True, "abcd"), (False, "ab<eos>cd")):
+        detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip)
+        assert "".join(detok.add(t) for t in ids) + detok.flush() == want
+    for include, want in ((False, "a"), (True, "abc")):
+        detok = IncrementalDetokenizer(tok, [], stop=["bc"], include_stop=include)
+        out = "".join(detok.add(t) for t in b"abcd" if detok.matched_stop is None) + detok.flush()
+        assert out == want and detok.matched_stop == "bc"
+
+
+def test_continuous_usage_stats_count_tokens_in_every_chunk(fakes, byte_tokenizer_dir, monkeypatch):
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch) as (_, _, base):
+            client = sdk(base)
+            options = {"include_usage": True, "continuous_usage_stats": True}
+            chunks = [
+                c
+                async for c in await client.chat.completions.create(
+                    model="fake", messages=HI, max_tokens=4, temperature=0, stream=True, stream_options=options
+                )
+            ]
+            assert all(c.usage is not None for c in chunks)
+            counts = [c.usage.completion_tokens for c in chunks]
+            assert counts == sorted(counts) and counts[-1] == 4 and counts[0] == 0
+            assert {c.usage.prompt_tokens for c in chunks} == {len("<user>hi<assistant>")}
+            plain = [
+                c
+                async for c in await client.chat.completions.create(
+                    model="fake", messages=HI, max_tokens=4, stream=True, stream_options={"include_usage": True}
+                )
+            ]
+            assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+    asyncio.run(main())
+
+
+REFUSED = [  # (endpoint, extra fields, param)
+    ("completions", {"suffix": "x"}, "suffix"),
+    ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("completions", {"allowed_token_ids": [1]}, "allowed_token_ids"),
+    ("completions", {"use_beam_search": True}, "use_beam_search"),
+    ("completions", {"logits_processors": ["x.y"]}, "logits_processors"),
+    ("completions", {"repetition_penalty": 1.1}, "repetition_penalty"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"bad_words": ["x"]}, "bad_words"),
+    ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("chat/completions", {"structural_tag": "{}"}, "structural_tag"),
+    ("chat/completions", {"vllm_xargs": {"a": 1}}, "vllm_xargs"),
+    ("chat/completions", {"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ("chat/completions", {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
+    ("chat/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+]
+
+
+def test_known_fields_chunkserve_cannot_honour_are_refused_by_name(fakes, byte_tokenizer_dir, monkeypatch, caplog):
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch) as (app, _, base):
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                for endpoint, extra, param in REFUSED:
+                    base_body = {"prompt": "hi"} if endpoint == "completions" else {"messages": HI}
+                    response = await http.post(f"{base}/v1/{endpoint}", json={**base_body, **extra})
+                    assert response.status_code == 400, (extra, response.text)
+                    assert response.json()["error"]["param"] == param, (extra, response.json())
+                assert not app.ready.engine.scheduler.requests
+                # neutral values and no-effect fields are fine; unknown ones are logged once
+                openai_fields._WARNED.discard("frobnicate")
+                ok = {"prompt": "hi", "max_tokens": 1, "echo": False, "best_of": 1, "user": "u", "frobnicate": 1}
+                with caplog.at_level(logging.WARNING, logger="scheduler_svc.openai_fields"):
+                    for _ in range(2):
+                        assert (await http.post(base + "/v1/completions", json=ok)).status_code == 200
+                assert sum("frobnicate" in r.getMessage() for r in caplog.records) == 1
+
+    asyncio.run(main())
+
+
+def test_tokenize_and_detokenize_shapes(fakes, byte_tokenizer_dir, monkeypatch):
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch) as (_, _, base):
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                out = (await http.post(base + "/tokenize", json={"prompt": "hé", "return_token_strs": True})).json()
+                assert out == {
+                    "count": 3,
+                    "max_model_len": 100,
+                    "tokens": list("hé".encode()),
+                    "token_strs": ["h", "Ã", "©"],
+                }
+                out = (await http.post(base + "/tokenize", json={"prompt": "hi", "model": "fake"})).json()
+                assert out["tokens"] == list(b"hi") and out["token_strs"] is None
+                back = await http.post(base + "/detokenize", json={"tokens": [*b"hi", 256]})
+                assert back.json() == {"prompt": "hi<eos>"}
+                for path, body, param in [
+                    ("/detokenize", {"tokens": [999]}, "tokens"),
+                    ("/detokenize", {}, "tokens"),
+                    ("/tokenize", {}, "prompt"),
+                    ("/tokenize", {"prompt": "hi", "model": "gpt-4"}, "model"),
+                ]:
+                    response = await http.post(base + path, json=body)
+                    assert response.status_code in (400, 404) and response.json()["error"]["param"] == param
+
+    asyncio.run(main())
+
+
+def test_unknown_routes_and_methods_get_json_errors_and_cors_preflight(fakes, byte_tokenizer_dir, monkeypatch):
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch) as (_, _, base):
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                missing = await http.get(base + "/v1/nothing")
+                assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+                wrong = await http.get(base + "/v1/completions")
+                assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+                assert "POST" in wrong.headers["allow"]
+                preflight = await http.options(base + "/v1/chat/completions", headers=_PREFLIGHT)
+                assert preflight.status_code == 405 and "access-control-allow-origin" not in preflight.headers
+        async with running(fakes, byte_tokenizer_dir, monkeypatch, allowed_origins='["https://ui.example"]') as (
+            _,
+            _,
+            base,
+        ):
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                preflight = await http.options(base + "/v1/chat/completions", headers=_PREFLIGHT)
+                assert preflight.status_code == 200
+                assert preflight.headers["access-control-allow-origin"] == "https://ui.example"
+                other = await http.options(
+                    base + "/v1/chat/completions", headers={**_PREFLIGHT, "Origin": "https://evil.example"}
+                )
+                assert other.status_code == 400
+                out = await http.get(base + "/v1/models", headers={"Origin": "https://ui.example"})
+                assert out.headers["access-control-allow-origin"] == "https://ui.example"
+
+    asyncio.run(main())
+
+
+_PREFLIGHT = {
+    "Origin": "https://ui.example",
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "content-type,authorization",
+}
+
+
+def test_parse_origins():
+    assert http_extras.parse_origins("") == ()
+    assert http_extras.parse_origins("*") == ("*",)
+    assert http_extras.parse_origins("https://a, https://b") == ("https://a", "https://b")
+    assert http_extras.parse_origins('["https://a"]') == ("https://a",)
+    with pytest.raises(ValueError, match="allowed-origins"):
+        http_extras.parse_origins('["x", 1]')
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_one_access_log_line_per_request(fakes, byte_tokenizer_dir, monkeypatch, caplog, disabled):
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch, disable_uvicorn_access_log=disabled) as (_, _, base):
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                with caplog.at_level(logging.INFO, logger="chunkserve.access"):
+                    await http.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+                    await http.get(base + "/v1/nothing")
+        lines = [r.getMessage() for r in caplog.records if r.name == "chunkserve.access"]
+        if disabled:
+            assert lines == []
+        else:
+            assert len(lines) == 2
+            assert '"POST /v1/completions" 200' in lines[0] and lines[0].endswith(" ms")
+            assert '"GET /v1/nothing" 404' in lines[1]
+
+    asyncio.run(main())
+
+
+def test_stats_line_reads_the_metrics_registry():
+    metrics = Metrics("m")
+    before = sample(metrics.registry, "m", now=0.0)
+    metrics.prompt_tokens.inc(200)
+    metrics.generation_tokens.inc(50)
+    metrics.prefix_queries.inc(100)
+    metrics.prefix_hits.inc(25)
+    metrics.running.set(3)
+    metrics.waiting.set(2)
+    metrics.kv_usage.set(0.5)
+    now = sample(metrics.registry, "m", now=10.0)
+    assert stats_line(before, now) == (
+        "Avg prompt throughput: 20.0 tokens/s, Avg generation throughput: 5.0 tokens/s, Running: 3 reqs, "
+        "Waiting: 2 reqs, Swapped: 0 reqs, KV cache usage: 50.0%, Prefix cache hit rate: 25.0%"
+    )
+    assert "hit rate: 0.0%" in stats_line(now, Sample(20.0, dict(now.values)))
+
+
+def test_generation_config_defaults(fakes, byte_tokenizer_dir, monkeypatch, tmp_path, caplog):
+    config = {"temperature": 0.0, "top_k": 50, "top_p": 0.9, "max_new_tokens": 3, "repetition_penalty": 1.2}
+    (byte_tokenizer_dir / "generation_config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING):
+        defaults = http_extras.generation_defaults("auto", str(byte_tokenizer_dir))
+    assert defaults == {"temperature": 0.0, "top_p": 0.9, "max_tokens": 3}  # top_k 50 is transformers' default
+    assert any("repetition_penalty" in r.getMessage() for r in caplog.records)
+    assert http_extras.generation_defaults("vllm", str(byte_tokenizer_dir)) == {}
+    (tmp_path / "empty").mkdir()
+    assert http_extras.generation_defaults("auto", str(tmp_path / "empty")) == {}
+    with pytest.raises(ValueError, match="no generation_config.json"):
+        http_extras.generation_defaults(str(tmp_path / "empty"), str(byte_tokenizer_dir))
+
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch) as (app, client, base):
+            client.hs.model_path = str(byte_tokenizer_dir)  # the handshake names the model folder
+            app.http.settings.defaults = http_extras.generation_defaults("auto", str(byte_tokenizer_dir))
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                out = (await http.post(base + "/v1/completions", json={"prompt": "hi"})).json()
+                assert out["usage"]["completion_tokens"] == 3  # max_new_tokens caps it, as in vLLM
+                chat = {"messages": HI, "max_tokens": 10}
+                out = (await http.post(base + "/v1/chat/completions", json=chat)).json()
+                assert out["usage"]["completion_tokens"] == 3
+
+    asyncio.run(main())
+
+
+def test_full_model_id_and_short_name_are_both_served(fakes, byte_tokenizer_dir, monkeypatch):
+    hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch, served_model_name=hub_id) as (_, _, base):
+            client = sdk(base)
+            models = (await client.models.list()).data
+            assert [m.id for m in models] == [hub_id]
+            for name in (hub_id, "SmolLM2-135M-Instruct"):
+                out = await client.completions.create(model=name, prompt="hi", max_tokens=1)
+                assert out.model == name
+            with pytest.raises(openai.NotFoundError):
+                await client.completions.create(model="HuggingFaceTB/other", prompt="hi", max_tokens=1)
+
+    asyncio.run(main())
+
+
+def test_request_id_token_ids_as_text_truncation_and_special_tokens(fakes, byte_tokenizer_dir, monkeypatch):
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch) as (_, _, base):
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                body = {"prompt": "hello", "max_tokens": 2, "request_id": "abc"}
+                out = (await http.post(base + "/v1/completions", json=body)).json()
+                assert out["id"] == "cmpl-abc"
+                headers = {"X-Request-Id": "from-header"}
+                out = (await http.post(base + "/v1/completions", json={"prompt": "hi"}, headers=headers)).json()
+                assert out["id"] == "cmpl-from-header"
+                body = {"messages": HI, "max_tokens": 2, "logprobs": True, "top_logprobs": 1}
+                body["return_tokens_as_token_ids"] = True
+                out = (await http.post(base + "/v1/chat/completions", json=body)).json()
+                tokens = out["choices"][0]["logprobs"]["content"]
+                assert all(t["token"].startswith("token_id:") for t in tokens)
+                assert all(x["token"].startswith("token_id:") for t in tokens for x in t["top_logprobs"])
+                for prompt in ("hello", list(b"hello")):
+                    body = {"prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 2}
+                    out = (await http.post(base + "/v1/completions", json=body)).json()
+                    assert out["usage"]["prompt_tokens"] == 2
+                body = {"messages": HI, "max_tokens": 1, "add_special_tokens": True}
+                out = (await http.post(base + "/v1/chat/completions", json=body)).json()
+                assert out["usage"]["prompt_tokens"] == len("<user>hi<assistant>")  # no BOS in this tokenizer
+
+    asyncio.run(main())
