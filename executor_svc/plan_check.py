@@ -10,7 +10,9 @@ sampling parameters (SamplingSpec's ranges, at most MAX_NUM_LOGPROBS) and an ent
 name known sequences once each, match their cursor, compute >= 1 token, stay below
 max_model_len, bring token ids inside the vocabulary (or decode the token sampled last) and
 in-range block ids, never one twice in a table, enough for their tokens; the tokens fit the
-budget; copies stay in range, with distinct destinations.
+budget; copies stay in range, with distinct destinations; token masks (structured output)
+are rows of ceil(vocab / 32) words at increasing positions that sample (today: only the
+entry's last, with `sample` set), allow some token and no id past the vocabulary.
 
 Block ownership. `holders[b]` counts the live sequences whose block table holds device
 block b. A sequence may *read* blocks others hold (a new sequence's leading prefix-cache
@@ -78,6 +80,7 @@ class CheckedPlan:
     query_lens: list[int] = field(default_factory=list)
     computed: list[int] = field(default_factory=list)
     sampling: list[tuple[int, int]] = field(default_factory=list)  # (entry index, sampled position)
+    masks: dict[int, bytes] = field(default_factory=dict)  # index into `sampling` -> packed allowed tokens
 
 
 @dataclass(slots=True)
@@ -191,6 +194,30 @@ def _check_entry(step: int, i: int, s: epb.ScheduledSequence, st: ExecutorState,
     c.computed.append(computed)
     if s.sample:
         c.sampling.append((i, end))
+    if s.token_masks:
+        c.masks[len(c.sampling) - 1] = _check_masks(step, s, st.vocab_size)
+
+
+def _check_masks(step: int, s: epb.ScheduledSequence, vocab_size: int) -> bytes:
+    """An entry's token masks; returns the row of its sampled position. One row per sampling
+    position, by increasing position: today the entry samples only after its last token."""
+    where = _at(step, s.seq_id)
+    masks = s.token_masks
+    if not s.sample:
+        raise PlanError(f"{where}: token masks on an entry that does not sample")
+    if len(masks) != 1 or masks[0].position != s.num_new_tokens - 1:
+        positions = [m.position for m in masks]
+        raise PlanError(
+            f"{where}: token mask positions {positions}; only the sampled position {s.num_new_tokens - 1} has one"
+        )
+    bits, words = masks[0].bits, (vocab_size + 31) // 32
+    if len(bits) != 4 * words:
+        raise PlanError(f"{where}: token mask of {len(bits)} bytes; vocab size {vocab_size} needs {4 * words}")
+    if bits.count(0) == len(bits):
+        raise PlanError(f"{where}: token mask allows no token")
+    if vocab_size % 32 and int.from_bytes(bits[-4:], "little") >> (vocab_size % 32):
+        raise PlanError(f"{where}: token mask allows ids at or past vocab size {vocab_size}")
+    return bits
 
 
 def _check_blocks(

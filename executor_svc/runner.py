@@ -104,7 +104,7 @@ class ModelRunner:
                     states[i].last_token = tokens[k]
                 return response
             specs = [states[i].sampling for i, _ in checked.sampling]
-            out = sample(logits, specs, [pos for _, pos in checked.sampling])
+            out = sample(logits, specs, [pos for _, pos in checked.sampling], checked.masks)
             if self.tp.enabled:
                 self.channel.share_tokens(out.token_ids, len(checked.sampling), 0)
             for k, (i, _) in enumerate(checked.sampling):

@@ -8,7 +8,10 @@ Two properties drive the design:
 - The common case is cheap: an all-greedy batch is one argmax, and log_softmax / top-k
   over the 49K vocab run only when some row asked for logprobs.
 Logprobs describe the model, not the sampler: they come from the raw logits, before
-temperature and filtering (what OpenAI-style APIs report).
+temperature and filtering (what OpenAI-style APIs report) — but after a structured-output
+token mask, which comes before everything: a token the grammar forbids has probability 0 for
+greedy, temperature, top-k/p, min-p and logprobs alike (-inf logprob, never among the top).
+Rows without a mask cost nothing extra.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 _MASK64 = (1 << 64) - 1
 _GREEDY_BELOW = 1e-5
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
 @dataclass(slots=True)
@@ -106,18 +110,36 @@ def _draw(probs: torch.Tensor, specs: list[SamplingSpec], positions: list[int]) 
     return torch.where(dead, probs.argmax(dim=-1), ids)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingSpec], positions: list[int]) -> SampleOutput:
+def apply_token_masks(logits: torch.Tensor, masks: dict[int, bytes]) -> None:
+    """Sets logits[row, t] = -inf, in place, for every token t that row's packed mask does not
+    allow: ceil(V / 32) little-endian 32-bit words, bit t = word t // 32, bit t % 32 (byte
+    t // 8, bit t % 8). Bits past V are ignored (plan_check.py refuses plans that set them)."""
+    rows = sorted(masks)
+    vocab = logits.shape[1]
+    packed = torch.frombuffer(bytearray(b"".join(masks[r] for r in rows)), dtype=torch.uint8).view(len(rows), -1)
+    packed = packed.to(logits.device)
+    allowed = ((packed[:, :, None] >> _BIT_SHIFTS.to(logits.device)) & 1).view(len(rows), -1)[:, :vocab].bool()
+    index = torch.tensor(rows, device=logits.device)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingSpec], positions: list[int], masks: dict[int, bytes] | None = None
+) -> SampleOutput:
     """Pick one token per row of float32 `logits` [N, V] (any strides: greedy rows take the
     argmax in place; rows that sample or report logprobs are copied out contiguous first).
 
     `positions[i]` is the absolute position the sampled token will occupy in its sequence;
-    with the request seed it keys the row's random stream.
+    with the request seed it keys the row's random stream. `masks` (structured output): row
+    -> packed allowed-token bits (apply_token_masks), applied to `logits` in place first.
     """
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(positions):
         raise ValueError(
             f"need logits [N, V] with one SamplingSpec and one position per row; got logits "
             f"{tuple(logits.shape)}, {len(params)} specs, {len(positions)} positions"
         )
+    if masks:
+        apply_token_masks(logits, masks)
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, s in enumerate(params) if not s.greedy]
     if random_rows:
@@ -143,4 +165,6 @@ def sample(logits: torch.Tensor, params: list[SamplingSpec], positions: list[int
             logprobs[i] = chosen[j]
             n = params[i].num_logprobs
             top[i] = list(zip(top_ids[j][:n], top_vals[j][:n]))
+            if masks and i in masks:  # fewer allowed tokens than asked: no forbidden ones
+                top[i] = [(t, v) for t, v in top[i] if v != float("-inf")]
     return SampleOutput(ids, logprobs, top)

@@ -28,6 +28,7 @@ from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.config import SchedulerConfig, resolve_auto_budget, validate_against_executor
 from scheduler_svc.engine import Engine
 from scheduler_svc.executor_client import MAX_MESSAGE_BYTES, ExecutorClient
+from scheduler_svc.grammar import LLGuidanceCompiler
 from scheduler_svc.http_api import HttpFront
 from scheduler_svc.http_extras import generation_defaults, parse_origins
 from scheduler_svc.metrics import Metrics
@@ -119,6 +120,7 @@ class SchedulerApp:
         enable_reflection(self.server, SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
         self.port = 0
         self.metrics: Metrics | None = None
+        self._grammars: tuple[tuple, LLGuidanceCompiler | None] | None = None  # kept across reconnects
         self._supervisor: asyncio.Task[None] | None = None
         self.tracer = StepTracer(config.step_trace_file)
         self.admin: grpc.aio.Server | None = None
@@ -225,6 +227,7 @@ class SchedulerApp:
             config.max_waiting_requests,
             config.step_timeout_s,
             (self.metrics, self.tracer),
+            self._grammar_compiler(config.tokenizer or hs.model_path, hs.model.vocab_size, sorted(eos)),
         )
         engine.start()
         info = pb.GetInfoResponse(
@@ -250,6 +253,22 @@ class SchedulerApp:
             hs.attention_backend,
         )
         return Ready(engine, limits, info, client, Controls(scheduler, hs))
+
+    def _grammar_compiler(self, folder: str, vocab_size: int, eos: list[int]) -> LLGuidanceCompiler | None:
+        """Structured output's compiler for this tokenizer and vocabulary, made once (its thread
+        pool and tokenizer outlive a reconnect to the same model); None when llguidance cannot
+        read the tokenizer (constrained requests are then refused, not served free)."""
+        key = (folder, vocab_size, tuple(eos))
+        if self._grammars is None or self._grammars[0] != key:
+            if self._grammars is not None and self._grammars[1] is not None:
+                self._grammars[1].close()
+            try:
+                compiler = LLGuidanceCompiler.from_folder(folder, vocab_size, eos)
+            except (OSError, ValueError) as exc:
+                log.warning("structured output unavailable: %s", exc)
+                compiler = None
+            self._grammars = (key, compiler)
+        return self._grammars[1]
 
     async def _supervise(self) -> None:
         """When the executor fails, go NOT_SERVING, wait for it to come back (a supervisor or

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from scheduler_svc.errors import InternalError, QueueFullError, ServingError, StepFailedError, UnavailableError
+from scheduler_svc.grammar import CompileTasks, GrammarCompiler, check_constrained
 from scheduler_svc.output import LiveRequest, RequestStream, StreamDelta
 from scheduler_svc.plan import StepPlan, StepResult, StepStats
 from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingParams
@@ -88,6 +89,7 @@ class Engine:
         max_waiting: int,
         step_timeout_s: float,
         observers: tuple[Observer, ...] = (),
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
@@ -102,6 +104,8 @@ class Engine:
         self.dead = asyncio.Event()  # set once the executor failed; this engine is then done
         self._task: asyncio.Task[None] | None = None
         self.observers = observers
+        # Structured output: constraints compile off the loop while prefill runs (grammar.py).
+        self.grammars = CompileTasks(grammars, lambda _: self._wake.set(), self._compile_failed)
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -118,6 +122,7 @@ class Engine:
             raise UnavailableError(f"not serving: {self._dead}")
         if len(self.scheduler.waiting) >= self.max_waiting:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests waiting; retry later")
+        check_constrained(sampling)
         request = Request(
             request_id=uuid.uuid4().hex,
             seq_id=next(self._seq_ids),
@@ -132,6 +137,7 @@ class Engine:
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_ids, sampling.stop, sampling.skip_special_tokens, sampling.include_stop_str_in_output
         )
+        self.grammars.start(request)  # before anything is queued: it may refuse
         self._live[request.request_id] = LiveRequest(request, stream, detok)
         self.scheduler.add_request(request)
         self._wake.set()
@@ -334,6 +340,12 @@ class Engine:
             if live is not None and (request_id not in plan.preempted or live.request.status is RequestStatus.SWAPPED):
                 self._end(live, StreamDelta(error=error), now)
 
+    def _compile_failed(self, request: Request, error: ServingError) -> None:
+        """A constraint that does not compile ends its request with the error (INVALID_ARGUMENT)."""
+        if (live := self._live.get(request.request_id)) is not None:
+            self._end(live, StreamDelta(error=error), time.monotonic())
+            self._wake.set()
+
     def fail(self, reason: str) -> None:
         """Declares the executor gone: every open stream ends with UNAVAILABLE, new requests
         are refused, and the loop stops (the app builds a fresh engine on reconnect)."""
@@ -374,6 +386,7 @@ class Engine:
         dropped), the observers are told, and the stream gets the delta."""
         reason = final.finish_reason or FinishReason.ABORTED
         del self._live[live.request.request_id]
+        self.grammars.cancel(live.request.request_id)
         self.scheduler.finish(live.request, reason)
         for observer in self.observers:
             observer.on_finish(live.request, reason, now)

@@ -44,6 +44,7 @@ def plan_to_proto(plan: StepPlan) -> epb.StepRequest:
                 block_ids=s.new_block_ids,
                 replace_block_table=s.replace_block_table,
                 sample=s.sample,
+                token_masks=[epb.TokenMask(position=m.position, bits=m.bits) for m in s.token_masks],
             )
             for s in plan.seqs
         ],

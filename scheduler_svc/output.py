@@ -74,7 +74,10 @@ class LiveRequest:
         token, reason = out.sampled.token_id, out.finish_reason
         # A token that stopped the request by id (EOS, stop id) contributes no text, unless the
         # request keeps its stop strings (vLLM's include_stop_str_in_output keeps that token's).
-        keep = reason is not FinishReason.STOP or self.request.sampling.include_stop_str_in_output
+        # A grammar that completes (structured output) ends on an ordinary token: its text stays.
+        params = self.request.sampling
+        by_id = reason is FinishReason.STOP and (token in params.stop_token_ids or token in self.request.eos_token_ids)
+        keep = not by_id or params.include_stop_str_in_output
         text = self.detok.add(token) if keep else ""
         if self.detok.matched_stop is not None:
             reason = FinishReason.STOP_SEQUENCE

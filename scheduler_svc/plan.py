@@ -14,6 +14,17 @@ from scheduler_svc.request import Request, SamplingParams
 
 
 @dataclass(slots=True)
+class TokenMask:
+    """Structured output: which tokens may be sampled at one position of an entry's chunk."""
+
+    # Index within the entry's new tokens (0 .. num_new_tokens - 1) whose logits it masks; the
+    # sampled position (the last) today, one row per draft position with speculative decoding.
+    position: int
+    # Packed bits: ceil(vocab_size / 32) little-endian 32-bit words, bit i = token i allowed.
+    bits: bytes
+
+
+@dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's work in a step."""
 
@@ -31,6 +42,8 @@ class ScheduledSeq:
     sample: bool
     # new_block_ids is the whole table (after a swap-in), not an append.
     replace_block_table: bool = False
+    # Structured output: mask rows by position, increasing (empty: unconstrained).
+    token_masks: list[TokenMask] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -42,6 +42,7 @@ class RequestQueues:
         if not self._dequeue(request):
             return
         self._release(request)
+        request.matcher = None  # its grammar state (structured output) goes with it
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]

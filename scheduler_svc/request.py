@@ -22,7 +22,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from scheduler_svc.structured import Constraint
+from scheduler_svc.structured import Constraint, GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -98,6 +98,9 @@ class Request:
     num_inflight_tokens: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    # A constrained request's grammar state (scheduler_svc/grammar.py): None until its
+    # constraint is compiled; it has consumed exactly the output tokens.
+    matcher: GrammarMatcher | None = None
     # Monotonic timestamps for the latency metrics (one clock: this process's).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

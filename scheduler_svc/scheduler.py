@@ -17,17 +17,20 @@ scheduling, engine.py). `update` then only fills in the sampled ids and caches f
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.budget import BudgetController
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.plan import NewSeq, Sampled, ScheduledSeq, StepPlan, StepResult, StepStats
+from scheduler_svc.plan import NewSeq, Sampled, ScheduledSeq, StepPlan, StepResult, StepStats, TokenMask
 from scheduler_svc.policy import Policy
 from scheduler_svc.queues import RequestQueues
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from scheduler_svc.snapshot import SchedulerSnapshot
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -152,7 +155,19 @@ class Scheduler(RequestQueues):
 
     def _is_decode(self, request: Request) -> bool:
         """One token to compute, and not ended by a token in flight (then it is skipped)."""
-        return request.num_remaining_tokens == 1 and not request.ends_by_length(self.max_model_len)
+        return (
+            request.num_remaining_tokens == 1
+            and not request.ends_by_length(self.max_model_len)
+            and not self._mask_pending(request)
+        )
+
+    @staticmethod
+    def _mask_pending(request: Request) -> bool:
+        """A constrained request whose next token's mask cannot be made yet: its grammar is
+        still compiling, or a step in flight samples the token the mask depends on (async
+        scheduling). It may compute all but its last known token (prefill goes on while the
+        grammar compiles); the step that samples waits (grammar.py)."""
+        return request.sampling.constraint is not None and (request.matcher is None or request.num_inflight_tokens > 0)
 
     def _schedule_running(self, plan: StepPlan, requests: list[Request], budget: int, decodes_after: int = 0) -> int:
         """Schedules running requests in the given order. No decode waits on a prefill: a chunk
@@ -173,6 +188,8 @@ class Scheduler(RequestQueues):
             if budget <= reserve or len(plan.seqs) + reserve >= self.config.max_num_seqs:
                 continue
             n = self._chunk(request, budget - reserve)
+            if n == 0:
+                continue  # its mask is pending: nothing to compute before it samples
             if n > 1:
                 # Shrink a chunk to the free blocks rather than preempt for it; with nothing
                 # free, preempt for one block's worth.
@@ -191,7 +208,9 @@ class Scheduler(RequestQueues):
                 break
             if request.num_inflight_tokens:
                 continue  # swapped out while a step computed it: resumes once its token is back
-            n = min(request.num_remaining_tokens, budget)
+            n = min(request.num_remaining_tokens - self._mask_pending(request), budget)
+            if n == 0:
+                continue
             if not self.pool.can_allocate(request, n):
                 break
             self.swapped.remove(request)
@@ -224,6 +243,9 @@ class Scheduler(RequestQueues):
             # The whole known sequence is matched against the prefix cache before chunking.
             request.num_computed_tokens = self.pool.match_prefix(request, request.cache_salt)
             n = self._chunk(request, budget)
+            if n == 0 or (whole and self._mask_pending(request)):  # admitted once it can sample
+                self._unmatch(request)
+                continue
             is_long = self._is_long(request)
             stop = whole and n < request.num_remaining_tokens
             if not whole and not stop:
@@ -256,9 +278,10 @@ class Scheduler(RequestQueues):
         request.num_computed_tokens = 0
 
     def _chunk(self, request: Request, budget: int) -> int:
-        """Tokens to compute for request within budget. With prefix caching a non-final chunk
-        ends on a block boundary, so every block it fills can be cached."""
-        n = min(request.num_remaining_tokens, budget)
+        """Tokens to compute for request within budget (all but the last while its mask is
+        pending). With prefix caching a non-final chunk ends on a block boundary, so every
+        block it fills can be cached."""
+        n = min(request.num_remaining_tokens - self._mask_pending(request), budget)
         if self.pool.enable_caching and n < request.num_remaining_tokens:
             bs = self.pool.block_size
             aligned = (request.num_computed_tokens + n) // bs * bs - request.num_computed_tokens
@@ -310,6 +333,8 @@ class Scheduler(RequestQueues):
                 sample=start + n == request.num_tokens,
             )
         )
+        if plan.seqs[-1].sample and request.matcher is not None:  # its grammar's mask for the sampled token
+            plan.seqs[-1].token_masks.append(TokenMask(n - 1, request.matcher.token_mask()))
         self.step_stats.requests.append(request)
         return plan.seqs[-1]
 
@@ -339,7 +364,21 @@ class Scheduler(RequestQueues):
             request.num_inflight_tokens -= 1
             request.output_token_ids.append(sampled.token_id)
             reason = request.stop_reason(sampled.token_id, self.max_model_len)
+            if request.matcher is not None:
+                reason = _advance_grammar(request, sampled.token_id, reason)
             outputs.append(TokenOutput(request, sampled, reason))
             if reason is not None:
                 self.finish(request, reason)
         return outputs
+
+
+def _advance_grammar(request: Request, token_id: int, reason: FinishReason | None) -> FinishReason | None:
+    """Feeds an output token to the request's matcher; a complete grammar ends the request
+    (STOP). The token was sampled under the matcher's own mask, so a refusal is a bug: it is
+    logged and the request ends rather than go on unconstrained."""
+    if not request.matcher.accept(token_id):
+        log.error("request %s: token %d refused by its grammar after masking", request.request_id, token_id)
+        return reason or FinishReason.STOP
+    if reason is None and request.matcher.is_stopped():
+        return FinishReason.STOP
+    return reason

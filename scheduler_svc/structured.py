@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Protocol
 
 # json_object: any JSON object (spec ""); json_schema: the schema as JSON text; regex: the
 # whole output matches it; choice: a JSON list of strings, the output is one of them;
@@ -80,3 +81,21 @@ def _check_choices(spec: str) -> None:
     for option in options:
         if not isinstance(option, str) or not option:
             raise ValueError(f"choice options must be non-empty strings, got {option!r}")
+
+
+class GrammarMatcher(Protocol):
+    """One request's grammar state (scheduler_svc/grammar.py has the llguidance one): the mask
+    of the next token, and the tokens output so far fed in order."""
+
+    def token_mask(self) -> bytes:
+        """The next token's packed mask: ceil(vocab_size / 32) little-endian 32-bit words,
+        bit i (word i // 32, bit i % 32) set when token i is allowed."""
+        ...
+
+    def accept(self, token_id: int) -> bool:
+        """Advances by an output token; False when the grammar does not allow it."""
+        ...
+
+    def is_stopped(self) -> bool:
+        """Whether the grammar is complete: no token but EOS can follow (the request ends)."""
+        ...

@@ -89,7 +89,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
-    __slots__ = ("seq_id", "num_computed_tokens", "num_new_tokens", "token_ids", "block_ids", "replace_block_table", "sample")
+    __slots__ = ("seq_id", "num_computed_tokens", "num_new_tokens", "token_ids", "block_ids", "replace_block_table", "sample", "token_masks")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class ScheduledSequence(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     REPLACE_BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_computed_tokens: int
     num_new_tokens: int
@@ -104,7 +105,16 @@ class ScheduledSequence(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     replace_block_table: bool
     sample: bool
-    def __init__(self, seq_id: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., replace_block_table: _Optional[bool] = ..., sample: _Optional[bool] = ...) -> None: ...
+    token_masks: _containers.RepeatedCompositeFieldContainer[TokenMask]
+    def __init__(self, seq_id: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., replace_block_table: _Optional[bool] = ..., sample: _Optional[bool] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ...) -> None: ...
+
+class TokenMask(_message.Message):
+    __slots__ = ("position", "bits")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    bits: bytes
+    def __init__(self, position: _Optional[int] = ..., bits: _Optional[bytes] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst")

@@ -1,0 +1,509 @@
+"""Structured output in the scheduler: the Constraint value and its checks, compiling with
+llguidance (byte-level tokenizer, a model vocabulary with padding past it), the scheduler's
+hold on a request whose mask is pending, and whole workloads through the Engine on a fake
+executor that samples only tokens the plan's mask row allows.
+
+The fake's token is a function of the sequence's history (read back from its simulated KV)
+and the mask, and the mask a function of the output so far, so the tokens of a constrained
+request may not depend on chunk size, chunking, preemption mode or async scheduling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from scheduler_svc.errors import InvalidRequestError
+from scheduler_svc.grammar import LLGuidanceCompiler, check_constrained
+from scheduler_svc.request import FinishReason, SamplingParams
+from scheduler_svc.structured import CONSTRAINT_KINDS, MAX_CHOICES, Constraint
+from scheduler_svc.validation import Limits, sampling_params
+
+BLOCK = 4
+
+
+def allowed_ids(bits: bytes, vocab: int) -> list[int]:
+    return [t for t in range(vocab) if bits[t >> 3] >> (t & 7) & 1]
+
+
+# ---- the Constraint value and the gRPC field ---------------------------------------------
+
+
+def test_constraint_make_accepts_every_kind_and_refuses_bad_specs():
+    assert set(CONSTRAINT_KINDS) == {"json_object", "json_schema", "regex", "choice", "grammar"}
+    assert Constraint.make("json_object") == Constraint("json_object", "")
+    assert Constraint.make("json_schema", '{"type": "object"}').spec == '{"type": "object"}'
+    assert Constraint.choices(["a", "b"]) == Constraint("choice", '["a", "b"]')
+    bad = [
+        ("xml", "<a/>", "unknown constraint kind"),
+        ("json_object", "{}", "takes no spec"),
+        ("regex", "", "spec is empty"),
+        ("grammar", "", "spec is empty"),
+        ("json_schema", "{", "not valid JSON"),
+        ("json_schema", "[1]", "must be a JSON object"),
+        ("choice", "[]", "non-empty list"),
+        ("choice", '["a", ""]', "non-empty strings"),
+        ("choice", '["a", 1]', "non-empty strings"),
+        ("choice", '"a"', "non-empty list"),
+        ("choice", json.dumps(["x"] * (MAX_CHOICES + 1)), "at most"),
+        ("regex", "a" * 70_000, "at most"),
+    ]
+    for kind, spec, message in bad:
+        with pytest.raises(ValueError, match=message):
+            Constraint.make(kind, spec)
+
+
+def _structured(**kind) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text="x", sampling=pb.SamplingParams(structured=pb.StructuredOutput(**kind)))
+
+
+def test_grpc_structured_maps_to_a_constraint_and_names_the_field():
+    limits = Limits(100, 300)
+    cases = {
+        "json_schema": (dict(json_schema='{"type": "integer"}'), Constraint("json_schema", '{"type": "integer"}')),
+        "json_object": (dict(json_object=True), Constraint("json_object", "")),
+        "regex": (dict(regex="[ab]+"), Constraint("regex", "[ab]+")),
+        "choice": (dict(choice=pb.ChoiceList(choices=["yes", "no"])), Constraint.choices(["yes", "no"])),
+        "grammar": (dict(grammar='start: "a"'), Constraint("grammar", 'start: "a"')),
+    }
+    for kind, (fields, expected) in cases.items():
+        assert sampling_params(_structured(**fields), 3, limits).constraint == expected, kind
+    assert sampling_params(pb.GenerateRequest(text="x"), 3, limits).constraint is None
+    for fields, message in [
+        (dict(), "names no constraint"),
+        (dict(json_object=False), "json_object must be true"),
+        (dict(json_schema="[]"), r"sampling\.structured\.json_schema must be a JSON object"),
+        (dict(regex=""), r"sampling\.structured\.regex: the spec is empty"),
+        (dict(choice=pb.ChoiceList()), r"sampling\.structured\.choice must be a non-empty list"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=message):
+            sampling_params(_structured(**fields), 3, limits)
+
+
+def test_a_constraint_refuses_ignore_eos_and_min_tokens():
+    c = Constraint.make("regex", "a+")
+    check_constrained(SamplingParams(constraint=c))
+    check_constrained(SamplingParams(ignore_eos=True, min_tokens=3))  # no constraint: fine
+    with pytest.raises(InvalidRequestError, match="ignore_eos"):
+        check_constrained(SamplingParams(constraint=c, ignore_eos=True))
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        check_constrained(SamplingParams(constraint=c, min_tokens=2))
+
+
+# ---- llguidance ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def compiler(byte_tokenizer_dir, fakes):
+    """llguidance on the byte tokenizer (257 ids) with the fake model's 300-id vocabulary:
+    ids 257..299 are the model's padding."""
+    c = LLGuidanceCompiler.from_folder(byte_tokenizer_dir, fakes.VOCAB, [fakes.EOS])
+    yield c
+    c.close()
+
+
+def test_masks_are_packed_rows_that_never_allow_padding_and_allow_eos_only_when_complete(compiler, fakes):
+    m = compiler.compile_now(Constraint.make("regex", "ab[0-9]{1,2}"))
+    row = m.token_mask()
+    assert len(row) == 4 * ((fakes.VOCAB + 31) // 32)  # 10 int32 words
+    assert allowed_ids(row, fakes.VOCAB) == [ord("a")]
+    for t in b"ab":
+        assert m.accept(t)
+    assert allowed_ids(m.token_mask(), fakes.VOCAB) == list(range(ord("0"), ord("9") + 1))
+    assert m.accept(ord("7")) and not m.is_stopped()
+    after = allowed_ids(m.token_mask(), fakes.VOCAB)
+    assert fakes.EOS in after and max(after) == fakes.EOS  # EOS now; padding ids 257.. never
+    assert m.accept(ord("1")) and m.is_stopped()
+    assert allowed_ids(m.token_mask(), fakes.VOCAB) == [fakes.EOS]
+    assert not m.accept(ord("x"))  # refused once complete
+
+
+def test_every_kind_compiles_and_bad_ones_say_why(compiler, fakes):
+    good = [
+        Constraint.make("json_object"),
+        Constraint.make("json_schema", json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}})),
+        Constraint.make("regex", "[a-c]+"),
+        Constraint.choices(["yes", "no"]),
+        Constraint.make("grammar", 'start: "x" item*\nitem: "y" | "z"'),
+    ]
+    for c in good:
+        assert allowed_ids(compiler.compile_now(c).token_mask(), fakes.VOCAB), c
+    for c, message in [
+        (Constraint.make("regex", "[a-"), "regex"),
+        (Constraint.make("grammar", "start: nothing"), "nothing"),
+        (Constraint.make("json_schema", '{"type": "frobnicate"}'), "frobnicate"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            compiler.compile_now(c)
+
+
+def test_a_compiled_constraint_is_reused_but_each_request_gets_its_own_state(compiler):
+    c = Constraint.choices(["ab", "ac"])
+    first, second = compiler.compile_now(c), compiler.compile_now(c)
+    assert first.accept(ord("a")) and first.accept(ord("b")) and first.is_stopped()
+    assert not second.is_stopped() and second.accept(ord("a")) and second.accept(ord("c"))
+
+
+# ---- the scheduler's hold on a pending mask ----------------------------------------------
+
+
+class _Masking:
+    """Mixed into the conftest FakeExecutor: samples only what an entry's mask row allows
+    (the fake's own choice when allowed, else one picked by the history), and checks that an
+    entry of a constrained sequence that samples has exactly one row, at its last position."""
+
+    vocab = 300
+
+    def execute(self, plan):
+        for new in plan.new_seqs:
+            self.constrained[new.seq_id] = new.sampling.constraint is not None
+        self._rows = []
+        for s in plan.seqs:
+            assert not s.token_masks or s.sample, "a mask on an entry that does not sample"
+            if s.sample:
+                assert bool(s.token_masks) == self.constrained[s.seq_id], "mask missing or unasked"
+                if s.token_masks:
+                    assert [m.position for m in s.token_masks] == [s.num_new_tokens - 1]
+                self._rows.append(s.token_masks[0].bits if s.token_masks else None)
+        self._rows.reverse()
+        return super().execute(plan)
+
+    def next_token(self, history):
+        token = super().next_token(history)
+        row = self._rows.pop()
+        if row is None:
+            return token
+        allowed = allowed_ids(row, self.vocab)
+        assert allowed, "a mask that allows nothing"
+        return token if token in allowed else allowed[sum(history) % len(allowed)]
+
+
+def masking_fake(fakes, *args, **kwargs):
+    cls = type("MaskingFake", (_Masking, fakes.FakeExecutor), {})
+    fake = cls(*args, **kwargs)
+    fake.constrained = {}
+    return fake
+
+
+def test_prefill_runs_while_the_grammar_compiles_and_only_the_sampling_step_waits(fakes, compiler):
+    sched = fakes.make_scheduler(num_blocks=64, block_size=BLOCK, max_num_batched_tokens=8)
+    fake = masking_fake(fakes, 64, BLOCK)
+    constraint = Constraint.choices(["yes", "no"])
+    req = fakes.make_request(1, 30, max_tokens=8, constraint=constraint)
+    free = fakes.make_request(2, 3, max_tokens=3)
+    sched.add_request(req)
+    sched.add_request(free)
+    while sched.has_work() and (plan := sched.schedule()).seqs:
+        assert all(not s.sample for s in plan.seqs if s.seq_id == 1), "sampled before its grammar was ready"
+        sched.update(plan, fake.execute(plan))
+    assert req.num_computed_tokens == 29 and req.num_output_tokens == 0  # all but the last prompt token
+    assert free.is_finished and free.num_output_tokens == 3  # others were not held up
+    req.matcher = compiler.compile_now(constraint)  # the compile finished (on the event loop)
+    outputs = fakes.run_to_completion(sched, fake)
+    text = bytes(t for t in outputs["r1"] if t < 256).decode()
+    assert text in ("yes", "no") and req.finish_reason is FinishReason.STOP
+    assert sched.pool.num_free_blocks == 64
+
+
+# ---- whole workloads through the Engine --------------------------------------------------
+
+
+class GatedCompiler:
+    """llguidance behind a gate the test opens: readiness without timing."""
+
+    def __init__(self, inner: LLGuidanceCompiler, open_: bool = True) -> None:
+        self.inner, self.gate, self.calls = inner, asyncio.Event(), 0
+        if open_:
+            self.gate.set()
+
+    async def compile(self, constraint):
+        self.calls += 1
+        await self.gate.wait()
+        return self.inner.compile_now(constraint)
+
+
+def run_constrained(fakes, tokenizer_dir, work, *, fake, compiler, gate_open=True, between=None, **cfg):
+    """Runs work items (prompt, max_tokens, constraint or None, abort after k deltas or None)
+    through an Engine on `fake`; returns the engine and per item (tokens, text, finish reason,
+    error code or None) once all ended and nothing is left on the fake. `between(engine,
+    gated)` runs once every request is queued (the gate closed unless gate_open)."""
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.tokenizer import Tokenizer as ServingTokenizer
+
+    async def main():
+        sched = fakes.make_scheduler(
+            num_blocks=fake.num_blocks, block_size=fake.block_size, num_host_blocks=fake.num_host_blocks, **cfg
+        )
+        gated = GatedCompiler(compiler, gate_open)
+        engine = Engine(sched, fake, ServingTokenizer(tokenizer_dir), frozenset({256}), 100, 5.0, grammars=gated)
+        engine.start()
+
+        async def one(stream, abort_after):
+            deltas = []
+            while True:
+                d = await stream.queue.get()
+                deltas.append(d)
+                if d.finished or d.error:
+                    break
+                if abort_after is not None and len(deltas) >= abort_after:
+                    engine.abort(stream.request_id)
+            tokens = [t for d in deltas for t in d.token_ids]
+            error = None if deltas[-1].error is None else deltas[-1].error.code
+            return tokens, "".join(d.text for d in deltas), deltas[-1].finish_reason, error
+
+        streams = [
+            engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=m, constraint=c)) for p, m, c, _ in work
+        ]
+        tasks = [asyncio.ensure_future(one(s, w[3])) for s, w in zip(streams, work)]
+        if between is not None:
+            await between(engine, gated)
+        gated.gate.set()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 60)  # only a hung stream waits that long
+        for _ in range(10_000):  # the last drops travel with one more step
+            if not sched.has_work() and not fake.seqs and not fake.in_flight:
+                break
+            await asyncio.sleep(0.001)
+        await engine.stop()
+        assert engine.grammars.pending == 0
+        return engine, results
+
+    return asyncio.run(main())
+
+
+def _matches(constraint: Constraint, text: str) -> bool:
+    if constraint.kind == "choice":
+        return text in json.loads(constraint.spec)
+    if constraint.kind == "regex":
+        return re.fullmatch(constraint.spec, text) is not None
+    if constraint.kind in ("json_schema", "json_object"):
+        import jsonschema
+
+        value = json.loads(text)
+        schema = json.loads(constraint.spec) if constraint.spec else {"type": "object"}
+        jsonschema.validate(value, schema)
+        return True
+    raise AssertionError(constraint.kind)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer"}, "tag": {"enum": ["x", "yz"]}, "ok": {"type": "boolean"}},
+    "required": ["id", "tag", "ok"],
+    "additionalProperties": False,
+}
+CONSTRAINTS = [
+    Constraint.choices(["alpha", "beta", "gamma"]),
+    Constraint.make("regex", "[a-c]{2,4}-[0-9]{1,3}"),
+    Constraint.make("json_schema", json.dumps(SCHEMA)),
+    None,  # an unconstrained request shares the batch
+    Constraint.make("grammar", 'start: "(" item ("," item)? ("," item)? ")"\nitem: "a" | "bb"'),
+]
+
+
+def _work(n: int = 10):
+    return [
+        ([(i * 37 + j * 11) % 200 + 20 for j in range(5 + 7 * i % 23)], 48, CONSTRAINTS[i % len(CONSTRAINTS)], None)
+        for i in range(n)
+    ]
+
+
+def _check_valid(work, results):
+    for (_, _, constraint, _), (_tokens, text, reason, error) in zip(work, results):
+        assert error is None
+        if constraint is not None:
+            assert reason is FinishReason.STOP, (constraint, text)
+            if constraint.kind == "grammar":
+                assert re.fullmatch(r"\((a|bb)(,(a|bb)){0,2}\)", text), text
+            else:
+                assert _matches(constraint, text), (constraint, text)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(max_num_batched_tokens=8),
+        dict(max_num_batched_tokens=16, enable_prefix_caching=True),
+        dict(max_num_batched_tokens=64, enable_chunked_prefill=False),
+        dict(max_num_batched_tokens=8, async_scheduling=True),
+        dict(max_num_batched_tokens=64, async_scheduling=True, enable_chunked_prefill=False),
+    ],
+    ids=["chunk8", "chunk16-cache", "whole", "chunk8-async", "whole-async"],
+)
+def test_constrained_greedy_tokens_do_not_depend_on_chunking_caching_or_async(fakes, byte_tokenizer_dir, compiler, cfg):
+    """The same constrained greedy tokens whatever the chunk size, chunking, prefix caching
+    or async scheduling, and every one valid; compiles were held back (gate closed) until
+    every request was queued and its prefill under way."""
+    work = _work()
+    _, reference = run_constrained(
+        fakes, byte_tokenizer_dir, work, fake=masking_fake(fakes, 96, BLOCK), compiler=compiler
+    )
+    _check_valid(work, reference)
+    fake = masking_fake(fakes, 96, BLOCK)
+
+    async def prefill_first(engine, gated):
+        # Steps run while every compile waits: prefill but no constrained sample.
+        for _ in range(10_000):
+            if not engine.scheduler.waiting and fake.plans and not fake.in_flight:
+                break
+            await asyncio.sleep(0.001)
+        assert gated.calls == sum(c is not None for _, _, c, _ in work)
+
+    engine, results = run_constrained(
+        fakes, byte_tokenizer_dir, work, fake=fake, compiler=compiler, gate_open=False, between=prefill_first, **cfg
+    )
+    assert results == reference
+    assert engine.scheduler.pool.num_free_blocks == 96 and not engine.scheduler.requests
+    if cfg.get("async_scheduling"):
+        assert fake.max_in_flight == 2
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_the_matcher_right(fakes, byte_tokenizer_dir, compiler, mode):
+    """A pool so small that requests are preempted mid-output (recompute re-prefills the
+    tokens already output, which the matcher has consumed; swap keeps them): the same tokens
+    as an unpressed run, each output valid, nothing leaked."""
+    work = _work(8)
+    _, reference = run_constrained(
+        fakes, byte_tokenizer_dir, work, fake=masking_fake(fakes, 96, BLOCK), compiler=compiler
+    )
+    for async_scheduling in (False, True):
+        fake = masking_fake(fakes, 24, BLOCK, num_host_blocks=64)
+        engine, results = run_constrained(
+            fakes,
+            byte_tokenizer_dir,
+            work,
+            fake=fake,
+            compiler=compiler,
+            preemption_mode=mode,
+            max_num_batched_tokens=16,
+            async_scheduling=async_scheduling,
+        )
+        assert sum(len(p.preempted) for p in fake.plans) > 0, "no preemption happened"
+        if mode == "swap":
+            assert any(p.swap_out for p in fake.plans)
+        assert results == reference
+        assert engine.scheduler.pool.num_free_blocks == 24 and engine.scheduler.host_pool.num_free_blocks == 64
+
+
+def test_a_constraint_that_does_not_compile_ends_its_request_mid_prefill(fakes, byte_tokenizer_dir, compiler):
+    """INVALID_ARGUMENT for the request whose grammar fails (its prefill already began, its
+    blocks freed), the others unaffected."""
+    bad = Constraint.make("grammar", "start: undefined_rule")
+    work = [(list(range(20, 60)), 8, bad, None), (list(range(60, 70)), 8, Constraint.choices(["ok"]), None)]
+    fake = masking_fake(fakes, 64, BLOCK)
+
+    async def prefill_first(engine, gated):
+        for _ in range(10_000):
+            if fake.plans and any(s.seq_id == 1 for p in fake.plans for s in p.seqs) and not fake.in_flight:
+                break
+            await asyncio.sleep(0.001)
+
+    engine, results = run_constrained(
+        fakes,
+        byte_tokenizer_dir,
+        work,
+        fake=fake,
+        compiler=compiler,
+        gate_open=False,
+        between=prefill_first,
+        max_num_batched_tokens=8,
+    )
+    import grpc
+
+    assert results[0][3] == grpc.StatusCode.INVALID_ARGUMENT and results[0][0] == []
+    assert results[1][1] == "ok" and results[1][2] is FinishReason.STOP
+    assert engine.scheduler.pool.num_free_blocks == 64 and not fake.seqs
+
+
+def test_abort_while_compiling_releases_everything(fakes, byte_tokenizer_dir, compiler):
+    fake = masking_fake(fakes, 64, BLOCK)
+    work = [(list(range(20, 50)), 8, Constraint.choices(["yes"]), None), (list(range(50, 55)), 4, None, None)]
+
+    async def abort_first(engine, gated):
+        request_id = next(iter(engine.scheduler.requests))
+        for _ in range(10_000):  # its prefill under way
+            if any(s.seq_id == 1 for p in fake.plans for s in p.seqs) and not fake.in_flight:
+                break
+            await asyncio.sleep(0.001)
+        assert engine.grammars.pending == 1
+        assert engine.abort(request_id)
+        assert engine.grammars.pending == 0
+
+    engine, results = run_constrained(
+        fakes,
+        byte_tokenizer_dir,
+        work,
+        fake=fake,
+        compiler=compiler,
+        gate_open=False,
+        between=abort_first,
+        max_num_batched_tokens=8,
+    )
+    assert results[0][2] is FinishReason.ABORTED and results[0][0] == []
+    assert results[1][2] is FinishReason.LENGTH
+    assert engine.scheduler.pool.num_free_blocks == 64 and not fake.seqs
+
+
+def test_no_compiler_refuses_constrained_requests(fakes, byte_tokenizer_dir):
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.tokenizer import Tokenizer as ServingTokenizer
+
+    async def main():
+        sched = fakes.make_scheduler()
+        engine = Engine(sched, None, ServingTokenizer(byte_tokenizer_dir), frozenset({256}), 10, 5.0)
+        with pytest.raises(InvalidRequestError, match="not available"):
+            engine.add_request([1, 2], SamplingParams(constraint=Constraint.choices(["a"])))
+        with pytest.raises(InvalidRequestError, match="ignore_eos"):
+            engine.add_request([1, 2], SamplingParams(constraint=Constraint.choices(["a"]), ignore_eos=True))
+        assert not sched.requests
+
+    asyncio.run(main())
+
+
+_alnum = st.text(alphabet="abcxyz019-", min_size=1, max_size=6)
+_regexes = st.sampled_from(
+    ["[a-c]{1,5}", "(yes|no|maybe)", "[0-9]{1,3}(\\.[0-9]{1,2})?", "(foo|bar)-[xyz]{3}", "a(b|cd)?e{0,3}"]
+)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    data=st.data(),
+    n=st.integers(1, 6),
+    async_scheduling=st.booleans(),
+    budget=st.sampled_from([4, 8, 32]),
+    eos_after=st.sampled_from([None, 12, 30]),
+)
+def test_every_finished_constrained_output_matches(
+    fakes, byte_tokenizer_dir, compiler, data, n, async_scheduling, budget, eos_after
+):
+    """Random choice lists and regexes, random prompts, budgets and EOS pressure from the
+    fake: every request ends STOP with text matching its constraint."""
+    work = []
+    for i in range(n):
+        if data.draw(st.booleans(), label="is_choice"):
+            constraint = Constraint.choices(data.draw(st.lists(_alnum, min_size=1, max_size=5), label="choices"))
+        else:
+            constraint = Constraint.make("regex", data.draw(_regexes, label="regex"))
+        prompt = [(i * 31 + j * 7) % 200 + 20 for j in range(data.draw(st.integers(1, 20), label="prompt_len"))]
+        work.append((prompt, 24, constraint, None))
+    fake = masking_fake(fakes, 64, BLOCK, eos_after=eos_after)
+    engine, results = run_constrained(
+        fakes,
+        byte_tokenizer_dir,
+        work,
+        fake=fake,
+        compiler=compiler,
+        max_num_batched_tokens=budget,
+        async_scheduling=async_scheduling,
+    )
+    _check_valid(work, results)
+    assert engine.scheduler.pool.num_free_blocks == 64
