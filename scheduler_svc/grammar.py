@@ -59,15 +59,18 @@ class GrammarCompiler(Protocol):
 class LLGuidanceMatcher:
     """A GrammarMatcher over one llguidance LLMatcher (one request's state)."""
 
-    __slots__ = ("_m",)
+    __slots__ = ("_m", "_row_bytes")
 
-    def __init__(self, matcher: object) -> None:
+    def __init__(self, matcher: object, vocab_size: int) -> None:
         self._m = matcher
+        self._row_bytes = 4 * ((vocab_size + 31) // 32)
 
     def token_mask(self) -> bytes:
         """The next token's packed mask: ceil(vocab / 32) little-endian int32 words, bit i = token
-        i allowed (EOS only where the grammar accepts; the model's padding ids never)."""
-        return self._m.compute_bitmask()
+        i allowed (EOS only where the grammar accepts; the model's padding ids never).
+        llguidance writes vocab // 32 + 1 words, one too many when 32 divides the vocabulary
+        (always zero): cut to the plan's row length."""
+        return self._m.compute_bitmask()[: self._row_bytes]
 
     def accept(self, token_id: int) -> bool:
         return self._m.consume_token(token_id)
@@ -90,6 +93,7 @@ class LLGuidanceCompiler:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[Constraint, object] = OrderedDict()
+        self.vocab_size = vocab_size
         self._tokenizer: Future = self._pool.submit(_llg_tokenizer, tokenizer_json, vocab_size, list(eos_token_ids))
 
     @staticmethod
@@ -107,7 +111,7 @@ class LLGuidanceCompiler:
             cached = self._cache.get(constraint)
             if cached is not None:
                 self._cache.move_to_end(constraint)
-                return LLGuidanceMatcher(cached.deep_copy())
+                return LLGuidanceMatcher(cached.deep_copy(), self.vocab_size)
         try:
             tokenizer = self._tokenizer.result()
         except Exception as exc:
@@ -121,7 +125,7 @@ class LLGuidanceCompiler:
             self._cache[constraint] = matcher
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return LLGuidanceMatcher(matcher.deep_copy())
+        return LLGuidanceMatcher(matcher.deep_copy(), self.vocab_size)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

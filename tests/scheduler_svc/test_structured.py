@@ -143,6 +143,16 @@ def test_every_kind_compiles_and_bad_ones_say_why(compiler, fakes):
             compiler.compile_now(c)
 
 
+def test_rows_have_the_plan_length_when_32_divides_the_vocabulary(byte_tokenizer_dir):
+    """llguidance writes one word too many then; the row is cut to ceil(vocab / 32) words."""
+    c = LLGuidanceCompiler.from_folder(byte_tokenizer_dir, 288, [256])
+    try:
+        row = c.compile_now(Constraint.make("regex", "[ab]")).token_mask()
+        assert len(row) == 4 * 9 and allowed_ids(row, 288) == [ord("a"), ord("b")]
+    finally:
+        c.close()
+
+
 def test_a_compiled_constraint_is_reused_but_each_request_gets_its_own_state(compiler):
     c = Constraint.choices(["ab", "ac"])
     first, second = compiler.compile_now(c), compiler.compile_now(c)
