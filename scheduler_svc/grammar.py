@@ -55,6 +55,11 @@ class GrammarCompiler(Protocol):
         """A fresh matcher for the constraint; raises ValueError when it does not compile."""
         ...
 
+    def cached(self, constraint: Constraint) -> GrammarMatcher | None:
+        """A fresh matcher at once when this constraint was compiled before (no wait, no
+        thread hop: the request can sample in its first step), else None."""
+        ...
+
 
 class LLGuidanceMatcher:
     """A GrammarMatcher over one llguidance LLMatcher (one request's state)."""
@@ -103,15 +108,20 @@ class LLGuidanceCompiler:
     async def compile(self, constraint: Constraint) -> GrammarMatcher:
         return await asyncio.wrap_future(self._pool.submit(self.compile_now, constraint))
 
+    def cached(self, constraint: Constraint) -> LLGuidanceMatcher | None:
+        with self._lock:
+            compiled = self._cache.get(constraint)
+            if compiled is None:
+                return None
+            self._cache.move_to_end(constraint)
+        return LLGuidanceMatcher(compiled.deep_copy(), self.vocab_size)
+
     def compile_now(self, constraint: Constraint) -> LLGuidanceMatcher:
         """Compiles on the calling thread (the pool's, or a test's); ValueError when it fails."""
         import llguidance as llg
 
-        with self._lock:
-            cached = self._cache.get(constraint)
-            if cached is not None:
-                self._cache.move_to_end(constraint)
-                return LLGuidanceMatcher(cached.deep_copy(), self.vocab_size)
+        if (matcher := self.cached(constraint)) is not None:
+            return matcher
         try:
             tokenizer = self._tokenizer.result()
         except Exception as exc:
@@ -190,6 +200,9 @@ class CompileTasks:
             return
         if self.compiler is None:
             raise InvalidRequestError("structured output is not available with this model's tokenizer")
+        if (matcher := self.compiler.cached(constraint)) is not None:
+            request.matcher = matcher  # compiled before: ready for its first step
+            return
         task = asyncio.get_running_loop().create_task(self._compile(request, constraint))
         self._tasks[request.request_id] = task
 

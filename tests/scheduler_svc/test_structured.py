@@ -155,7 +155,8 @@ def test_rows_have_the_plan_length_when_32_divides_the_vocabulary(byte_tokenizer
 
 def test_a_compiled_constraint_is_reused_but_each_request_gets_its_own_state(compiler):
     c = Constraint.choices(["ab", "ac"])
-    first, second = compiler.compile_now(c), compiler.compile_now(c)
+    assert compiler.cached(c) is None
+    first, second = compiler.compile_now(c), compiler.cached(c)
     assert first.accept(ord("a")) and first.accept(ord("b")) and first.is_stopped()
     assert not second.is_stopped() and second.accept(ord("a")) and second.accept(ord("c"))
 
@@ -228,7 +229,7 @@ class GatedCompiler:
     """llguidance behind a gate the test opens: readiness without timing."""
 
     def __init__(self, inner: LLGuidanceCompiler, open_: bool = True) -> None:
-        self.inner, self.gate, self.calls = inner, asyncio.Event(), 0
+        self.inner, self.gate, self.calls, self.use_cache = inner, asyncio.Event(), 0, False
         if open_:
             self.gate.set()
 
@@ -237,8 +238,13 @@ class GatedCompiler:
         await self.gate.wait()
         return self.inner.compile_now(constraint)
 
+    def cached(self, constraint):
+        return self.inner.cached(constraint) if self.use_cache else None
 
-def run_constrained(fakes, tokenizer_dir, work, *, fake, compiler, gate_open=True, between=None, **cfg):
+
+def run_constrained(
+    fakes, tokenizer_dir, work, *, fake, compiler, gate_open=True, between=None, use_cache=False, **cfg
+):
     """Runs work items (prompt, max_tokens, constraint or None, abort after k deltas or None)
     through an Engine on `fake`; returns the engine and per item (tokens, text, finish reason,
     error code or None) once all ended and nothing is left on the fake. `between(engine,
@@ -251,6 +257,7 @@ def run_constrained(fakes, tokenizer_dir, work, *, fake, compiler, gate_open=Tru
             num_blocks=fake.num_blocks, block_size=fake.block_size, num_host_blocks=fake.num_host_blocks, **cfg
         )
         gated = GatedCompiler(compiler, gate_open)
+        gated.use_cache = use_cache
         engine = Engine(sched, fake, ServingTokenizer(tokenizer_dir), frozenset({256}), 100, 5.0, grammars=gated)
         engine.start()
 
@@ -517,3 +524,18 @@ def test_every_finished_constrained_output_matches(
     )
     _check_valid(work, results)
     assert engine.scheduler.pool.num_free_blocks == 64
+
+
+def test_a_constraint_compiled_before_samples_in_the_first_step(fakes, byte_tokenizer_dir, compiler):
+    """A cached constraint is ready at admission: no compile, no held-back token, the whole
+    prompt and its first sample in one step (the compile is not even started)."""
+    constraint = Constraint.choices(["yes", "no"])
+    compiler.compile_now(constraint)
+    fake = masking_fake(fakes, 64, BLOCK)
+    work = [(list(range(30, 40)), 8, constraint, None)]
+    engine, results = run_constrained(
+        fakes, byte_tokenizer_dir, work, fake=fake, compiler=compiler, gate_open=False, use_cache=True
+    )
+    first = next(s for p in fake.plans for s in p.seqs)
+    assert first.num_new_tokens == 10 and first.sample and first.token_masks
+    assert results[0][1] in ("yes", "no")
