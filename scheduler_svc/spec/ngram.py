@@ -52,24 +52,32 @@ class NgramProposer:
         if state is None:
             state = _NgramState(list(req.prompt_token_ids), [{} for _ in range(self.min_n, self.max_n + 1)])
             self._states[req.request_id] = state
-            self._index(state)
         return state
 
-    def _index(self, state: _NgramState) -> None:
-        """Indexes every n-gram that ends before the last token (so has a token after it)."""
+    def _index(self, state: _NgramState, budget: int | None = None) -> None:
+        """Indexes the n-grams that end before the last token (so have a token after it): all
+        of them, or those of the next `budget` ends."""
         tokens, min_n = state.tokens, self.min_n
-        for end in range(state.indexed + 1, len(tokens)):
+        stop = len(tokens) if budget is None else min(len(tokens), state.indexed + 1 + budget)
+        for end in range(state.indexed + 1, stop):
             for i, table in enumerate(state.index):
                 n = min_n + i
                 if n > end:
                     break
                 table[tuple(tokens[end - n : end])] = end  # a later end replaces an earlier one
-        state.indexed = max(state.indexed, len(tokens) - 1)
+        state.indexed = max(state.indexed, stop - 1)
+
+    def prepare(self, req: SpecRequest, budget: int) -> int:
+        """Indexes up to `budget` more prompt tokens; returns how many are left."""
+        state = self._state(req)
+        self._index(state, budget)
+        return max(0, len(state.tokens) - 1 - state.indexed)
 
     def propose(self, req: SpecRequest, k: int) -> list[int]:
         if k <= 0:
             return []
         state = self._state(req)
+        self._index(state)
         tokens = state.tokens
         length = len(tokens)
         for i in range(len(state.index) - 1, -1, -1):

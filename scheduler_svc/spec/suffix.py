@@ -26,15 +26,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from scheduler_svc.spec.proposer import SpecRequest
-from scheduler_svc.spec.suffix_tree import Cursor, SuffixTrie
+from scheduler_svc.spec.suffix_tree import SuffixTrie
 
 
 @dataclass(slots=True)
 class _RequestState:
     trie: SuffixTrie
-    tokens: list[int]
+    tokens: list[int]  # indexed so far
     num_prompt: int
-    active: list[Cursor] = field(default_factory=list)  # oldest first: pattern lengths descending
+    pending: list[int]  # prompt tokens not indexed yet (see prepare)
+    # cursors (suffix_tree.py), oldest first: active[i] ends a pattern of len(active) - i tokens
+    active: list[int] = field(default_factory=list)
+    # the last corpus lookup: longest match, at which length, at which corpus version
+    corpus_m: int = 0
+    corpus_at: int = 0
+    corpus_version: int = -1
 
 
 class SuffixProposer:
@@ -63,6 +69,7 @@ class SuffixProposer:
         # id(tokens) -> tokens, least recently used first; the trie's compressed nodes read them
         self._docs: OrderedDict[int, list[int]] = OrderedDict()
         self.corpus_tokens = 0
+        self._version = 0  # outputs added so far (a lookup's bound holds until the next)
         self._states: dict[str, _RequestState] = {}
         self._orders: dict[int, list[tuple[int, int]]] = {}
 
@@ -79,23 +86,39 @@ class SuffixProposer:
     def _state(self, req: SpecRequest) -> _RequestState:
         state = self._states.get(req.request_id)
         if state is None:
-            state = _RequestState(SuffixTrie(self.max_depth), [], len(req.prompt_token_ids))
+            prompt = list(req.prompt_token_ids)
+            state = _RequestState(SuffixTrie(self.max_depth), [], len(prompt), prompt[::-1])
             self._states[req.request_id] = state
-            self._extend(state, req.prompt_token_ids)
         return state
+
+    def _ready(self, req: SpecRequest) -> _RequestState:
+        """The request's state with its whole prompt indexed."""
+        state = self._state(req)
+        if state.pending:
+            self.prepare(req, len(state.pending))
+        return state
+
+    def prepare(self, req: SpecRequest, budget: int) -> int:
+        """Indexes up to `budget` more prompt tokens; returns how many are left."""
+        state = self._state(req)
+        pending, seq, trie = state.pending, state.tokens, state.trie
+        for _ in range(min(budget, len(pending))):
+            seq.append(pending.pop())
+            trie.append(state.active, seq, len(seq) - 1)
+        return len(pending)
 
     def _extend(self, state: _RequestState, tokens: Sequence[int]) -> None:
         seq, trie = state.tokens, state.trie
         for t in tokens:
             seq.append(t)
-            state.active = trie.append(state.active, seq, len(seq) - 1)
+            trie.append(state.active, seq, len(seq) - 1)
 
     def on_tokens(self, req: SpecRequest, new_tokens: Sequence[int]) -> None:
-        self._extend(self._state(req), new_tokens)
+        self._extend(self._ready(req), new_tokens)
 
     def on_finish(self, req: SpecRequest) -> None:
         state = self._states.pop(req.request_id, None)
-        if state is None or self.max_cached_requests == 0 or self.max_cached_tokens == 0:
+        if state is None or state.pending or self.max_cached_requests == 0 or self.max_cached_tokens == 0:
             return
         output = state.tokens[state.num_prompt :][-self.max_cached_tokens :]
         if output:
@@ -107,6 +130,7 @@ class SuffixProposer:
         """Indexes a finished output in the global trie, evicting LRU outputs over the bounds."""
         doc = list(tokens)
         self.corpus.insert(doc)
+        self._version += 1
         self._docs[id(doc)] = doc
         self.corpus_tokens += len(doc)
         while self._docs and (
@@ -131,38 +155,56 @@ class SuffixProposer:
             order = self._orders[k] = sorted((b for b in bounds if b[0] >= 1), key=lambda b: (-b[0], -b[1]))
         return order
 
-    def _corpus_match(self, seq: list[int], longest: int) -> int:
-        """The longest m <= longest such that seq's last m tokens occur in the corpus trie
-        (occurrence is monotone in m: a suffix of an occurring string occurs)."""
-        lo, hi, n = 0, longest, len(seq)
+    def _corpus_match(self, state: _RequestState, first_m: int) -> int:
+        """The longest m (< max_depth) such that the request's last m tokens occur in the
+        corpus trie, by bisection: occurrence is monotone in m (a suffix of an occurring
+        string occurs). Unless an output was added since the last lookup, the answer is at
+        most the last one plus the tokens appended since (its prefix occurred then)."""
+        seq = state.tokens
+        n = len(seq)
+        hi = min(first_m, self.max_depth - 1)
+        if state.corpus_version == self._version:
+            hi = min(hi, state.corpus_m + n - state.corpus_at)
+        lo = 0
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self.corpus.walk(seq, n - mid, n) is None:
                 hi = mid - 1
             else:
                 lo = mid
+        state.corpus_m, state.corpus_at, state.corpus_version = lo, n, self._version
         return lo
 
     def propose(self, req: SpecRequest, k: int) -> list[int]:
         if k <= 0:
             return []
-        state = self._state(req)
+        state = self._ready(req)
         seq, trie, active = state.tokens, state.trie, state.active
         n = len(seq)
-        # active[i] is the suffix of length n - s: pattern lengths len(active) .. 1
-        first_m = n - active[0][1] if active else 0
-        corpus_m = self._corpus_match(seq, min(first_m, self.max_depth - 1)) if self._docs else 0
+        first_m = len(active)  # active[i] ends with the last first_m - i tokens
+        # The longest m whose pattern occurred before: its node branches. A compressed node
+        # would be this occurrence alone, and then so would every longer pattern.
+        req_m = 0
+        for i in range(first_m - 1, -1, -1):
+            if trie.pos[trie.resolve_cursor(active, i, seq)] >= 0:
+                break
+            req_m = first_m - i
+        corpus_m = -1  # looked up only if the request's own text leaves room to beat
         best: list[int] = []
         best_score, best_seq = 0.0, None
         for bound, m in self._order(k):
             if bound <= best_score:
                 break
-            if m <= first_m:
-                node = trie.resolve_cursor(active, first_m - m, seq, n)
-                if node.pos < 0 and node.cont > 0:  # a compressed node would be this occurrence alone
+            if m <= req_m:
+                node = active[first_m - m]
+                if trie.cont[node] > 0:
                     tokens, score, _ = trie.draft(node, 0, bound, self.min_token_prob)
                     if score > best_score:
                         best, best_score, best_seq = tokens, score, None
+                        if bound <= best_score:
+                            break
+            if corpus_m < 0:
+                corpus_m = self._corpus_match(state, first_m) if self._docs else 0
             if m <= corpus_m:
                 node, extra = self.corpus.walk(seq, n - m, n)
                 tokens, score, tail = self.corpus.draft(node, extra, bound, self.min_token_prob)
@@ -173,4 +215,4 @@ class SuffixProposer:
 
     def history(self, req: SpecRequest) -> list[int]:
         """The tokens the proposer holds for req (prompt and accepted output), for checks."""
-        return list(self._state(req).tokens)
+        return list(self._ready(req).tokens)

@@ -108,3 +108,16 @@ def test_bad_windows_are_refused():
     for lo, hi in ((0, 3), (3, 2)):
         with pytest.raises(ValueError, match="prompt_lookup_min"):
             NgramProposer(lo, hi)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompt=st.lists(st.integers(0, 4), max_size=80), budgets=st.lists(st.integers(0, 9), max_size=12))
+def test_a_prompt_indexed_in_pieces_proposes_the_same(prompt, budgets):
+    whole, pieces = NgramProposer(1, 4), NgramProposer(1, 4)
+    left = len(prompt)
+    for budget in budgets:
+        new_left = pieces.prepare(Req("r", prompt), budget)
+        assert 0 <= new_left <= left
+        left = new_left
+    assert pieces.propose(Req("r", prompt), 5) == whole.propose(Req("r", prompt), 5)
+    assert pieces.prepare(Req("r", prompt), 0) == 0  # proposing indexed the rest

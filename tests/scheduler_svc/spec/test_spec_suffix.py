@@ -37,10 +37,10 @@ def trie_stats(trie: SuffixTrie, pattern: list[int]) -> tuple[int, int]:
     if found is None:
         return 0, 0
     node, extra = found
-    if node.pos >= 0:  # one occurrence, read from its sequence
-        has_next = node.depth + extra < trie.max_depth and node.pos + extra + 1 < len(node.seq)
+    if trie.pos[node] >= 0:  # one occurrence, read from its sequence
+        has_next = trie.depth[node] + extra < trie.max_depth and trie.pos[node] + extra + 1 < len(trie.src[node])
         return 1, int(has_next)
-    return node.count, node.cont
+    return trie.count[node], trie.cont[node]
 
 
 def patterns_of(seqs: list[list[int]], depth: int, alphabet: int) -> list[list[int]]:
@@ -56,7 +56,7 @@ def test_appending_counts_every_substring_like_a_scan(seq, depth):
     trie, tokens, active = SuffixTrie(depth), [], []
     for p, t in enumerate(seq):
         tokens.append(t)
-        active = trie.append(active, tokens, p)
+        trie.append(active, tokens, p)
         assert len(active) == min(p + 1, depth - 1)
     for pattern in patterns_of([tokens], depth, 4):
         assert trie_stats(trie, pattern) == occurrences([tokens], pattern, depth), pattern
@@ -80,7 +80,7 @@ def test_insert_and_remove_keep_the_counts_of_what_is_left(docs, drop, depth):
         assert trie_stats(trie, pattern) == occurrences(kept, pattern, depth), pattern
     for doc in kept:
         trie.remove(doc)
-    assert trie.root.children == {} and trie.root.cont == 0  # nothing leaks
+    assert trie.kids[0] == {} and trie.cont[0] == 0 and trie.num_nodes == 1  # nothing leaks
 
 
 def earlier_continuation(history: list[int], draft: list[int], depth: int) -> bool:
@@ -150,7 +150,51 @@ def test_corpus_drafts_exist_and_the_corpus_stays_bounded(docs, context, max_req
         assert in_corpus or earlier_continuation(history, draft, 6)
     for doc in kept:
         proposer.corpus.remove(doc)
-    assert proposer.corpus.root.children == {}
+    assert proposer.corpus.kids[0] == {} and proposer.corpus.num_nodes == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 4), max_size=80),
+    budgets=st.lists(st.integers(0, 9), max_size=12),
+    output=st.lists(st.integers(0, 4), max_size=10),
+)
+def test_a_prompt_indexed_in_pieces_proposes_the_same(prompt, budgets, output):
+    whole, pieces = SuffixProposer(max_tree_depth=8), SuffixProposer(max_tree_depth=8)
+    left = len(prompt)
+    for budget in budgets:
+        new_left = pieces.prepare(Req("r", prompt), budget)
+        assert new_left == max(0, left - budget)
+        left = new_left
+    for proposer in (whole, pieces):
+        proposer.on_tokens(Req("r", prompt), output)
+    assert pieces.propose(Req("r", prompt), 6) == whole.propose(Req("r", prompt), 6)
+    assert pieces.history(Req("r", prompt)) == prompt + output
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    events=st.lists(
+        st.tuples(st.booleans(), st.lists(st.integers(0, 3), min_size=1, max_size=8)), min_size=1, max_size=25
+    )
+)
+def test_the_remembered_corpus_match_bound_never_hides_a_longer_match(events):
+    """The corpus lookup bisects below the last match plus the tokens since (module docstring):
+    as outputs come and go and the request grows, it still finds the longest match."""
+    proposer = SuffixProposer(max_tree_depth=6, max_cached_requests=3)
+    req = Req("live", [0])
+    for is_output, tokens in events:
+        if is_output:
+            proposer.add_to_corpus(tokens)
+        else:
+            proposer.on_tokens(req, tokens)
+        proposer.propose(req, 4)
+        state = proposer._states["live"]
+        seq, longest = state.tokens, 0
+        for m in range(1, min(len(state.active), 5) + 1):
+            if proposer.corpus.walk(seq, len(seq) - m, len(seq)) is not None:
+                longest = m
+        assert proposer._corpus_match(state, len(state.active)) == longest
 
 
 def test_the_most_frequent_continuation_wins_and_min_token_prob_cuts_the_draft():
