@@ -41,6 +41,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "chunkserve.admin_cli:add_admin_parser",
         "chunkserve.admin_cli:run_admin",
     ),
+    "router": (
+        "route requests across chunkserve replicas by cached prefix, predicted TTFT and load",
+        "chunkserve.router.cli:add_router_parser",
+        "chunkserve.router.cli:run_router_cli",
+    ),
     "tune": (
         "predict latencies for a grid of scheduler settings by replaying a request log",
         "chunkserve.tune.cli:add_tune_parser",

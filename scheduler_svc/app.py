@@ -23,6 +23,7 @@ from chunkserve_contracts.auth import BearerTokenInterceptor
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
+from chunkserve_contracts.v1 import replica_pb2, replica_pb2_grpc
 from scheduler_svc.admin import AdminServicer, Controls
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.config import SchedulerConfig, resolve_auto_budget, validate_against_executor
@@ -31,10 +32,13 @@ from scheduler_svc.executor_client import MAX_MESSAGE_BYTES, ExecutorClient
 from scheduler_svc.grammar import LLGuidanceCompiler
 from scheduler_svc.http_api import HttpFront
 from scheduler_svc.http_extras import generation_defaults, parse_origins
+from scheduler_svc.kv_events import KVEventLog
+from scheduler_svc.kv_events_zmq import parse_kv_events_config
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.openai_protocol import Settings
 from scheduler_svc.policy import Policy, create_policy
 from scheduler_svc.reflection import enable_reflection
+from scheduler_svc.replica import ReplicaServicer, StepCostWatch
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.servicer import GenerationServicer, add_generation_servicer
 from scheduler_svc.stats_log import log_stats_forever
@@ -124,11 +128,25 @@ class SchedulerApp:
         self._supervisor: asyncio.Task[None] | None = None
         self.tracer = StepTracer(config.step_trace_file)
         self.admin: grpc.aio.Server | None = None
+        # KV cache events (kv_events.py): attached to the pool by the first watcher or, with
+        # --kv-events-config, at start-up; the step-time model a router reads (replica.py).
+        self._kv_config = parse_kv_events_config(config.kv_events_config)
+        self.kv_events = KVEventLog(self._kv_config.buffer_steps if self._kv_config else 10_000)
+        self.kv_publisher = None  # kv_events_zmq.ZmqPublisher, made at start-up with --kv-events-config
+        self.step_costs = StepCostWatch()
         if config.admin_port:
             self.admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             servicer = AdminServicer(self.tracer, lambda: None if self.ready is None else self.ready.controls)
             pb_grpc.add_AdminServicer_to_server(servicer, self.admin)
-            enable_reflection(self.admin, pb.DESCRIPTOR.services_by_name["Admin"].full_name)  # v1 + v1alpha, as above
+            replica = ReplicaServicer(
+                self.kv_events, self.step_costs, lambda: None if self.ready is None else self.ready.controls.scheduler
+            )
+            replica_pb2_grpc.add_ReplicaServicer_to_server(replica, self.admin)
+            enable_reflection(
+                self.admin,
+                pb.DESCRIPTOR.services_by_name["Admin"].full_name,  # v1 + v1alpha, as above
+                replica_pb2.DESCRIPTOR.services_by_name["Replica"].full_name,
+            )
 
     async def start(self) -> None:
         """Listens, then connects to the executor; returns when requests can be served."""
@@ -169,7 +187,13 @@ class SchedulerApp:
                 f"{self.config.startup_timeout_s:g} s ({exc.code().name}): start it first "
                 "(python -m executor_svc) or raise --startup-timeout-s"
             ) from None
+        if self._kv_config is not None:
+            from scheduler_svc.kv_events_zmq import ZmqPublisher  # pyzmq and msgspec: only with the flag
+
+            self.kv_publisher = ZmqPublisher(self._kv_config, self.kv_events)
         self.ready = self._build(client, hs, self.config, create_policy(self.config.scheduling_policy))
+        if self.kv_publisher is not None:
+            self.kv_publisher.start(asyncio.get_running_loop())
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="executor-supervisor")
         if not self.config.disable_log_stats:
@@ -213,6 +237,8 @@ class SchedulerApp:
         host_pool = BlockPool(hs.num_host_blocks, hs.block_size) if hs.num_host_blocks else None
         pool = BlockPool(hs.num_device_blocks, hs.block_size, enable_caching=config.enable_prefix_caching)
         scheduler = Scheduler(config, pool, policy, max_model_len, host_pool)
+        if self.kv_events.pool is not None or self.kv_publisher is not None:  # events on: follow the new pool
+            self.kv_events.attach(pool)
         eos = frozenset(hs.model.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
         model_name = self.config.served_model_name or hs.model_name  # API, GetInfo and metrics label
         if self.metrics is None:
@@ -226,7 +252,7 @@ class SchedulerApp:
             frozenset(eos),
             config.max_waiting_requests,
             config.step_timeout_s,
-            (self.metrics, self.tracer),
+            (self.metrics, self.tracer, self.step_costs),
             self._grammar_compiler(config.tokenizer or hs.model_path, hs.model.vocab_size, sorted(eos)),
         )
         engine.start()
@@ -323,6 +349,8 @@ class SchedulerApp:
         if self.admin is not None:
             await self.admin.stop(None)
         self.tracer.close()
+        if self.kv_publisher is not None:
+            self.kv_publisher.stop()
         if self._supervisor is not None:
             self._supervisor.cancel()
         if self._stats is not None:

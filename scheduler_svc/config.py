@@ -164,6 +164,15 @@ class SchedulerConfig:
     step_trace_file: str | None = field(
         default=None, metadata={"help": "append every step's plan summary to this file as JSON lines"}
     )
+    kv_events_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "publish KV cache events in vLLM's format (ZMQ PUB of msgpack batches) for llm-d, Dynamo and "
+            "vllm-router: vLLM's --kv-events-config JSON (enable_kv_cache_events, publisher, endpoint, "
+            "replay_endpoint, buffer_steps, hwm, max_queue_size, topic); needs pyzmq and msgspec, the kv-events "
+            "extra (docs/deploy.md)"
+        },
+    )
     executor_address: str = field(default="127.0.0.1:50061", metadata={"help": "host:port of the executor service"})
     executor_token: str | None = field(
         default=None,

@@ -18,7 +18,7 @@ import tempfile
 from grpc_tools import protoc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PROTOS = ["chunkserve/v1/chunkserve.proto", "chunkserve/executor/v1/executor.proto"]
+PROTOS = ["chunkserve/v1/chunkserve.proto", "chunkserve/v1/replica.proto", "chunkserve/executor/v1/executor.proto"]
 
 
 PACKAGE = "chunkserve_contracts"

@@ -1,0 +1,128 @@
+"""Which replica a request goes to: pure functions of what the router knows, unit-tested alone.
+
+cache_aware (the default): each replica's predicted time to first token for this request,
+
+    TTFT(r) = time for r to prefill (its pending prompt tokens + this prompt's uncached part)
+
+where the uncached part is the prompt less the leading blocks r holds (the router's index of
+r's KV events, plus the blocks of requests it routed to r that r has not reported yet, so a
+burst of one group's requests does not scatter before the first one's prefix is cached), and
+the time comes from r's step-time model (scheduler_svc/step_cost.py, from GetLoad): steps of
+r's token budget less its decodes, each costing the model's fixed part (const, decodes and
+their context) plus its prefill tokens. A replica with no fitted model yet is costed with
+DEFAULT_STEP_COST, which only has to rank replicas, not predict seconds. The replica with the
+smallest TTFT wins; ties go to the longer cached prefix, then the lighter load.
+
+Imbalance fallback (as SGLang's cache-aware balancer and Dynamo's router do): when the busiest
+replica carries more than `balance_abs` requests more than the idlest and more than
+`balance_rel` times as many, the least-loaded one takes the request whatever its cache.
+
+round_robin and least_loaded are the baselines benchmarks/router.py compares against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# seconds per step = const + per prefill token * n + per decode + per context token + per attention pair
+DEFAULT_STEP_COST = (0.005, 1e-4, 1e-3, 1e-6, 0.0)
+POLICIES = ("cache_aware", "round_robin", "least_loaded")
+
+
+@dataclass
+class ReplicaView:
+    """What the router knows of one replica when it decides (a copy, so scoring is pure)."""
+
+    name: str
+    matched_blocks: int = 0  # leading blocks of this prompt it holds (or was sent)
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    pending_prefill_tokens: int = 0  # its own report
+    router_pending_tokens: int = 0  # uncached prompt tokens the router sent that have no first token yet
+    router_in_flight: int = 0  # requests the router has in flight there
+    num_decoding: int = 0
+    decode_context_tokens: int = 0
+    token_budget: int = 2048
+    step_cost: tuple[float, ...] = field(default=DEFAULT_STEP_COST)
+
+    @property
+    def load(self) -> int:
+        """Requests there: what it reported or what the router has in flight, the larger (the
+        report lags; other clients may send it work the router does not see)."""
+        return max(self.num_running + self.num_waiting, self.router_in_flight)
+
+
+@dataclass(frozen=True)
+class Decision:
+    replica: str
+    reason: str  # cache, ttft, imbalance, least_loaded, round_robin, only
+    matched_blocks: int
+    predicted_ttft_s: float
+
+
+def predicted_ttft(r: ReplicaView, prompt_tokens: int, block_size: int) -> float:
+    """Seconds until r would have prefilled this prompt, queue first (see the module docstring)."""
+    a, b, c, d, e = (tuple(r.step_cost) + (0.0,) * 5)[:5]
+    cached = min(r.matched_blocks * block_size, max(prompt_tokens - 1, 0))
+    new = prompt_tokens - cached
+    pending = max(r.pending_prefill_tokens, r.router_pending_tokens) + new
+    per_step = max(r.token_budget - r.num_decoding, block_size)
+    steps = math.ceil(pending / per_step) if pending else 0
+    fixed = a + c * r.num_decoding + d * r.decode_context_tokens
+    attention = e * new * (cached + (new + 1) / 2)  # this prompt's own chunks reading their context
+    return steps * fixed + b * pending + attention
+
+
+def imbalanced(views: list[ReplicaView], balance_abs: int, balance_rel: float) -> bool:
+    loads = [v.load for v in views]
+    return max(loads) - min(loads) > balance_abs and max(loads) > balance_rel * min(loads)
+
+
+def least_loaded(views: list[ReplicaView]) -> ReplicaView:
+    return min(views, key=lambda v: (v.load, v.router_pending_tokens, v.kv_cache_usage))
+
+
+def choose(
+    views: list[ReplicaView],
+    prompt_tokens: int,
+    block_size: int,
+    policy: str = "cache_aware",
+    turn: int = 0,
+    balance_abs: int = 32,
+    balance_rel: float = 1.5,
+) -> Decision:
+    """The replica for a request of prompt_tokens tokens. `views` are the routable replicas (at
+    least one); `turn` is the round-robin counter."""
+    if not views:
+        raise ValueError("no replica to route to")
+    if len(views) == 1:
+        v = views[0]
+        return Decision(v.name, "only", v.matched_blocks, predicted_ttft(v, prompt_tokens, block_size))
+    if policy == "round_robin":
+        v = views[turn % len(views)]
+        return Decision(v.name, "round_robin", v.matched_blocks, predicted_ttft(v, prompt_tokens, block_size))
+    if policy == "least_loaded" or imbalanced(views, balance_abs, balance_rel):
+        v = least_loaded(views)
+        reason = "least_loaded" if policy == "least_loaded" else "imbalance"
+        return Decision(v.name, reason, v.matched_blocks, predicted_ttft(v, prompt_tokens, block_size))
+    if policy != "cache_aware":
+        raise ValueError(f"unknown routing policy {policy!r} (one of {', '.join(POLICIES)})")
+    scored = [(predicted_ttft(v, prompt_tokens, block_size), -v.matched_blocks, v.load, i) for i, v in enumerate(views)]
+    ttft, _, _, i = min(scored)
+    best = views[i]
+    most = max(v.matched_blocks for v in views)
+    reason = "cache" if best.matched_blocks and best.matched_blocks == most else "ttft"
+    return Decision(best.name, reason, best.matched_blocks, ttft)
+
+
+def matched_prefix(hashes: list[bytes], *indexes: object) -> int:
+    """Leading hashes found in any of the given containers (a replica's event index, the
+    hashes of requests routed there and not yet reported)."""
+    n = 0
+    for h in hashes:
+        if not any(h in index for index in indexes):  # type: ignore[operator]
+            break
+        n += 1
+    return n
