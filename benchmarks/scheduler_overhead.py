@@ -15,6 +15,11 @@ can cost end to end; the step counts show whether it changes the work the model 
 
     .venv/bin/python benchmarks/scheduler_overhead.py            # defaults: the prefix0 bench shape
     .venv/bin/python benchmarks/scheduler_overhead.py --input-len 2048 --concurrency 64
+    .venv/bin/python benchmarks/scheduler_overhead.py --kv-events   # caching on both: KV events off vs on
+
+With --kv-events both settings cache, and "on" attaches a KV event log (scheduler_svc/kv_events.py)
+with one subscriber: what a router watching the server costs the scheduler. Without an event loop
+every pool call is its own batch (a server batches per loop turn), so this is an upper bound.
 """
 
 from __future__ import annotations
@@ -28,17 +33,23 @@ import time
 
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.kv_events import KVEventLog
 from scheduler_svc.plan import Sampled, StepPlan, StepResult
 from scheduler_svc.policy import create_policy
 from scheduler_svc.request import Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler
 
 
-def run(args: argparse.Namespace, caching: bool) -> tuple[int, int, float, str]:
+def run(args: argparse.Namespace, on: bool) -> tuple[int, int, float, str]:
     """One closed-loop run; returns (steps, tokens scheduled, scheduler seconds, a digest of
-    every plan's sequences, chunks and block ids: what the executor would be asked to do)."""
+    every plan's sequences, chunks and block ids: what the executor would be asked to do).
+    `on`: prefix caching on, or with --kv-events (caching on either way) the events on."""
+    caching = on or args.kv_events
     config = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=caching)
     pool = BlockPool(args.num_blocks, args.block_size, enable_caching=caching)
+    if args.kv_events and on:
+        KVEventLog().attach(pool)
+        pool.events.subscribe(lambda batch: None)  # type: ignore[union-attr]
     sched = Scheduler(config, pool, create_policy("fcfs"), max_model_len=args.input_len + args.output_len + 1)
     rng = random.Random(args.seed)  # the same distinct prompts for both settings
     prompts = [[rng.randrange(1, 49_000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
@@ -94,6 +105,7 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--kv-events", action="store_true", help="compare KV events off and on (caching on in both)")
     p.add_argument(
         "--model-step-ms",
         type=float,
@@ -109,7 +121,8 @@ def main() -> None:
             per_step[caching].append(spent / steps * 1e6)
             work_of[caching].add((steps, tokens, digest))
             print(
-                f"round {k + 1} caching {'on ' if caching else 'off'}: {steps} steps, {tokens} tokens, "
+                f"round {k + 1} {'events' if args.kv_events else 'caching'} {'on ' if caching else 'off'}: "
+                f"{steps} steps, {tokens} tokens, "
                 f"{spent / steps * 1e6:.1f} us/step"
             )
     on, off = statistics.median(per_step[True]), statistics.median(per_step[False])

@@ -79,6 +79,15 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     # The executor's address and token are this command's own: a fresh token per launch.
     add_config_flags(p, SchedulerConfig, skip=("executor_address", "executor_token"), seen=seen)
     add_config_flags(p, ExecutorConfig, skip=("executor_token",), seen=seen)
+    p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=int(os.environ.get(env_name("data_parallel_size")) or 1),
+        help="serve this many replicas (a scheduler and an executor each, the CPUs split between them) behind the "
+        "cache-aware router on the public ports (chunkserve/dp.py, docs/deploy.md); 1 = one server "
+        "[env CHUNKSERVE_DATA_PARALLEL_SIZE]",
+    )
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -164,9 +173,18 @@ def _serve(args: argparse.Namespace) -> None:
         # Before anything starts: another server's executor on that port is said in one line.
         ensure_port_free(executor.executor_host, executor.executor_port)
         check_ports(scheduler, executor.executor_port)  # and every port this process listens on
+        from scheduler_svc.kv_events_zmq import parse_kv_events_config
+
+        parse_kv_events_config(scheduler.kv_events_config)  # a bad --kv-events-config before anything starts
+        if args.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     except ValueError as exc:
         print(f"chunkserve serve: {exc}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
+    if args.data_parallel_size > 1:
+        from chunkserve.dp import serve_data_parallel
+
+        sys.exit(uvloop.run(serve_data_parallel(args.data_parallel_size, scheduler, executor, model)))
     sys.exit(uvloop.run(_serve_async(scheduler, executor)))
 
 
