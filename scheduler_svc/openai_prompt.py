@@ -16,6 +16,7 @@ from typing import Any
 
 from scheduler_svc.errors import InvalidRequestError
 from scheduler_svc.openai_fields import bad, get
+from scheduler_svc.openai_tools import fallback_messages, native_messages
 from scheduler_svc.tokenizer import Template, Tokenizer, compile_template
 from scheduler_svc.validation import Limits
 
@@ -35,6 +36,7 @@ class PromptSpec:
     variables: dict[str, Any] = field(default_factory=dict)  # tools, documents, chat_template_kwargs
     add_special_tokens: bool = False
     truncate: int | None = None  # keep only the last this many prompt tokens
+    tools: list[dict[str, Any]] | None = None  # rendered by the template, or the fallback prompt
 
     def ids(self, tokenizer: Tokenizer, limits: Limits) -> list[int]:
         """The prompt's token ids; InvalidRequestError naming the OpenAI field otherwise."""
@@ -62,8 +64,15 @@ class PromptSpec:
         return ids
 
     def _render(self, tokenizer: Tokenizer) -> str:
+        messages, variables = self.messages, self.variables
         try:
-            text = tokenizer.render_chat(self.messages, self.add_generation_prompt, self.template, **self.variables)
+            if self.tools is not None:  # openai_tools.py: natively when the template reads `tools`
+                takes = "tools" in self.template.variables if self.template else tokenizer.template_takes_tools
+                if takes:
+                    messages, variables = native_messages(messages), {**variables, "tools": self.tools}
+                else:
+                    messages = fallback_messages(messages, self.tools)
+            text = tokenizer.render_chat(messages, self.add_generation_prompt, self.template, **variables)
         except ValueError as exc:
             raise InvalidRequestError(f"messages: {exc}") from None
         if self.continue_final_message:

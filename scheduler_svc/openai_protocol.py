@@ -21,8 +21,11 @@ from scheduler_svc.engine import Engine
 from scheduler_svc.errors import InvalidRequestError, ServingError
 from scheduler_svc.openai_fields import HttpError, bad, check_fields, get, get_uint
 from scheduler_svc.openai_prompt import PromptSpec, chat_options, encoding_options
+from scheduler_svc.openai_structured import set_proto, structured_constraint
+from scheduler_svc.openai_tools import ToolPlan, tool_message, tool_plan
 from scheduler_svc.output import StreamDelta
 from scheduler_svc.request import FinishReason
+from scheduler_svc.tool_parser import ToolParser
 from scheduler_svc.validation import DEFAULT_MAX_TOKENS
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = DEFAULT_MAX_TOKENS  # vLLM's and OpenAI's 16, as on gRPC; chat runs to the context
@@ -134,6 +137,7 @@ def build_request(body: dict[str, Any], chat: bool, settings: Settings | None = 
     if request.WhichOneof("prompt") == "token_ids" and spec.truncate not in (None, -1):
         del request.token_ids.ids[: -spec.truncate]
     _sampling(body, chat, request.sampling, settings.defaults)
+    tools = _constrain(body, chat, request.sampling, spec)
     if (priority := get(body, "priority", (int,), "an integer")) is not None:
         if not -(2**31) <= priority < 2**31:
             raise bad("priority", f"priority must be a 32-bit integer, got {priority}")
@@ -141,11 +145,28 @@ def build_request(body: dict[str, Any], chat: bool, settings: Settings | None = 
     out = OpenAIRequest(request, spec, chat, request_id=request_id)
     _stream_options(body, out)
     out.choice_options = {
+        "tools": tools,
         "want_logprobs": bool(body.get("logprobs")) if chat else body.get("logprobs") is not None,
         "return_token_ids": bool(get(body, "return_token_ids", (bool,), "a boolean")),
         "tokens_as_ids": bool(get(body, "return_tokens_as_token_ids", (bool,), "a boolean")),
     }
     return out
+
+
+def _constrain(body: dict[str, Any], chat: bool, s: pb.SamplingParams, spec: PromptSpec) -> ToolPlan | None:
+    """Tools (chat) and structured output: the tools go into the prompt, a forced tool choice
+    or a structured-output field into SamplingParams.structured (one of them at most)."""
+    plan = tool_plan(body) if chat else None
+    structured = structured_constraint(body)
+    forced = plan.constraint() if plan is not None else None
+    if forced is not None and structured is not None:
+        raise bad(structured[0], f"{structured[0]} and tool_choice {plan.choice} both constrain the output")
+    if plan is not None:
+        spec.tools = plan.tools
+    constraint = forced or (structured[1] if structured else None)
+    if constraint is not None:
+        set_proto(s, constraint)
+    return plan
 
 
 def _chat_prompt(body: dict[str, Any], request: pb.GenerateRequest, spec: PromptSpec, settings: Settings) -> None:
@@ -263,12 +284,16 @@ class Choice:
         want_logprobs: bool,
         return_token_ids: bool = False,
         tokens_as_ids: bool = False,
+        tools: ToolPlan | None = None,
     ) -> None:
         self.engine, self.chat, self.want_logprobs, self.offset = engine, chat, want_logprobs, 0
         # vLLM's extra parameter: each choice (each streamed chunk) also names its token ids.
         self.return_token_ids = return_token_ids
         # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N" (any token JSON-safe).
         self.tokens_as_ids = tokens_as_ids
+        # Tool calls read out of the text (tool_choice auto, required or named), tool_parser.py.
+        self.tools = tools if tools is not None and tools.choice != "none" else None
+        self.parser = ToolParser(tools.choice, tools.names, tools.named) if self.tools else None
 
     def _text(self, token_id: int, text: str | None = None) -> str:
         if self.tokens_as_ids:
@@ -305,6 +330,13 @@ class Choice:
         choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(d), "finish_reason": reason}
         if not self.chat:
             choice["text"] = d.text
+        elif self.parser is not None:
+            events = self.parser.feed(d.text)
+            if d.finished:
+                events.merge(self.parser.finish())
+            if d.finished and self.parser.calls and self.tools.choice != "named" and reason == "stop":
+                choice["finish_reason"] = "tool_calls"  # as OpenAI (a forced named function says stop)
+            choice["delta" if stream else "message"] = tool_message(events, self.parser, stream, d.finished)
         elif stream:
             choice["delta"] = {"content": d.text} if d.text or not d.finished else {}
         else:

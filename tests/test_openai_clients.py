@@ -1,0 +1,171 @@
+"""Issue 33, the OpenAI side of structured output and tool calling, through the clients people
+use: the official `openai` SDK (`chat.completions.parse` with a pydantic model, tools, streamed
+tool calls), langchain-openai (`with_structured_output`, `bind_tools`) and litellm, against a
+real two-process server with the tiny random-weight model.
+
+Random weights say nothing sensible, so what is checked is plumbing the grammar guarantees:
+a forced choice (a schema, a named function, `required`) always yields output the client
+parses into its own types, with bounded schemas (enums, ranges, short strings) so it ends
+before max_tokens. Parsing of free (tool_choice auto) output is tested on fixed texts in
+tests/scheduler_svc/test_tool_parser.py.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+
+pytestmark = pytest.mark.slow
+
+
+class Pet(BaseModel):
+    # extra="forbid": additionalProperties false, else random weights add keys until max_tokens
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["cat", "dog", "fish"]
+    age: int = Field(ge=0, le=30)
+    vaccinated: bool
+
+
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER_PARAMS}},
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["a", "b"],
+                "maxProperties": 2,  # bounded even where a client strips additionalProperties (litellm)
+            },
+        },
+    },
+]  # fmt: skip
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path, launch):
+    return launch(["--model", str(tiny_model_path), "--dtype", "float32"], [])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.http_url, api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request):
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").assert_idle_and_no_leaks(timeout=30)
+
+
+def test_sdk_parse_with_a_pydantic_model(client, model):
+    for temperature in (0, 1):
+        out = client.chat.completions.parse(
+            model=model, messages=ASK, response_format=Pet, temperature=temperature, max_tokens=100, seed=3
+        )
+        assert isinstance(out.choices[0].message.parsed, Pet), out.choices[0].message.content
+    obj = client.chat.completions.create(
+        model=model, messages=ASK, response_format={"type": "json_object"}, max_tokens=60, temperature=0
+    )
+    if obj.choices[0].finish_reason == "stop":  # any JSON object: random weights may run to max_tokens
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    choice = client.completions.create(
+        model=model, prompt="Pick:", max_tokens=10, extra_body={"structured_outputs": {"choice": ["red", "blue"]}}
+    )
+    assert choice.choices[0].text in ("red", "blue")
+    legacy = client.completions.create(
+        model=model, prompt="Pick:", max_tokens=10, extra_body={"guided_regex": "[0-9]{3}"}
+    )
+    assert legacy.choices[0].text.isdigit() and len(legacy.choices[0].text) == 3
+
+
+def test_sdk_forced_tool_calls_whole_and_streamed(client, model):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=60)
+    [call] = out.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    args = json.loads(call.function.arguments)
+    assert args["city"] in ("Paris", "Oslo", "Lima") and args["unit"] in ("c", "f")
+    stream = client.chat.completions.create(
+        model=model, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=60, stream=True, temperature=0
+    )
+    fragments = [tc for chunk in stream if chunk.choices for tc in chunk.choices[0].delta.tool_calls or []]
+    assert fragments[0].function.name == "get_weather" and fragments[0].id
+    greedy = client.chat.completions.create(
+        model=model, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=60, temperature=0
+    )
+    streamed_args = "".join(f.function.arguments or "" for f in fragments)
+    assert streamed_args == greedy.choices[0].message.tool_calls[0].function.arguments
+    required = client.chat.completions.create(  # one call: random weights would add calls to max_tokens
+        model=model,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        temperature=0,
+    )
+    assert required.choices[0].finish_reason == "tool_calls"
+    calls = required.choices[0].message.tool_calls
+    assert calls and all(c.function.name in ("get_weather", "add") for c in calls)
+    assert all(isinstance(json.loads(c.function.arguments), dict) for c in calls)
+    auto = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=20, temperature=0)
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")  # free text: plumbing only
+    # a conversation with a tool call and its result renders (the default template has no tools: fallback)
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
+    ]
+    follow = client.chat.completions.create(model=model, messages=history, tools=TOOLS, max_tokens=5)
+    assert follow.usage.prompt_tokens > out.usage.prompt_tokens
+
+
+def test_langchain_structured_output_and_bind_tools(server, model):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(
+        model=model, base_url=server.http_url, api_key="none", temperature=0, max_tokens=100, max_retries=0
+    )
+    for method in ("json_schema", "function_calling"):
+        pet = llm.with_structured_output(Pet, method=method).invoke("Describe a pet.")
+        assert isinstance(pet, Pet), method
+    bound = llm.bind_tools(TOOLS, tool_choice="get_weather")
+    message = bound.invoke("Weather in Oslo?")
+    assert message.tool_calls[0]["name"] == "get_weather"
+    assert message.tool_calls[0]["args"]["city"] in ("Paris", "Oslo", "Lima")
+    chunks = list(bound.stream("Weather in Oslo?"))
+    merged = chunks[0]
+    for chunk in chunks[1:]:
+        merged += chunk
+    assert merged.tool_calls[0]["name"] == "get_weather"
+
+
+def test_litellm_response_format_and_tools(server, model, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network fetch at import
+    litellm = pytest.importorskip("litellm")
+    common = dict(model=f"hosted_vllm/{model}", api_base=server.http_url, api_key="none", max_tokens=100, temperature=0)
+    out = litellm.completion(messages=ASK, response_format=Pet, **common)
+    assert Pet.model_validate_json(out.choices[0].message.content)
+    named = {"type": "function", "function": {"name": "add"}}
+    out = litellm.completion(messages=ASK, tools=TOOLS, tool_choice=named, **common)
+    call = out.choices[0].message.tool_calls[0]
+    assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
