@@ -211,8 +211,10 @@ def test_runner_records_every_token_and_every_error(fake_server):
     ok, bad = result.records
     assert ok.ok and ok.output_tokens == 3 and ok.finish_reason == "LENGTH" and ok.request_id == "id5"
     assert (ok.prompt_tokens, ok.cached_tokens) == (5, 4)
-    # the fake paces tokens 50 ms apart: a lower bound only, a loaded machine only adds
-    assert all(0.04 <= b - a for a, b in zip([ok.send] + ok.chunk_times, ok.chunk_times))
+    # one time per chunk, in order, after the send (the fake paces tokens 50 ms apart, but on a
+    # loaded machine the client may read two of them in one wake-up: no gap is asserted)
+    assert len(ok.chunk_times) == 3
+    assert all(a <= b for a, b in zip([ok.send] + ok.chunk_times, ok.chunk_times))
     assert ok.end == ok.chunk_times[-1]
     assert not bad.ok and bad.error_code == "INVALID_ARGUMENT" and bad.send >= 0.2
     assert result.duration >= ok.end
