@@ -32,8 +32,9 @@ def test_packing_is_word_little_endian_bit_per_token():
     assert len(row) == 16
     assert row[0] == 1 and row[4] == 2 and row[12] == 1 << 3  # token 99 = word 3, bit 3
     logits = torch.zeros(1, V)
-    apply_token_masks(logits, {0: row})
-    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [0, 33, 99]
+    masked = apply_token_masks(logits, {0: row})
+    assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [0, 33, 99]
+    assert torch.isfinite(logits).all()  # a new tensor: the model's logits are left as they are
 
 
 def test_a_mask_comes_before_greedy_and_every_filter():
@@ -67,7 +68,10 @@ def test_only_masked_rows_change_and_forbidden_tokens_never_show_as_alternatives
     before = logits.clone()
     specs = [SamplingSpec(temperature=0.0, num_logprobs=5)] * 3
     out = sample(logits, specs, [0, 0, 0], {1: pack({7, 8})})
-    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    masked = apply_token_masks(logits, {1: pack({7, 8})})
+    assert torch.equal(masked[0], before[0]) and torch.equal(masked[2], before[2])
+    assert torch.isfinite(masked[1]).nonzero().flatten().tolist() == [7, 8]
+    assert out.logprobs[0] == pytest.approx(float(torch.log_softmax(before[0], -1).max()), abs=1e-5)
     assert out.token_ids[0] == int(before[0].argmax()) and out.token_ids[2] == int(before[2].argmax())
     assert out.token_ids[1] in (7, 8)
     assert sorted(t for t, _ in out.top[1]) == [7, 8]  # 5 asked, 2 allowed: no -inf entries
@@ -75,7 +79,7 @@ def test_only_masked_rows_change_and_forbidden_tokens_never_show_as_alternatives
 
 
 def test_transposed_logits_are_masked_like_contiguous_ones():
-    """On CPU compute_logits returns a transposed view; the mask must reach it in place."""
+    """On CPU compute_logits returns a transposed view: masked like a contiguous one."""
     base = torch.randn(V, 4)
     logits = base.t()  # [4, V], not contiguous
     row = pack({3, 50})

@@ -539,3 +539,19 @@ def test_a_constraint_compiled_before_samples_in_the_first_step(fakes, byte_toke
     first = next(s for p in fake.plans for s in p.seqs)
     assert first.num_new_tokens == 10 and first.sample and first.token_masks
     assert results[0][1] in ("yes", "no")
+
+
+def test_finishing_a_request_releases_its_matcher(fakes, compiler):
+    """Abort mid-output (or any end): the request's grammar state goes with it."""
+    sched = fakes.make_scheduler(num_blocks=64, block_size=BLOCK)
+    fake = masking_fake(fakes, 64, BLOCK)
+    constraint = Constraint.make("regex", "[a-z]{20}")
+    req = fakes.make_request(1, 6, max_tokens=30, constraint=constraint)
+    req.matcher = compiler.compile_now(constraint)
+    sched.add_request(req)
+    for _ in range(3):
+        plan = sched.schedule()
+        sched.update(plan, fake.execute(plan))
+    assert req.num_output_tokens == 3 and req.matcher is not None
+    sched.abort(req.request_id)
+    assert req.matcher is None and req.is_finished and sched.pool.num_free_blocks == 64
