@@ -103,6 +103,8 @@ def tokenize_spec(body: dict[str, Any], chat: bool, settings: Settings) -> Promp
     spec = PromptSpec()
     if chat:
         _chat_prompt(body, pb.GenerateRequest(), spec, settings)
+        if (plan := tool_plan(body)) is not None:
+            spec.tools = plan.tools  # rendered as for generation
     elif (prompt := get(body, "prompt", (str,), "a string")) is not None:
         spec.text = prompt
     else:

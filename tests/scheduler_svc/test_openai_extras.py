@@ -16,6 +16,7 @@ import pytest
 
 from scheduler_svc import http_extras, openai_fields
 from scheduler_svc.metrics import Metrics
+from scheduler_svc.openai_prompt import PromptSpec
 from scheduler_svc.stats_log import Sample, sample, stats_line
 from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer, read_chat_template
 from tests.scheduler_svc.test_http_api import FAILSAFE_S, assert_idle, running, sdk
@@ -29,7 +30,9 @@ def post(http: httpx.AsyncClient, base: str, path: str, body: dict) -> asyncio.F
 
 async def rendered(http: httpx.AsyncClient, base: str, body: dict) -> str:
     """The prompt text a chat body renders to (the byte tokenizer: one token per byte)."""
-    out = (await http.post(base + "/tokenize", json=body)).json()
+    response = await http.post(base + "/tokenize", json=body)
+    assert response.status_code == 200, response.text
+    out = response.json()
     assert out["count"] == len(out["tokens"]), out
     return (await http.post(base + "/detokenize", json={"tokens": out["tokens"]})).json()["prompt"]
 
@@ -393,5 +396,30 @@ def test_request_id_token_ids_as_text_truncation_and_special_tokens(fakes, byte_
                 body = {"messages": HI, "max_tokens": 1, "add_special_tokens": True}
                 out = (await http.post(base + "/v1/chat/completions", json=body)).json()
                 assert out["usage"]["prompt_tokens"] == len("<user>hi<assistant>")  # no BOS in this tokenizer
+
+    asyncio.run(main())
+
+
+def test_tools_are_rendered_by_a_template_that_reads_them_else_by_the_fallback(fakes, byte_tokenizer_dir, monkeypatch):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 7}'}}
+    messages = [*HI, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "9"}]
+    native = (
+        "{% for t in tools %}{{ t.function.name }};{% endfor %}"
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% if m.tool_calls %}{{ m.tool_calls[0].function.arguments.a }}{% endif %}|{% endfor %}"
+    )
+
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch, trust_request_chat_template=True) as (_, _, base):
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                body = {"messages": messages, "tools": tools, "chat_template": native}
+                assert await rendered(http, base, body) == "add;user:hi|assistant:7|tool:9|"
+                # the byte tokenizer's template has no `tools`: the fallback (too long for this
+                # 100-token server, so rendered directly)
+                text = PromptSpec(messages=messages, tools=tools)._render(Tokenizer(byte_tokenizer_dir))
+                assert text.startswith("<system># Tools") and json.dumps(tools[0]) in text
+                assert '<assistant><tool_call>\n{"name": "add", "arguments": {"a": 7}}\n</tool_call>' in text
+                assert text.endswith("<user><tool_response>\n9\n</tool_response><assistant>")
 
     asyncio.run(main())
