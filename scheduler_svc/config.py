@@ -116,7 +116,7 @@ class SchedulerConfig:
         default=8000,
         metadata={
             "help": "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-            "/v1/models, /health, /version), beside the gRPC one; 0 = off"
+            "/v1/models, /tokenize, /detokenize, /health, /version), beside the gRPC one; 0 = off"
         },
     )
     allowed_origins: str = field(
