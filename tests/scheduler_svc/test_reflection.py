@@ -30,7 +30,8 @@ HEALTH = "grpc.health.v1.Health"
 # port -> (the services it lists, a service and a method of it that must resolve, streaming?)
 EXPECTED = {
     "public": ({"chunkserve.v1.Generation", HEALTH} | REFLECTION, "chunkserve.v1.Generation", "Generate"),
-    "admin": ({"chunkserve.v1.Admin"} | REFLECTION, "chunkserve.v1.Admin", "WatchSteps"),
+    # the admin port also serves the router's Replica service (KV events, load: issue 36)
+    "admin": ({"chunkserve.v1.Admin", "chunkserve.v1.Replica"} | REFLECTION, "chunkserve.v1.Admin", "WatchSteps"),
 }
 
 
