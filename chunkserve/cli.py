@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
 def _serve(args: argparse.Namespace) -> None:
     import uvloop
 
-    from executor_svc.config import DEFAULT_MODEL_HUB_ID, ExecutorConfig
+    from executor_svc.config import ExecutorConfig
     from scheduler_svc.config import AUTO_MAX_BATCHED_TOKENS, SchedulerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -160,15 +160,12 @@ def _serve(args: argparse.Namespace) -> None:
         auto = {"max_num_batched_tokens": AUTO_MAX_BATCHED_TOKENS} if args.max_num_batched_tokens == 0 else {}
         executor = config_from_args(ExecutorConfig, args, executor_token=token, model=model, **auto)
         host = "127.0.0.1" if executor.executor_host in ("0.0.0.0", "::") else executor.executor_host
-        # vLLM serves a model by the id it was given: the default model's hub id, not its file name
-        # (the short name stays accepted, http_api.accepted_names).
-        name = {"served_model_name": DEFAULT_MODEL_HUB_ID} if given in (DEFAULT_MODEL_HUB_ID, "default", "") else {}
         scheduler = config_from_args(
             SchedulerConfig,
             args,
             executor_address=f"{host}:{executor.executor_port}",
             executor_token=token,
-            **({} if args.served_model_name else name),
+            served_model_name=served_name(given, args.served_model_name),
         )
         # Before anything starts: another server's executor on that port is said in one line.
         ensure_port_free(executor.executor_host, executor.executor_port)
@@ -186,6 +183,17 @@ def _serve(args: argparse.Namespace) -> None:
 
         sys.exit(uvloop.run(serve_data_parallel(args.data_parallel_size, scheduler, executor, model)))
     sys.exit(uvloop.run(_serve_async(scheduler, executor)))
+
+
+def served_name(given: str, flag: str | None) -> str | None:
+    """The name the API serves: --served-model-name, else (None) the executor's name for the
+    model, except the default model, served by its hub id as vLLM names a model by the id it
+    was given (its short name stays accepted, openai_protocol.accepted_names)."""
+    from executor_svc.config import DEFAULT_MODEL_HUB_ID
+
+    if flag:
+        return flag
+    return DEFAULT_MODEL_HUB_ID if given in (DEFAULT_MODEL_HUB_ID, "default", "") else None
 
 
 def _model_arg(args: argparse.Namespace) -> str:

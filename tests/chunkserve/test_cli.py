@@ -313,3 +313,12 @@ def test_setup_makes_a_broken_venv_again(tmp_path, broken):
     # A sound venv is left alone.
     again = subprocess.run(["bash", str(script), "--venv-only"], env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "broken" not in again.stderr
+
+
+def test_the_default_model_is_served_by_its_hub_id_as_vllm_names_it():
+    from chunkserve.cli import served_name
+
+    hub = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert served_name(hub, None) == hub and served_name("default", None) == hub
+    assert served_name(hub, "mine") == "mine"
+    assert served_name("/models/llama", None) is None  # the executor names it: the folder as given
