@@ -170,7 +170,7 @@ def _deserializer(message_type: type[Message], max_bytes: Callable[[], int | Non
         if limit is not None and len(data) > limit:
             return _Refused(
                 f"the request has {len(data)} bytes; the largest valid {name} has {limit} "
-                "(the longest prompt max_model_len allows, plus 64 KiB for the other fields)"
+                "(the longest prompt max_model_len allows, plus 320 KiB for the other fields)"
             )
         try:
             return message_type.FromString(data)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from scheduler_svc.errors import InvalidRequestError
 from scheduler_svc.request import SamplingParams
-from scheduler_svc.structured import Constraint
+from scheduler_svc.structured import MAX_SPEC_CHARS, Constraint
 from scheduler_svc.tokenizer import Tokenizer
 
 MAX_LOGPROBS = 20
@@ -36,7 +36,9 @@ DEFAULT_MAX_TOKENS = 16
 # Room in a request for everything but the prompt: sampling parameters (16 stop strings of
 # 256 characters take at most 16.5 KiB), client_request_id, cache_salt, tenant,
 # stop_token_ids, and the protobuf framing of chat messages.
-MAX_NON_PROMPT_BYTES = 64 * 1024
+# Plus a structured-output spec (sampling.structured): at most MAX_SPEC_CHARS characters of
+# up to 4 UTF-8 bytes (a choice list's strings count as their JSON list).
+MAX_NON_PROMPT_BYTES = 64 * 1024 + 4 * MAX_SPEC_CHARS
 # A token id is a uint32: at most 5 bytes as a varint in a packed repeated field.
 _MAX_VARINT_BYTES = 5
 

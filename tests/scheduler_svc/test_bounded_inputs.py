@@ -27,6 +27,7 @@ from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc import app as app_module
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.validation import MAX_NON_PROMPT_BYTES
 
 MAX_MODEL_LEN = 100
 FAILSAFE_S = 15.0  # only reached when the behaviour under test is broken (then the test fails)
@@ -253,7 +254,7 @@ def test_a_request_larger_than_any_valid_one_is_refused_before_it_runs(fakes, by
         SpyTokenizer.encoded = []
         async with running_app(fakes, byte_tokenizer_dir, monkeypatch) as (app, _, channel):
             stub = pb_grpc.GenerationStub(channel)
-            largest = 99 * 5 + 64 * 1024  # the text/ids bound plus room for the other fields
+            largest = 99 * 5 + MAX_NON_PROMPT_BYTES  # the text/ids bound plus room for the other fields
             for request in (with_salt(largest + 1), build_request("x" * (1 << 20))):
                 err = await refusal(stub.Generate(request))
                 assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
