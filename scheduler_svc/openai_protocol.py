@@ -38,7 +38,12 @@ _STATUS = {
 }
 _FINISH = {FinishReason.STOP: "stop", FinishReason.STOP_SEQUENCE: "stop", FinishReason.LENGTH: "length"}
 # validation.py names GenerateRequest fields; say the OpenAI parameter instead.
-_RENAMES = (("sampling.", ""), ("prompt.chat.messages", "messages"), ("prompt.chat", "messages"))
+_RENAMES = (
+    ("sampling.", ""),
+    ("prompt.chat.messages", "messages"),
+    ("prompt.chat", "messages"),
+    ("client_request_id", "request_id"),
+)
 _RENAMES_PROMPT = (("prompt.text", "prompt"), ("prompt.token_ids", "prompt"))
 # Sampling defaults a model's generation_config.json may give (vLLM's --generation-config
 # auto): the body field -> its key there.

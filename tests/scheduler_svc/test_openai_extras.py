@@ -380,6 +380,8 @@ def test_request_id_token_ids_as_text_truncation_and_special_tokens(fakes, byte_
                 body = {"prompt": "hello", "max_tokens": 2, "request_id": "abc"}
                 out = (await http.post(base + "/v1/completions", json=body)).json()
                 assert out["id"] == "cmpl-abc"
+                long_id = await http.post(base + "/v1/completions", json={"prompt": "hi", "request_id": "x" * 300})
+                assert long_id.status_code == 400 and long_id.json()["error"]["param"] == "request_id"
                 headers = {"X-Request-Id": "from-header"}
                 out = (await http.post(base + "/v1/completions", json={"prompt": "hi"}, headers=headers)).json()
                 assert out["id"] == "cmpl-from-header"
