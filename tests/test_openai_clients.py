@@ -169,3 +169,22 @@ def test_litellm_response_format_and_tools(server, model, monkeypatch):
     out = litellm.completion(messages=ASK, tools=TOOLS, tool_choice=named, **common)
     call = out.choices[0].message.tool_calls[0]
     assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
+
+
+def test_auto_tool_calls_parsed_from_output_whole_and_streamed(client, model):
+    """tool_choice auto on the real server: a regex makes the random model write a Hermes
+    block (with some content before it), which the auto parser must turn into a call."""
+    regex = r'Ok\. <tool_call>\{"name": "add", "arguments": \{"a": [0-9], "b": [0-9]\}\}</tool_call>'
+    common = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0)
+    extra = {"structured_outputs": {"regex": regex}}
+    out = client.chat.completions.create(**common, extra_body=extra)
+    message = out.choices[0].message
+    assert out.choices[0].finish_reason == "tool_calls" and message.content == "Ok."
+    [call] = message.tool_calls
+    assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
+    chunks = list(client.chat.completions.create(**common, extra_body=extra, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    fragments = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert content == "Ok." and fragments[0].function.name == "add"
+    assert "".join(f.function.arguments or "" for f in fragments) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
