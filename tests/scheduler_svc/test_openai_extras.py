@@ -425,3 +425,39 @@ def test_tools_are_rendered_by_a_template_that_reads_them_else_by_the_fallback(f
                 assert text.endswith("<user><tool_response>\n9\n</tool_response><assistant>")
 
     asyncio.run(main())
+
+
+def test_stats_lines_while_there_is_work_one_when_it_stops(monkeypatch, caplog):
+    """log_stats_forever's rhythm without a clock: each 'interval' is one patched sleep."""
+    from scheduler_svc import stats_log
+
+    metrics = Metrics("m")
+    script = [  # per interval: (serving, tokens generated in it)
+        (True, 0),  # the first sample: nothing to compare with, no line
+        (True, 5),  # work: a line
+        (True, 0),  # idle after work: one line (the load went to zero)
+        (True, 0),  # idle again: quiet
+        (False, 0),  # not serving: no line, and the next sample starts over
+        (True, 7),  # first sample again: no line
+        (True, 1),  # work: a line
+    ]
+    turn = iter(script)
+    serving = [True]
+
+    async def fake_sleep(_):
+        try:
+            serving[0], generated = next(turn)
+        except StopIteration:
+            raise asyncio.CancelledError from None
+        metrics.generation_tokens.inc(generated)
+
+    monkeypatch.setattr(stats_log.asyncio, "sleep", fake_sleep)
+
+    async def main():
+        with caplog.at_level(logging.INFO, logger="chunkserve.stats"):
+            with pytest.raises(asyncio.CancelledError):
+                await stats_log.log_stats_forever(lambda: (metrics.registry, "m") if serving[0] else None)
+
+    asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if r.name == "chunkserve.stats"]
+    assert len(lines) == 3 and all(line.startswith("Avg prompt throughput") for line in lines)
