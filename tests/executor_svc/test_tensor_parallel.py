@@ -342,3 +342,34 @@ def test_serve_restarts_the_whole_group_after_a_rank_dies(tiny_model_path, tmp_p
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.mark.slow  # three executor processes, ~35 s
+def test_tp2_masked_greedy_tokens_equal_tp1_and_stay_in_the_masks(tmp_path):
+    """Structured output under TP: every sampling entry of the mixed plans carries a token mask
+    row (rank 0 samples with it; the vocabulary is 127, padded to 128 rows across ranks, so
+    the padding row must stay out too): the same tokens as one process, each allowed."""
+    model = write_model(tmp_path / "model", tied=False)
+    vocab = TP_TINY["vocab_size"]
+
+    def allowed(seq: int) -> set[int]:
+        return {t for t in range(vocab) if t % 5 == seq % 5}
+
+    def row(ids: set[int]) -> bytes:
+        words = [0] * ((vocab + 31) // 32)
+        for t in ids:
+            words[t // 32] |= 1 << (t % 32)
+        return b"".join(w.to_bytes(4, "little") for w in words)
+
+    plans = mixed_plans()
+    for plan in plans:
+        for s in plan.seqs:
+            if s.sample:
+                s.token_masks.add(position=s.num_new_tokens - 1, bits=row(allowed(s.seq_id)))
+    one, two = replay(model, 1, tmp_path, plans), replay(model, 2, tmp_path, plans)
+    assert tokens(one) == tokens(two)
+    assert sum(len(t) for t in tokens(one)) == 34
+    assert all(token in allowed(seq) for step in tokens(one) for seq, token in step)
+    (tmp_path / "free").mkdir()
+    free = tokens(replay(model, 1, tmp_path / "free", mixed_plans()))
+    assert free != tokens(one)  # the masks changed what was sampled
