@@ -2,19 +2,24 @@
 
 What llm-d's KV cache indexer, Dynamo, SGLang's and vLLM's routers (vllm-router's `kv_aware`)
 subscribe to, so they route to chunkserve without code of theirs. The wire format is vLLM's
-`vllm/distributed/kv_events.py`: msgspec structs with `array_like=True` and `tag=True`, so
-each message is a 3-frame multipart [topic, seq (8 bytes big-endian), payload] whose payload is
+`vllm/distributed/kv_events.py` (msgspec structs): each message is a 3-frame multipart
+[topic, seq (8 bytes big-endian), payload], the payload an `EventBatch` [ts, [event, ...],
+data_parallel_rank] (array_like), and each event a tagged struct in one of two layouts, chosen
+by the config's chunkserve-only key `event_format`:
 
-    EventBatch       [ts, [event, ...], data_parallel_rank]
-    BlockStored      ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-                      lora_id, medium, lora_name]
-    BlockRemoved     ["BlockRemoved", block_hashes, medium]
-    AllBlocksCleared ["AllBlocksCleared"]
+    "map" (default)  {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": ...,
+                     "token_ids": [...], "block_size": 16, "lora_id": nil, "medium": nil,
+                     "lora_name": nil}; {"type": "BlockRemoved", "block_hashes", "medium"};
+                     {"type": "AllBlocksCleared"}: vLLM's current layout, what vllm-router
+                     (0.1.17 on PyPI: "KV event must be a tagged map") and llm-d read
+    "array"          ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+                     lora_id, medium, lora_name], ["BlockRemoved", block_hashes, medium],
+                     ["AllBlocksCleared"]: vLLM's earlier array_like layout (llm-d reads it too)
 
 Block hashes are integers: the last 8 bytes of chunkserve's SHA-256 block hash, big-endian
-(vLLM's default VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES; vllm-router reads only integers, llm-d
-reads bytes the same way). Consumers that match prompts by token ids (vllm-router, llm-d,
-Dynamo) need only token_ids and block_size to agree; lora_id, medium and lora_name are nil.
+(vLLM's default VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES; llm-d reads bytes the same way). They are
+opaque keys for parent chaining and removal; consumers match prompts by token_ids and
+block_size (vllm-router and llm-d hash the token ids themselves), which must agree.
 
 Replay (vLLM's protocol): a DEALER/REQ client sends the first sequence number it wants as 8
 bytes big-endian to `replay_endpoint` (ROUTER) and gets [seq, payload] frames then [-1, b""].
@@ -54,6 +59,7 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    event_format: str = "map"  # chunkserve's own key: "map" or "array" (the module docstring)
 
 
 def parse_kv_events_config(text: str | None) -> KVEventsConfig | None:
@@ -78,6 +84,8 @@ def parse_kv_events_config(text: str | None) -> KVEventsConfig | None:
     config = KVEventsConfig(**raw)
     if not config.enable_kv_cache_events or config.publisher == "null":
         return None
+    if config.event_format not in ("map", "array"):
+        raise ValueError(f"--kv-events-config: event_format must be map or array, got {config.event_format!r}")
     if config.publisher != "zmq":
         raise ValueError(f"--kv-events-config: publisher {config.publisher!r} is not supported (zmq or null)")
     for name in ("buffer_steps", "hwm", "max_queue_size"):
@@ -94,12 +102,14 @@ def parse_kv_events_config(text: str | None) -> KVEventsConfig | None:
     return config
 
 
-def wire_types() -> dict[str, type]:
-    """vLLM's msgspec structs (field order is the wire format), built on first use."""
+def wire_types(event_format: str = "map") -> dict[str, type]:
+    """vLLM's msgspec structs in the given layout (field order is the wire format)."""
     import msgspec
 
-    class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-        """Base of the tagged events."""
+    array_like = event_format == "array"
+
+    class KVCacheEvent(msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False, tag=True):
+        """Base of the tagged events (the tag is the class name, under "type" in a map)."""
 
     class VBlockStored(KVCacheEvent, tag="BlockStored"):
         block_hashes: list[int]
@@ -165,7 +175,7 @@ class ZmqPublisher:
         self.config = config
         self.rank = rank
         self._log = event_log
-        self._types = wire_types()
+        self._types = wire_types(config.event_format)
         self._encoder = msgspec.msgpack.Encoder()
         self._queue: queue.Queue[EventBatch | None] = queue.Queue(maxsize=config.max_queue_size)
         self._ctx = zmq.Context.instance()

@@ -17,24 +17,50 @@ msgspec = pytest.importorskip("msgspec")
 zmq = pytest.importorskip("zmq")
 
 
-def test_wire_layout_is_vllms_array_like_tagged_structs():
+def test_wire_layouts_are_vllms_tagged_structs():
     h0 = hash_block(None, None, [1, 2])
     h1 = hash_block(h0, None, [3, 4])
     batch = EventBatch(7, 12.5, (BlockStored((h0, h1), None, (1, 2, 3, 4), 2), BlockRemoved((h0,)), AllBlocksCleared()))
-    raw = msgspec.msgpack.decode(encode_batch(batch, 3, wire_types(), msgspec.msgpack.Encoder()))
-    assert raw == [
-        12.5,
-        [
-            ["BlockStored", [external_hash(h0), external_hash(h1)], None, [1, 2, 3, 4], 2, None, None, None],
-            ["BlockRemoved", [external_hash(h0)], None],
-            ["AllBlocksCleared"],
-        ],
-        3,
-    ]
+    ints = [external_hash(h0), external_hash(h1)]
+    raw = msgspec.msgpack.decode(encode_batch(batch, 3, wire_types("array"), msgspec.msgpack.Encoder()))
+    assert (
+        raw
+        == [  # vLLM's array_like layout (llm-d's legacy decoder)
+            12.5,
+            [
+                ["BlockStored", ints, None, [1, 2, 3, 4], 2, None, None, None],
+                ["BlockRemoved", ints[:1], None],
+                ["AllBlocksCleared"],
+            ],
+            3,
+        ]
+    )
+    raw = msgspec.msgpack.decode(encode_batch(batch, 3, wire_types("map"), msgspec.msgpack.Encoder()))
+    assert (
+        raw
+        == [  # tagged maps in a positional batch: what vllm-router's wire.rs reads
+            12.5,
+            [
+                {
+                    "type": "BlockStored",
+                    "block_hashes": ints,
+                    "parent_block_hash": None,
+                    "token_ids": [1, 2, 3, 4],
+                    "block_size": 2,
+                    "lora_id": None,
+                    "medium": None,
+                    "lora_name": None,
+                },
+                {"type": "BlockRemoved", "block_hashes": ints[:1], "medium": None},
+                {"type": "AllBlocksCleared"},
+            ],
+            3,
+        ]
+    )
     assert external_hash(h1) == int.from_bytes(h1[-8:], "big") and 0 <= external_hash(h1) < 2**64
     # The parent of a chained store is the previous block's integer hash.
     chained = EventBatch(8, 1.0, (BlockStored((h1,), h0, (3, 4), 2),))
-    raw = msgspec.msgpack.decode(encode_batch(chained, 0, wire_types(), msgspec.msgpack.Encoder()))
+    raw = msgspec.msgpack.decode(encode_batch(chained, 0, wire_types("array"), msgspec.msgpack.Encoder()))
     assert raw[1][0][2] == external_hash(h0)
 
 
@@ -49,6 +75,7 @@ def test_flag_json_is_vllms():
         ('{"enable_kv_cache_events": true, "hwm": "10"}', "hwm must be int"),
         ('{"enable_kv_cache_events": true, "publisher": "nats"}', "publisher 'nats'"),
         ('{"enable_kv_cache_events": true, "buffer_steps": 0}', "buffer_steps must be >= 1"),
+        ('{"enable_kv_cache_events": true, "event_format": "json"}', "event_format must be map or array"),
     ]:
         with pytest.raises(ValueError, match=says):
             parse_kv_events_config(bad)
@@ -110,8 +137,8 @@ def test_pub_sub_and_replay_on_loopback():
     seqs = [int.from_bytes(seq, "big") for _, seq, _ in got]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # consecutive
     first = msgspec.msgpack.decode(got[0][2])
-    assert first[1][0][0] == "BlockStored" and first[2] == 0
+    assert first[1][0]["type"] == "BlockStored" and first[2] == 0
     assert len(recent) == 1
     ((seq, batch),) = snapshot
-    assert batch[1][0] == ["AllBlocksCleared"]
-    assert sorted(h for e in batch[1][1:] for h in e[1]) == cached
+    assert batch[1][0] == {"type": "AllBlocksCleared"}
+    assert sorted(h for e in batch[1][1:] for h in e["block_hashes"]) == cached
