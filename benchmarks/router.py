@@ -148,6 +148,15 @@ async def overhead(direct: str, routed: str, n: int) -> tuple[float, float]:
     return statistics.median(lat[direct][5:]), statistics.median(lat[routed][5:])  # first ones warm up
 
 
+async def throughput(address: str, streams: int, tokens: int) -> float:
+    """Output tokens/s of `streams` concurrent greedy requests of `tokens` tokens each."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        start = time.perf_counter()
+        await asyncio.gather(*(one(stub, [3 + i % 90] * 32, tokens) for i in range(streams)))
+        return streams * tokens / (time.perf_counter() - start)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--groups", type=int, default=16)
@@ -159,6 +168,8 @@ def main() -> None:
     p.add_argument("--policies", default="cache_aware,round_robin,least_loaded")
     p.add_argument("--overhead-requests", type=int, default=200)
     p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument("--streams", type=int, default=32, help="concurrent streams of the throughput comparison")
+    p.add_argument("--stream-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
@@ -174,7 +185,7 @@ def main() -> None:
     )
     rows = {}
     try:
-        for policy in args.policies.split(","):
+        for policy in [p for p in args.policies.split(",") if p]:  # "" = the overhead part only
             reset_caches(servers)
             proc, port, _ = start_router(servers, policy, log_dir)
             try:
@@ -199,12 +210,22 @@ def main() -> None:
             proc, port, _ = start_router(servers[:1], "cache_aware", log_dir)
             try:
                 d, r = asyncio.run(overhead(servers[0].address, f"127.0.0.1:{port}", args.overhead_requests))
+                rates: dict[str, list[float]] = {"direct": [], "router": []}
+                for k in range(4):  # ABBA
+                    for name in ("direct", "router") if k % 2 == 0 else ("router", "direct"):
+                        address = servers[0].address if name == "direct" else f"127.0.0.1:{port}"
+                        rates[name].append(asyncio.run(throughput(address, args.streams, args.stream_tokens)))
             finally:
                 proc.terminate()
                 proc.wait(15)
             print(
                 f"router overhead, 1-token requests one at a time: direct {d * 1e3:.2f} ms, through the router "
                 f"{r * 1e3:.2f} ms median, +{(r - d) * 1e3:.2f} ms"
+            )
+            td, tr = statistics.median(rates["direct"]), statistics.median(rates["router"])
+            print(
+                f"{args.streams} streams x {args.stream_tokens} tokens: direct {td:.0f} tok/s, through the router "
+                f"{tr:.0f} tok/s (median of 4, ABBA): {tr / td:.3f}x"
             )
     finally:
         for s in servers:

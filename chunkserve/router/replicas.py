@@ -43,16 +43,20 @@ class ReplicaAddress:
     http_port: int = 0
 
     @property
+    def _host(self) -> str:
+        return f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
+
+    @property
     def grpc(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"{self._host}:{self.port}"
 
     @property
     def admin(self) -> str:
-        return f"{self.host}:{self.admin_port}"
+        return f"{self._host}:{self.admin_port}"
 
     @property
     def http(self) -> str | None:
-        return f"http://{self.host}:{self.http_port}" if self.http_port else None
+        return f"http://{self._host}:{self.http_port}" if self.http_port else None
 
 
 def parse_replica(text: str) -> ReplicaAddress:

@@ -84,3 +84,27 @@ def test_replica_addresses():
     for bad in ("nohost", "h:x", "h:1,grpc=2", "h:1,admin="):
         with pytest.raises(ValueError, match="--replica"):
             parse_replica(bad)
+
+
+def test_dns_discovery_adds_every_address_and_ipv6_is_bracketed():
+    import asyncio
+
+    from chunkserve.router.replicas import Intervals, ReplicaAddress, ReplicaSet
+
+    assert ReplicaAddress("::1", 50051, 50052, 8000).grpc == "[::1]:50051"
+    assert ReplicaAddress("::1", 50051, 50052, 8000).http == "http://[::1]:8000"
+
+    async def main() -> set[str]:
+        replicas = ReplicaSet([], ("localhost", 1, 2, 0), Intervals(health_s=60, load_s=60, dns_s=60))
+        replicas.start()
+        try:
+            for _ in range(500):  # the first resolution runs as a task: wait for it (bounded)
+                if replicas.replicas:
+                    break
+                await asyncio.sleep(0.01)
+            return set(replicas.replicas)
+        finally:
+            await replicas.close()
+
+    found = asyncio.run(main())
+    assert "127.0.0.1:1" in found and found <= {"127.0.0.1:1", "[::1]:1"}
