@@ -60,6 +60,10 @@ class GrammarCompiler(Protocol):
         thread hop: the request can sample in its first step), else None."""
         ...
 
+    def prefetch(self, constraint: Constraint) -> None:
+        """Starts compiling ahead of admission (before the prompt is tokenized); no result."""
+        ...
+
 
 class LLGuidanceMatcher:
     """A GrammarMatcher over one llguidance LLMatcher (one request's state)."""
@@ -98,6 +102,7 @@ class LLGuidanceCompiler:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[Constraint, object] = OrderedDict()
+        self._inflight: dict[Constraint, Future] = {}
         self.vocab_size = vocab_size
         self._tokenizer: Future = self._pool.submit(_llg_tokenizer, tokenizer_json, vocab_size, list(eos_token_ids))
 
@@ -105,8 +110,15 @@ class LLGuidanceCompiler:
     def from_folder(folder: str | Path, vocab_size: int, eos_token_ids: Sequence[int]) -> LLGuidanceCompiler:
         return LLGuidanceCompiler((Path(folder) / "tokenizer.json").read_text(), vocab_size, eos_token_ids)
 
+    def prefetch(self, constraint: Constraint) -> None:
+        """Starts compiling now (the servicer calls it before tokenizing the prompt), so that
+        admission usually finds the constraint compiled. Errors wait for the request's own
+        compile, which shares this one."""
+        self._compiled(constraint)
+
     async def compile(self, constraint: Constraint) -> GrammarMatcher:
-        return await asyncio.wrap_future(self._pool.submit(self.compile_now, constraint))
+        compiled = await asyncio.wrap_future(self._compiled(constraint))
+        return LLGuidanceMatcher(compiled.deep_copy(), self.vocab_size)
 
     def cached(self, constraint: Constraint) -> LLGuidanceMatcher | None:
         with self._lock:
@@ -117,25 +129,46 @@ class LLGuidanceCompiler:
         return LLGuidanceMatcher(compiled.deep_copy(), self.vocab_size)
 
     def compile_now(self, constraint: Constraint) -> LLGuidanceMatcher:
-        """Compiles on the calling thread (the pool's, or a test's); ValueError when it fails."""
+        """Compiles and waits (tests, benchmarks); ValueError when it does not compile."""
+        return LLGuidanceMatcher(self._compiled(constraint).result().deep_copy(), self.vocab_size)
+
+    def _compiled(self, constraint: Constraint) -> Future:
+        """The compiled, never consumed matcher: from the cache, or the compile already under
+        way for this constraint (one compile however many requests ask at once), or a new one."""
+        with self._lock:
+            compiled = self._cache.get(constraint)
+            if compiled is not None:
+                self._cache.move_to_end(constraint)
+                done: Future = Future()
+                done.set_result(compiled)
+                return done
+            future = self._inflight.get(constraint)
+            if future is None:
+                future = self._pool.submit(self._build, constraint)
+                self._inflight[constraint] = future
+            return future
+
+    def _build(self, constraint: Constraint) -> object:
         import llguidance as llg
 
-        if (matcher := self.cached(constraint)) is not None:
-            return matcher
         try:
-            tokenizer = self._tokenizer.result()
-        except Exception as exc:
-            raise ValueError(
-                f"structured output is unavailable: llguidance cannot read this tokenizer ({exc})"
-            ) from None
-        matcher = llg.LLMatcher(tokenizer, grammar_text(constraint), log_level=0)
-        if matcher.is_error():
-            raise ValueError(matcher.get_error().strip())
-        with self._lock:
-            self._cache[constraint] = matcher
-            if len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return LLGuidanceMatcher(matcher.deep_copy(), self.vocab_size)
+            try:
+                tokenizer = self._tokenizer.result()
+            except Exception as exc:
+                raise ValueError(
+                    f"structured output is unavailable: llguidance cannot read this tokenizer ({exc})"
+                ) from None
+            matcher = llg.LLMatcher(tokenizer, grammar_text(constraint), log_level=0)
+            if matcher.is_error():
+                raise ValueError(matcher.get_error().strip())
+            with self._lock:
+                self._cache[constraint] = matcher
+                if len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            return matcher
+        finally:
+            with self._lock:
+                self._inflight.pop(constraint, None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -205,6 +238,11 @@ class CompileTasks:
             return
         task = asyncio.get_running_loop().create_task(self._compile(request, constraint))
         self._tasks[request.request_id] = task
+
+    def prefetch(self, constraint: Constraint | None) -> None:
+        """Starts compiling a request's constraint before its prompt is tokenized (servicer)."""
+        if constraint is not None and self.compiler is not None:
+            self.compiler.prefetch(constraint)
 
     def cancel(self, request_id: str) -> None:
         """The request ended (abort, cancel, failure): its compile, if any, is not waited for."""

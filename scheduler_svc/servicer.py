@@ -29,7 +29,14 @@ from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServingError, UnavailableError
 from scheduler_svc.output import RequestStream, StreamDelta, stream_deltas
 from scheduler_svc.tokenizer import Tokenizer
-from scheduler_svc.validation import Limits, check_client_request_id, needs_tokenizer, sampling_params, tokenize_prompt
+from scheduler_svc.validation import (
+    Limits,
+    check_client_request_id,
+    needs_tokenizer,
+    sampling_params,
+    structured_constraint,
+    tokenize_prompt,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +102,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         """
         engine, limits, _ = self.ready_state()
         check_client_request_id(request)
+        engine.grammars.prefetch(structured_constraint(request.sampling))  # compiles while the prompt is tokenized
         if needs_tokenizer(request):
             ids = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize_pool, prompt or functools.partial(tokenize_prompt, request), engine.tokenizer, limits

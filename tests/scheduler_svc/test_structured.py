@@ -241,6 +241,9 @@ class GatedCompiler:
     def cached(self, constraint):
         return self.inner.cached(constraint) if self.use_cache else None
 
+    def prefetch(self, constraint):
+        pass
+
 
 def run_constrained(
     fakes, tokenizer_dir, work, *, fake, compiler, gate_open=True, between=None, use_cache=False, **cfg
@@ -555,3 +558,26 @@ def test_finishing_a_request_releases_its_matcher(fakes, compiler):
     assert req.num_output_tokens == 3 and req.matcher is not None
     sched.abort(req.request_id)
     assert req.matcher is None and req.is_finished and sched.pool.num_free_blocks == 64
+
+
+def test_prefetch_and_concurrent_compiles_of_one_constraint_build_it_once(compiler, monkeypatch):
+    """The servicer prefetches before tokenizing; the request's own compile then shares that
+    build (or finds it cached), as do other requests asking for the same constraint."""
+    from scheduler_svc import grammar
+
+    built = []
+    real = grammar.grammar_text
+    monkeypatch.setattr(grammar, "grammar_text", lambda c: built.append(c) or real(c))
+    c = Constraint.make("regex", "(ab){1,3}")
+
+    async def main():
+        compiler.prefetch(c)
+        matchers = await asyncio.gather(*(compiler.compile(c) for _ in range(4)))
+        assert len({id(m) for m in matchers}) == 4  # each its own state
+        assert all(m.accept(ord("a")) for m in matchers)
+
+    asyncio.run(main())
+    assert built == [c]
+    with pytest.raises(ValueError, match="regex"):  # a failed build is reported to every asker
+        compiler.prefetch(bad := Constraint.make("regex", "(a"))
+        compiler.compile_now(bad)
