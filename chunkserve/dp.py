@@ -43,6 +43,8 @@ def plan_replicas(n: int, scheduler: object, executor: object, cpus: list[int]) 
     """The children's flags and the router's view of them (pure: tested without processes)."""
     from scheduler_svc.kv_events_zmq import offset_endpoint
 
+    if scheduler.tls_cert_file:  # type: ignore[attr-defined]
+        raise ValueError("--data-parallel-size does not serve TLS yet (the router's public port is plain gRPC)")
     given_threads = executor.num_threads  # type: ignore[attr-defined]
     threads = given_threads or max(1, (len(cpus) - n) // n)
     per_replica = threads + 1  # its executor's threads and its scheduler
@@ -111,15 +113,26 @@ async def serve_data_parallel(n: int, scheduler: object, executor: object, model
         cpus = sorted(os.sched_getaffinity(0))[: cpu_budget().cpus]
     except AttributeError:  # not Linux
         cpus = list(range(os.cpu_count() or 1))
-    plans = plan_replicas(n, scheduler, executor, cpus)
+    try:
+        plans = plan_replicas(n, scheduler, executor, cpus)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return EXIT_CONFIG_ERROR
     children: list[asyncio.subprocess.Process] = []
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # Secrets never go on a command line: the API key reaches the replicas through their
+    # environment, so they refuse calls without it (the router forwards the client's).
+    env = dict(os.environ)
+    if scheduler.api_key:  # type: ignore[attr-defined]
+        env["CHUNKSERVE_API_KEY"] = scheduler.api_key  # type: ignore[attr-defined]
     for plan in plans:
         log.info("replica %d: chunkserve serve %s", plan.rank, " ".join(plan.argv))
-        child = await asyncio.create_subprocess_exec(sys.executable, "-m", "chunkserve.cli", "serve", *plan.argv)
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "chunkserve.cli", "serve", *plan.argv, env=env
+        )
         if plan.cpus is not None:
             os.sched_setaffinity(child.pid, plan.cpus)  # its executor inherits the mask
         children.append(child)
@@ -134,6 +147,7 @@ async def serve_data_parallel(n: int, scheduler: object, executor: object, model
         metrics_host=scheduler.metrics_host,  # type: ignore[attr-defined]
         metrics_port=scheduler.metrics_port,  # type: ignore[attr-defined]
         tokenizer=tokenizer_folder(scheduler, model),
+        api_key=scheduler.api_key,  # type: ignore[attr-defined]
     )
     app = RouterApp(config)
     try:

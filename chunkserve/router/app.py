@@ -14,6 +14,7 @@ from chunkserve.router.core import Router
 from chunkserve.router.grpc_front import GenerationProxy, RouterAdmin
 from chunkserve.router.metrics import RouterMetrics
 from chunkserve.router.replicas import Intervals, Replica, ReplicaAddress, ReplicaSet
+from chunkserve_contracts.auth import BearerTokenInterceptor
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from chunkserve_contracts.v1 import replica_pb2_grpc as rpb_grpc
@@ -39,6 +40,9 @@ class RouterConfig:
     balance_abs: int = 32
     balance_rel: float = 1.5
     intervals: Intervals = field(default_factory=Intervals)
+    # The replicas' --api-key: required of the router's gRPC clients too (health stays open), and
+    # sent on the router's own calls to the replicas. Clients' keys are forwarded as they are.
+    api_key: str | None = field(default=None, repr=False)
 
 
 class RouterApp:
@@ -47,12 +51,15 @@ class RouterApp:
             raise ValueError("give the replicas: --replica host:port (repeatable) and/or --replica-dns NAME")
         self.config = config
         self.health = health.aio.HealthServicer()
-        self.replicas = ReplicaSet(config.replicas, config.dns, config.intervals, self._replica_changed)
+        self.replicas = ReplicaSet(
+            config.replicas, config.dns, config.intervals, self._replica_changed, api_key=config.api_key
+        )
         self.metrics = RouterMetrics(lambda: list(self.replicas.replicas.values()))
         self.router = Router(
             self.replicas, self.metrics, config.tokenizer, config.policy, config.balance_abs, config.balance_rel
         )
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        interceptors = [BearerTokenInterceptor(config.api_key)] if config.api_key else []
+        self.server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         self.proxy = GenerationProxy(self.router)
         pb_grpc.add_GenerationServicer_to_server(self.proxy, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

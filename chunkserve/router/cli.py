@@ -91,6 +91,11 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
         default=float(_env("balance_rel_threshold", "1.5")),
         help="... and more than this many times as many",
     )
+    p.add_argument(
+        "--api-key",
+        default=_env("api_key") or os.environ.get("CHUNKSERVE_API_KEY"),
+        help=argparse.SUPPRESS,  # secret: CHUNKSERVE_ROUTER_API_KEY or CHUNKSERVE_API_KEY, never the command line
+    )
     p.add_argument("--health-interval-s", type=float, default=float(_env("health_interval_s", "1.0")))
     p.add_argument("--load-interval-s", type=float, default=float(_env("load_interval_s", "0.1")))
 
@@ -121,6 +126,7 @@ def config_from(args: argparse.Namespace):
         balance_abs=args.balance_abs_threshold,
         balance_rel=args.balance_rel_threshold,
         intervals=Intervals(health_s=args.health_interval_s, load_s=args.load_interval_s),
+        api_key=args.api_key or None,
     )
 
 

@@ -152,7 +152,9 @@ class ReplicaSet:
         dns: tuple[str, int, int, int] | None = None,  # (name, grpc port, admin port, http port)
         intervals: Intervals | None = None,
         on_change: Callable[[Replica], None] = lambda r: None,
+        api_key: str | None = None,
     ) -> None:
+        self._auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.intervals = intervals or Intervals()
         self.replicas: dict[str, Replica] = {}
         self._static = static
@@ -212,7 +214,9 @@ class ReplicaSet:
                 ok, why = False, f"health check {exc.code().name}"
             if ok and r.info is None:
                 try:
-                    r.info = await info_stub.GetInfo(pb.GetInfoRequest(), timeout=self.intervals.timeout_s)
+                    r.info = await info_stub.GetInfo(
+                        pb.GetInfoRequest(), metadata=self._auth, timeout=self.intervals.timeout_s
+                    )
                 except grpc.aio.AioRpcError:
                     ok = False
             if ok and not r.healthy:

@@ -4,6 +4,7 @@ endpoints), and a real two-replica server behind its router (slow)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -45,6 +46,11 @@ def test_plans_offset_ports_split_cpus_and_offset_event_endpoints():
     # Two CPUs, two replicas: one thread each, nothing pinned (no room for a scheduler each).
     small = plan_replicas(2, SchedulerConfig(), ExecutorConfig(), cpus=[0, 1])
     assert [flag(p.argv, "--num-threads") for p in small] == ["1", "1"] and small[0].cpus is None
+    assert "--api-key" not in " ".join(
+        plan_replicas(2, SchedulerConfig(api_key="s3cret"), ExecutorConfig(), [0])[0].argv
+    )
+    with pytest.raises(ValueError, match="TLS"):
+        plan_replicas(2, SchedulerConfig(tls_cert_file="c.pem", tls_key_file="k.pem"), ExecutorConfig(), [0, 1])
 
 
 @pytest.mark.slow
@@ -59,7 +65,9 @@ def test_two_replicas_behind_the_router(tiny_model_path, tmp_path):
     cmd += ["--port", str(port), "--http-port", "0", "--metrics-port", "0", "--admin-port", str(admin)]
     cmd += ["--executor-port", str(eport), "--dtype", "float32", "--num-gpu-blocks-override", "64"]
     log = tmp_path / "dp.log"
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    env = dict(os.environ, CHUNKSERVE_API_KEY="s3cret")  # the router and the replicas require it
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+    auth = (("authorization", "Bearer s3cret"),)
     try:
         stub = rpb_grpc.RouterStub(grpc.insecure_channel(f"127.0.0.1:{admin}"))
         deadline = time.time() + 300
@@ -75,17 +83,20 @@ def test_two_replicas_behind_the_router(tiny_model_path, tmp_path):
             time.sleep(0.5)
         assert [r.address for r in listed] == [f"127.0.0.1:{port + 100}", f"127.0.0.1:{port + 200}"]
         gen = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        request = build_request([5, 6, 7], temperature=0.0, max_tokens=4, ignore_eos=True)
         out = Completion()
-        for msg in gen.Generate(build_request([5, 6, 7], temperature=0.0, max_tokens=4, ignore_eos=True), timeout=60):
+        for msg in gen.Generate(request, timeout=60, metadata=auth):
             out.add(msg)
         assert len(out.token_ids) == 4
         direct = Completion()
         replica = pb_grpc.GenerationStub(grpc.insecure_channel(listed[1].address))
-        for msg in replica.Generate(
-            build_request([5, 6, 7], temperature=0.0, max_tokens=4, ignore_eos=True), timeout=60
-        ):
+        for msg in replica.Generate(request, timeout=60, metadata=auth):
             direct.add(msg)
         assert out.token_ids == direct.token_ids
+        for stub in (gen, replica):  # no key: refused by the router, and by a replica reached directly
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Generate(request, timeout=60))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         proc.terminate()
         assert proc.wait(60) == 0, log.read_text()[-3000:]
