@@ -13,8 +13,9 @@ float32), gRPC `SamplingParams.structured`.
     shortest valid output is longer than that (an array of at least 200 integers), so both
     end by max_tokens with the same counts. Rounds alternate free / schema; median output
     tok/s of each, ratio schema/free. Goal >= 0.9x.
-(c) TTFT: one request at a time on an idle server, a --ttft-prompt-len-token prompt (a new
-    one each time, so no prefix-cache hit), max_tokens 1; constrained with a schema never
+(c) TTFT: one request at a time on an idle server, a text prompt of about --ttft-prompt-len
+    tokens (a new one each time, so no prefix-cache hit; text, as clients send, so the
+    server tokenizes it while the schema compiles), max_tokens 1; constrained with a schema never
     compiled before (its property name changes each time), so the compile must hide behind
     the prefill. Alternating, median TTFT of each, ratio. Goal <= 1.05x.
 (d) overhead (in-process, no server): what one step costs per constrained request on each
@@ -184,7 +185,7 @@ async def throughput(stub, prompts: list[list[int]], new_tokens: int, rounds: in
     return {"free": free, "schema": schema, "ratio": s / f}
 
 
-async def ttft(stub, prompts: list[list[int]], trials: int) -> dict:
+async def ttft(stub, prompts: list[str], trials: int) -> dict:
     from chunkserve.client import build_request
     from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 
@@ -304,7 +305,8 @@ def main() -> None:
                 prompts = token_prompts(tokenizer, args.streams, 32)
                 figures["throughput"] = await throughput(stub, prompts, args.new_tokens, args.rounds)
             if "ttft" in args.parts:
-                prompts = token_prompts(tokenizer, 2 * args.ttft_trials, args.ttft_prompt_len, offset=1)
+                ids = token_prompts(tokenizer, 2 * args.ttft_trials, args.ttft_prompt_len, offset=1)
+                prompts = [tokenizer.decode(p) for p in ids]
                 figures["ttft"] = await ttft(stub, prompts, args.ttft_trials)
 
     try:
