@@ -160,6 +160,7 @@ class Engine:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="chunkserve-step-loop")
 
     async def stop(self) -> None:
+        self.grammars.cancel_all()  # no compile outlives the loop
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -250,6 +250,10 @@ class CompileTasks:
         if task is not None:
             task.cancel()
 
+    def cancel_all(self) -> None:
+        for request_id in list(self._tasks):
+            self.cancel(request_id)
+
     @property
     def pending(self) -> int:
         return len(self._tasks)
