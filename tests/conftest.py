@@ -1,14 +1,18 @@
 """Shared fixtures: real two-process servers on free loopback ports.
 
-The suite never writes into the user's cache (~/.cache/chunkserve, or $CHUNKSERVE_CACHE_DIR):
-converted models and measured CPU linear plans go to the repository's own .test-cache/ (kept
-between runs, so the default model is converted once), or $CHUNKSERVE_TEST_CACHE_DIR. A plan
-measured by a test on a loaded machine must not become what a user's server serves with.
+The suite never writes into the user's cache (~/.cache/chunkserve, or $CHUNKSERVE_CACHE_DIR).
+Every default cache folder is a temporary one made for this run: what the tests measure there
+(CPU linear plans) is gone with the run, so a plan measured on a loaded machine becomes neither
+what a user's server serves with nor what the next test run serves with. Its `models/` links to
+the repository's own .test-cache/models (or $CHUNKSERVE_TEST_CACHE_DIR/models), kept between
+runs, so the default model is converted once.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,8 +23,19 @@ TEST_CACHE_DIR = os.environ.get("CHUNKSERVE_TEST_CACHE_DIR") or str(Path(__file_
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Before any test, fixture or server child: every default cache folder is the test one."""
-    os.environ["CHUNKSERVE_CACHE_DIR"] = TEST_CACHE_DIR
+    """Before any test, fixture or server child: every default cache folder is this run's own."""
+    models = Path(TEST_CACHE_DIR) / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    run_cache = Path(tempfile.mkdtemp(prefix="chunkserve-test-cache-"))
+    (run_cache / "models").symlink_to(models.resolve(), target_is_directory=True)
+    os.environ["CHUNKSERVE_CACHE_DIR"] = str(run_cache)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run's cache goes (the link to the kept models, not what it points at)."""
+    run_cache = os.environ.get("CHUNKSERVE_CACHE_DIR", "")
+    if Path(run_cache).name.startswith("chunkserve-test-cache-"):
+        shutil.rmtree(run_cache, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -462,4 +462,8 @@ def test_the_suite_keeps_out_of_the_users_cache():
 
     assert Path(default_cache_dir()) != Path.home() / ".cache" / "chunkserve"
     assert default_cache_dir() == os.environ["CHUNKSERVE_CACHE_DIR"]
-    assert os.environ.get("CHUNKSERVE_TEST_CACHE_DIR", ".test-cache") in default_cache_dir()
+    # plans measured here live only as long as the run; the converted models are the kept ones
+    assert Path(default_cache_dir()).name.startswith("chunkserve-test-cache-")
+    kept = Path(os.environ.get("CHUNKSERVE_TEST_CACHE_DIR") or Path(__file__).resolve().parents[2] / ".test-cache")
+    assert (Path(default_cache_dir()) / "models").resolve() == (kept / "models").resolve()
+    assert not (Path(default_cache_dir()) / "linear-plans").resolve().is_relative_to(kept.resolve())
