@@ -9,6 +9,7 @@ import sys
 import grpc
 from google.protobuf import json_format
 
+from chunkserve_contracts.auth import ADMIN_TOKEN_ENV, bearer_metadata
 from chunkserve_contracts.flags import env_name
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
@@ -39,6 +40,11 @@ def _error_line(exc: grpc.RpcError, address: str) -> str:
     code = exc.code()
     if code == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or "").lower():
         return f"no Admin service at {address} (start the server with --admin-port {address.rpartition(':')[2]})"
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return (
+            f"the Admin service at {address} refused this call (UNAUTHENTICATED): set {ADMIN_TOKEN_ENV} to the "
+            "server's --admin-token"
+        )
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return (
             f"the server at {address} does not serve chunkserve.v1.Admin: that is another port (the public "
@@ -57,6 +63,11 @@ def add_admin_parser(sub: argparse._SubParsersAction) -> None:
         default=default,
         help=f"host:port of the Admin service, the server's --admin-port (default {default}; on by default)",
     )
+    p.add_argument(
+        "--admin-token",
+        default=os.environ.get(ADMIN_TOKEN_ENV),
+        help=f"the server's --admin-token, when it has one; better through the environment [env {ADMIN_TOKEN_ENV}]",
+    )
     actions = p.add_subparsers(dest="action", required=True)
     actions.add_parser("config", help="print the live scheduling configuration and state")
     setp = actions.add_parser("set", help="change settings at the next step boundary (validated, atomic)")
@@ -69,9 +80,10 @@ def add_admin_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_admin(args: argparse.Namespace) -> int:
     stub = pb_grpc.AdminStub(grpc.insecure_channel(args.address))
+    md = bearer_metadata(args.admin_token)
     try:
         if args.action == "config":
-            print(json_format.MessageToJson(stub.GetConfig(pb.GetConfigRequest(), timeout=10)))
+            print(json_format.MessageToJson(stub.GetConfig(pb.GetConfigRequest(), metadata=md, timeout=10)))
         elif args.action == "set":
             update = pb.SchedulingConfig()
             for flag, (field, _) in _SETTINGS.items():
@@ -80,11 +92,14 @@ def run_admin(args: argparse.Namespace) -> int:
                     setattr(update, field, value)
             if args.enable_chunked_prefill is not None:
                 update.enable_chunked_prefill = args.enable_chunked_prefill
-            print(json_format.MessageToJson(stub.UpdateConfig(update, timeout=10)))
+            print(json_format.MessageToJson(stub.UpdateConfig(update, metadata=md, timeout=10)))
         elif args.action == "reset-prefix-cache":
-            print(stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=10).num_blocks_dropped, "blocks dropped")
+            print(
+                stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), metadata=md, timeout=10).num_blocks_dropped,
+                "blocks dropped",
+            )
         else:
-            for trace in stub.WatchSteps(pb.WatchStepsRequest()):
+            for trace in stub.WatchSteps(pb.WatchStepsRequest(), metadata=md):
                 print(json_format.MessageToJson(trace, indent=None), flush=True)
     except grpc.RpcError as exc:
         sys.stderr.write(f"chunkserve admin: {_error_line(exc, args.address)}\n")

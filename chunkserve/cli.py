@@ -61,6 +61,7 @@ def _load(target: str):
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     from executor_svc.config import DEFAULT_MODEL_HUB_ID, ExecutorConfig
+    from scheduler_svc.admin_access import AdminAccess
     from scheduler_svc.config import SchedulerConfig
 
     p = sub.add_parser(
@@ -79,6 +80,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     # The executor's address and token are this command's own: a fresh token per launch.
     add_config_flags(p, SchedulerConfig, skip=("executor_address", "executor_token"), seen=seen)
     add_config_flags(p, ExecutorConfig, skip=("executor_token",), seen=seen)
+    add_config_flags(p, AdminAccess, seen=seen)  # who may call --admin-port
     p.add_argument(
         "--data-parallel-size",
         "-dp",
@@ -150,6 +152,7 @@ def _serve(args: argparse.Namespace) -> None:
     import uvloop
 
     from executor_svc.config import ExecutorConfig
+    from scheduler_svc.admin_access import AdminAccess
     from scheduler_svc.config import AUTO_MAX_BATCHED_TOKENS, SchedulerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -167,6 +170,9 @@ def _serve(args: argparse.Namespace) -> None:
             executor_token=token,
             served_model_name=served_name(given, args.served_model_name),
         )
+        access = config_from_args(AdminAccess, args)
+        if scheduler.admin_port:  # with -dp N, the router's admin port: the same rule
+            access.check(scheduler.admin_host)
         # Before anything starts: another server's executor on that port is said in one line.
         ensure_port_free(executor.executor_host, executor.executor_port)
         check_ports(scheduler, executor.executor_port)  # and every port this process listens on
@@ -181,8 +187,8 @@ def _serve(args: argparse.Namespace) -> None:
     if args.data_parallel_size > 1:
         from chunkserve.dp import serve_data_parallel
 
-        sys.exit(uvloop.run(serve_data_parallel(args.data_parallel_size, scheduler, executor, model)))
-    sys.exit(uvloop.run(_serve_async(scheduler, executor)))
+        sys.exit(uvloop.run(serve_data_parallel(args.data_parallel_size, scheduler, executor, model, access)))
+    sys.exit(uvloop.run(_serve_async(scheduler, executor, access)))
 
 
 def served_name(given: str, flag: str | None) -> str | None:
@@ -253,7 +259,7 @@ def check_ports(config: object, executor_port: int) -> None:
             ) from None
 
 
-async def _serve_async(scheduler_config: object, executor_config: object) -> int:
+async def _serve_async(scheduler_config: object, executor_config: object, access: object = None) -> int:
     """Scheduler here, executor as a child; a child that dies is restarted (at most
     MAX_RESTARTS times in RESTART_WINDOW_S) and the scheduler reconnects on its own. A child
     that exits with EXIT_CONFIG_ERROR (a setting that can never work, e.g. its port is taken)
@@ -270,7 +276,7 @@ async def _serve_async(scheduler_config: object, executor_config: object) -> int
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    app = SchedulerApp(scheduler_config)  # type: ignore[arg-type]
+    app = SchedulerApp(scheduler_config, access)  # type: ignore[arg-type]
     restarts: list[float] = []
     try:
         starting = asyncio.create_task(app.start())

@@ -102,9 +102,12 @@ def tokenizer_folder(scheduler: object, model: str) -> str | None:
     return None  # a .gguf file: text prompts are routed by load (token-id prompts by cache)
 
 
-async def serve_data_parallel(n: int, scheduler: object, executor: object, model: str) -> int:
+async def serve_data_parallel(n: int, scheduler: object, executor: object, model: str, access: object = None) -> int:
     """Starts the N replica children, then the router on the public ports; stops all on a
-    signal. A replica that exits is reported and left out by the router's health checks."""
+    signal. A replica that exits is reported and left out by the router's health checks.
+    `access` (scheduler_svc.admin.AdminAccess): --admin-token guards the router's admin port and
+    reaches the replicas (loopback) through their environment, the router then using it on
+    their Replica service (or --admin-read-token, when given)."""
     from chunkserve.router.app import RouterApp, RouterConfig
     from chunkserve.router.replicas import parse_replica
     from chunkserve_contracts.cpu import cpu_budget
@@ -128,6 +131,11 @@ async def serve_data_parallel(n: int, scheduler: object, executor: object, model
     env = dict(os.environ)
     if scheduler.api_key:  # type: ignore[attr-defined]
         env["CHUNKSERVE_API_KEY"] = scheduler.api_key  # type: ignore[attr-defined]
+    admin_token = getattr(access, "admin_token", None)
+    read_token = getattr(access, "admin_read_token", None)
+    for name, value in (("CHUNKSERVE_ADMIN_TOKEN", admin_token), ("CHUNKSERVE_ADMIN_READ_TOKEN", read_token)):
+        if value:
+            env[name] = value
     for plan in plans:
         log.info("replica %d: chunkserve serve %s", plan.rank, " ".join(plan.argv))
         child = await asyncio.create_subprocess_exec(
@@ -148,6 +156,9 @@ async def serve_data_parallel(n: int, scheduler: object, executor: object, model
         metrics_port=scheduler.metrics_port,  # type: ignore[attr-defined]
         tokenizer=tokenizer_folder(scheduler, model),
         api_key=scheduler.api_key,  # type: ignore[attr-defined]
+        admin_token=admin_token,
+        admin_allow_unauthenticated=bool(getattr(access, "admin_allow_unauthenticated", False)),
+        replica_admin_token=read_token or admin_token,
     )
     app = RouterApp(config)
     try:

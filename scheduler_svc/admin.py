@@ -1,4 +1,5 @@
-"""The operator service (chunkserve.v1.Admin), on its own port, loopback by default.
+"""The operator service (chunkserve.v1.Admin), on its own port, loopback by default (who may
+call that port: admin_access.py).
 
 Everything runs on the scheduler's event loop, and the engine only yields to it between
 steps, so a change applies at a step boundary: the plan in flight was built under the old

@@ -25,6 +25,7 @@ from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from chunkserve_contracts.v1 import replica_pb2, replica_pb2_grpc
 from scheduler_svc.admin import AdminServicer, Controls
+from scheduler_svc.admin_access import AdminAccess
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.config import SchedulerConfig, resolve_auto_budget, validate_against_executor
 from scheduler_svc.engine import Engine
@@ -89,8 +90,12 @@ class Ready:
 class SchedulerApp:
     """The scheduler process: public server, health, executor connection, engine."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, access: AdminAccess | None = None) -> None:
+        """`access`: who may call the admin port (none given: no token, so loopback only)."""
         self.config = config
+        self.access = access or AdminAccess()
+        if config.admin_port:
+            self.access.check(config.admin_host)  # beyond loopback: a token, or the explicit opt-out
         self.ready: Ready | None = None
         self.health = health.aio.HealthServicer()
         interceptors = [BearerTokenInterceptor(config.api_key)] if config.api_key else []
@@ -135,7 +140,7 @@ class SchedulerApp:
         self.kv_publisher = None  # kv_events_zmq.ZmqPublisher, made at start-up with --kv-events-config
         self.step_costs = StepCostWatch()
         if config.admin_port:
-            self.admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            self.admin = grpc.aio.server(interceptors=self.access.interceptors(), options=[("grpc.so_reuseport", 0)])
             servicer = AdminServicer(self.tracer, lambda: None if self.ready is None else self.ready.controls)
             pb_grpc.add_AdminServicer_to_server(servicer, self.admin)
             replica = ReplicaServicer(
@@ -360,9 +365,11 @@ class SchedulerApp:
             await self.ready.client.close()
 
 
-async def run_forever(config: SchedulerConfig, stop_event: asyncio.Event | None = None) -> None:
+async def run_forever(
+    config: SchedulerConfig, stop_event: asyncio.Event | None = None, access: AdminAccess | None = None
+) -> None:
     """Runs the scheduler until stop_event is set (or forever)."""
-    app = SchedulerApp(config)
+    app = SchedulerApp(config, access)
     try:
         await app.start()
         await (stop_event.wait() if stop_event is not None else app.server.wait_for_termination())

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from executor_svc.config import ExecutorConfig
+from scheduler_svc.admin_access import AdminAccess
 from scheduler_svc.config import SchedulerConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,7 +26,11 @@ GENERATION = "chunkserve.v1.Generation"
 
 
 def serve_env() -> set[str]:
-    fields = [*dataclasses.fields(SchedulerConfig), *dataclasses.fields(ExecutorConfig)]
+    fields = [
+        *dataclasses.fields(SchedulerConfig),
+        *dataclasses.fields(ExecutorConfig),
+        *dataclasses.fields(AdminAccess),
+    ]
     return {"CHUNKSERVE_" + f.name.upper() for f in fields if f.metadata.get("help")} | {
         "CHUNKSERVE_CACHE_DIR",  # read by the executor's cache (executor_svc.config.default_cache_dir)
         "HF_HUB_OFFLINE",
@@ -42,7 +47,9 @@ def router_env() -> set[str]:
 
 
 def interpolate(text: str) -> str:
-    """${VAR:-default} -> default (the variables unset), as compose does."""
+    """${VAR:-default} -> default (the variables unset), as compose does; ${VAR:?message}, which
+    compose refuses to start without, -> <VAR>, the operator's value."""
+    text = re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*):\?[^}]*\}", r"<\1>", text)
     return re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*:-([^}]*)\}", r"\1", text)
 
 
@@ -64,7 +71,15 @@ def test_compose_file_is_valid_and_only_the_router_is_published(compose):
     assert router["depends_on"]["replica"]["condition"] == "service_healthy"
     assert set(replica["environment"]) <= serve_env(), set(replica["environment"]) - serve_env()
     assert set(router["environment"]) <= router_env(), set(router["environment"]) - router_env()
-    assert replica["environment"]["CHUNKSERVE_ADMIN_HOST"] == "0.0.0.0"  # the router reads events there
+    renv, oenv = replica["environment"], router["environment"]
+    assert renv["CHUNKSERVE_ADMIN_HOST"] == "0.0.0.0"  # the router reads events there ...
+    # ... so the admin port needs tokens, which compose refuses to start without (no default),
+    # and the router holds only the read token: it cannot change a replica.
+    assert renv["CHUNKSERVE_ADMIN_TOKEN"] == "<CHUNKSERVE_ADMIN_TOKEN>"
+    assert renv["CHUNKSERVE_ADMIN_READ_TOKEN"] == "<CHUNKSERVE_ADMIN_READ_TOKEN>"
+    assert oenv["CHUNKSERVE_ROUTER_REPLICA_ADMIN_TOKEN"] == "<CHUNKSERVE_ADMIN_READ_TOKEN>"
+    assert not any("<CHUNKSERVE_ADMIN_TOKEN>" in str(v) for v in oenv.values())
+    assert "CHUNKSERVE_ADMIN_ALLOW_UNAUTHENTICATED" not in renv
     assert (
         router["environment"]["CHUNKSERVE_ROUTER_REPLICA_ADMIN_PORT"] == replica["environment"]["CHUNKSERVE_ADMIN_PORT"]
     )
@@ -77,7 +92,7 @@ def k8s_docs() -> list[dict]:
 def test_manifests_validate_against_the_kubernetes_schemas():
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     docs = k8s_docs()
-    assert {d["kind"] for d in docs} == {"StatefulSet", "Service", "Deployment"}
+    assert {d["kind"] for d in docs} == {"StatefulSet", "Service", "Deployment", "NetworkPolicy"}
     for doc in docs:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # raises on any unknown or wrong field
     broken = {**docs[0], "spec": {**docs[0]["spec"], "replicas": "two"}}
@@ -96,13 +111,25 @@ def test_manifests_wire_the_router_to_the_replicas():
     assert front["spec"]["selector"].items() <= router["spec"]["template"]["metadata"]["labels"].items()
     (rc,) = replicas["spec"]["template"]["spec"]["containers"]
     (ro,) = router["spec"]["template"]["spec"]["containers"]
-    renv = {e["name"]: e.get("value") for e in rc["env"]}
-    oenv = {e["name"]: e.get("value") for e in ro["env"]}
+    renv = {e["name"]: e.get("value") or e.get("valueFrom") for e in rc["env"]}
+    oenv = {e["name"]: e.get("value") or e.get("valueFrom") for e in ro["env"]}
     assert set(renv) <= serve_env(), set(renv) - serve_env()
     assert set(oenv) <= router_env(), set(oenv) - router_env()
     assert oenv["CHUNKSERVE_ROUTER_REPLICA_DNS"] == headless["metadata"]["name"]
     assert oenv["CHUNKSERVE_ROUTER_REPLICA_ADMIN_PORT"] == renv["CHUNKSERVE_ADMIN_PORT"]
     assert renv["CHUNKSERVE_ADMIN_HOST"] == "0.0.0.0"
+    # The admin port beyond loopback: tokens from a Secret, the router with the read token only.
+    secret = {"name": "chunkserve-admin"}
+    assert renv["CHUNKSERVE_ADMIN_TOKEN"] == {"secretKeyRef": {**secret, "key": "admin-token"}}
+    assert renv["CHUNKSERVE_ADMIN_READ_TOKEN"] == {"secretKeyRef": {**secret, "key": "read-token"}}
+    assert oenv["CHUNKSERVE_ROUTER_REPLICA_ADMIN_TOKEN"] == renv["CHUNKSERVE_ADMIN_READ_TOKEN"]
+    assert "CHUNKSERVE_ADMIN_ALLOW_UNAUTHENTICATED" not in renv
+    # The NetworkPolicy admits the router (and only labelled pods) to the admin port.
+    policy = docs[("NetworkPolicy", "chunkserve-replica-admin")]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= replicas["spec"]["template"]["metadata"]["labels"].items()
+    (admin_rule,) = [rule for rule in policy["ingress"] if {"port": "admin"} in rule["ports"]]
+    (allowed,) = admin_rule["from"]
+    assert allowed["podSelector"]["matchLabels"].items() <= router["spec"]["template"]["metadata"]["labels"].items()
     for container in (rc, ro):
         assert container["readinessProbe"]["grpc"] == {"port": 50051, "service": GENERATION}
         assert "grpc" in container["livenessProbe"]

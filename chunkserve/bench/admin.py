@@ -6,6 +6,7 @@ import logging
 
 import grpc
 
+from chunkserve_contracts.auth import admin_metadata
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 
@@ -20,7 +21,9 @@ async def reset_prefix_cache(admin_address: str, timeout: float = 10.0) -> int |
     """
     try:
         async with grpc.aio.insecure_channel(admin_address) as channel:
-            reply = await pb_grpc.AdminStub(channel).ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=timeout)
+            reply = await pb_grpc.AdminStub(channel).ResetPrefixCache(
+                pb.ResetPrefixCacheRequest(), metadata=admin_metadata(), timeout=timeout
+            )
         return reply.num_blocks_dropped
     except grpc.aio.AioRpcError as exc:
         log.warning(

@@ -15,6 +15,7 @@ import logging
 
 import grpc
 
+from chunkserve_contracts.auth import admin_metadata
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 
@@ -50,7 +51,7 @@ class StepTraceWatcher:
     async def _watch(self) -> None:
         stub = pb_grpc.AdminStub(self._channel)
         try:
-            async for trace in stub.WatchSteps(pb.WatchStepsRequest()):
+            async for trace in stub.WatchSteps(pb.WatchStepsRequest(), metadata=admin_metadata()):
                 self.traces.append(trace)
         except grpc.aio.AioRpcError as exc:
             self.error = f"WatchSteps: {exc.code().name}: {exc.details()}"

@@ -14,7 +14,7 @@ from chunkserve.router.core import Router
 from chunkserve.router.grpc_front import GenerationProxy, RouterAdmin
 from chunkserve.router.metrics import RouterMetrics
 from chunkserve.router.replicas import Intervals, Replica, ReplicaAddress, ReplicaSet
-from chunkserve_contracts.auth import BearerTokenInterceptor
+from chunkserve_contracts.auth import BearerTokenInterceptor, check_admin_bind
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from chunkserve_contracts.v1 import replica_pb2_grpc as rpb_grpc
@@ -43,16 +43,35 @@ class RouterConfig:
     # The replicas' --api-key: required of the router's gRPC clients too (health stays open), and
     # sent on the router's own calls to the replicas. Clients' keys are forwarded as they are.
     api_key: str | None = field(default=None, repr=False)
+    # The Router service's token (ListReplicas, DrainReplica): required of every call to
+    # --admin-port when set, and needed to listen beyond loopback unless explicitly waived.
+    admin_token: str | None = field(default=None, repr=False)
+    admin_allow_unauthenticated: bool = False
+    # Sent on WatchKVEvents and GetLoad to the replicas' admin ports: their --admin-read-token
+    # (or --admin-token).
+    replica_admin_token: str | None = field(default=None, repr=False)
 
 
 class RouterApp:
     def __init__(self, config: RouterConfig) -> None:
         if not config.replicas and config.dns is None:
             raise ValueError("give the replicas: --replica host:port (repeatable) and/or --replica-dns NAME")
+        if config.admin_port:
+            check_admin_bind(
+                config.admin_host,
+                config.admin_token,
+                config.admin_allow_unauthenticated,
+                "CHUNKSERVE_ROUTER_ADMIN_TOKEN",
+            )
         self.config = config
         self.health = health.aio.HealthServicer()
         self.replicas = ReplicaSet(
-            config.replicas, config.dns, config.intervals, self._replica_changed, api_key=config.api_key
+            config.replicas,
+            config.dns,
+            config.intervals,
+            self._replica_changed,
+            api_key=config.api_key,
+            admin_token=config.replica_admin_token,
         )
         self.metrics = RouterMetrics(lambda: list(self.replicas.replicas.values()))
         self.router = Router(
@@ -63,7 +82,12 @@ class RouterApp:
         self.proxy = GenerationProxy(self.router)
         pb_grpc.add_GenerationServicer_to_server(self.proxy, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)]) if config.admin_port else None
+        admin_auth = [BearerTokenInterceptor(config.admin_token, "missing or wrong router admin token")]
+        self.admin = None
+        if config.admin_port:
+            self.admin = grpc.aio.server(
+                interceptors=admin_auth if config.admin_token else [], options=[("grpc.so_reuseport", 0)]
+            )
         if self.admin is not None:
             rpb_grpc.add_RouterServicer_to_server(RouterAdmin(self.router), self.admin)
         self.http = None

@@ -10,6 +10,7 @@ import signal
 import sys
 
 from chunkserve.router.scoring import POLICIES
+from chunkserve_contracts.auth import check_admin_bind
 
 HELP = "route requests across chunkserve replicas by cached prefix, predicted TTFT and load"
 
@@ -96,6 +97,23 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
         default=_env("api_key") or os.environ.get("CHUNKSERVE_API_KEY"),
         help=argparse.SUPPRESS,  # secret: CHUNKSERVE_ROUTER_API_KEY or CHUNKSERVE_API_KEY, never the command line
     )
+    p.add_argument(
+        "--admin-token",
+        default=_env("admin_token"),
+        help=argparse.SUPPRESS,  # secret: CHUNKSERVE_ROUTER_ADMIN_TOKEN, never the command line
+    )
+    p.add_argument(
+        "--admin-allow-unauthenticated",
+        action=argparse.BooleanOptionalAction,
+        default=(_env("admin_allow_unauthenticated", "") or "").lower() in ("1", "true", "yes", "on"),
+        help="serve --admin-port beyond loopback without CHUNKSERVE_ROUTER_ADMIN_TOKEN (anyone who reaches it may "
+        "drain replicas): only where a network policy admits trusted callers alone",
+    )
+    p.add_argument(
+        "--replica-admin-token",
+        default=_env("replica_admin_token"),
+        help=argparse.SUPPRESS,  # secret: CHUNKSERVE_ROUTER_REPLICA_ADMIN_TOKEN, the replicas' --admin-read-token
+    )
     p.add_argument("--health-interval-s", type=float, default=float(_env("health_interval_s", "1.0")))
     p.add_argument("--load-interval-s", type=float, default=float(_env("load_interval_s", "0.1")))
 
@@ -110,6 +128,10 @@ def config_from(args: argparse.Namespace):
         dns = (args.replica_dns, args.replica_port, args.replica_admin_port, args.replica_http_port)
     if args.health_interval_s <= 0 or args.load_interval_s <= 0:
         raise ValueError("--health-interval-s and --load-interval-s must be > 0")
+    if args.admin_port:
+        check_admin_bind(
+            args.admin_host, args.admin_token, args.admin_allow_unauthenticated, "CHUNKSERVE_ROUTER_ADMIN_TOKEN"
+        )
     return RouterConfig(
         replicas=replicas,
         dns=dns,
@@ -127,6 +149,9 @@ def config_from(args: argparse.Namespace):
         balance_rel=args.balance_rel_threshold,
         intervals=Intervals(health_s=args.health_interval_s, load_s=args.load_interval_s),
         api_key=args.api_key or None,
+        admin_token=args.admin_token or None,
+        admin_allow_unauthenticated=args.admin_allow_unauthenticated,
+        replica_admin_token=args.replica_admin_token or None,
     )
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from chunkserve_contracts.auth import bearer_metadata
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from chunkserve_contracts.v1 import replica_pb2 as rpb
@@ -153,8 +154,10 @@ class ReplicaSet:
         intervals: Intervals | None = None,
         on_change: Callable[[Replica], None] = lambda r: None,
         api_key: str | None = None,
+        admin_token: str | None = None,
     ) -> None:
-        self._auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._auth = bearer_metadata(api_key)  # public API calls (GetInfo)
+        self._admin_auth = bearer_metadata(admin_token)  # the Replica service on the admin port
         self.intervals = intervals or Intervals()
         self.replicas: dict[str, Replica] = {}
         self._static = static
@@ -236,17 +239,26 @@ class ReplicaSet:
         from scheduler_svc.replica import batch_from_proto
 
         stub = rpb_grpc.ReplicaStub(r.admin_channel)
+        refused = False
         while True:
             request = rpb.WatchKVEventsRequest()
             if r.last_seq is not None:
                 request.from_seq = max(r.last_seq + 1, 0)
             try:
-                async for msg in stub.WatchKVEvents(request):
+                async for msg in stub.WatchKVEvents(request, metadata=self._admin_auth):
                     r.events_connected = True
                     apply(r.index, batch_from_proto(msg))  # a replay batch starts with AllBlocksCleared
                     r.last_seq = msg.seq
             except grpc.aio.AioRpcError as exc:
-                if r.events_connected:
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED and not refused:
+                    refused = True  # said once; routed by load only until the token is right
+                    log.error(
+                        "replica %s refused the router on its admin port %s (UNAUTHENTICATED): set "
+                        "CHUNKSERVE_ROUTER_REPLICA_ADMIN_TOKEN to the replicas' --admin-read-token",
+                        r.name,
+                        r.address.admin,
+                    )
+                elif r.events_connected:
                     log.warning("KV events from %s interrupted (%s); resubscribing", r.name, exc.code().name)
             r.events_connected = False
             await asyncio.sleep(self.intervals.health_s / 4)
@@ -256,7 +268,9 @@ class ReplicaSet:
         while True:
             if r.healthy:
                 try:
-                    r.load = await stub.GetLoad(rpb.GetLoadRequest(), timeout=self.intervals.timeout_s)
+                    r.load = await stub.GetLoad(
+                        rpb.GetLoadRequest(), metadata=self._admin_auth, timeout=self.intervals.timeout_s
+                    )
                 except grpc.aio.AioRpcError:
                     pass  # the health check decides whether it is down
             await asyncio.sleep(self.intervals.load_s)

@@ -68,7 +68,7 @@ def no_server(monkeypatch) -> list[tuple[object, object]]:
 
     started: list[tuple[object, object]] = []
     monkeypatch.setattr(
-        chunkserve.cli, "_serve_async", lambda scheduler, executor: started.append((scheduler, executor))
+        chunkserve.cli, "_serve_async", lambda scheduler, executor, access=None: started.append((scheduler, executor))
     )
     monkeypatch.setattr(uvloop, "run", lambda _: 0)
     return started
