@@ -82,12 +82,11 @@ class RouterApp:
         self.proxy = GenerationProxy(self.router)
         pb_grpc.add_GenerationServicer_to_server(self.proxy, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        admin_auth = [BearerTokenInterceptor(config.admin_token, "missing or wrong router admin token")]
         self.admin = None
         if config.admin_port:
-            self.admin = grpc.aio.server(
-                interceptors=admin_auth if config.admin_token else [], options=[("grpc.so_reuseport", 0)]
-            )
+            token = config.admin_token
+            admin_auth = [BearerTokenInterceptor(token, "missing or wrong router admin token")] if token else []
+            self.admin = grpc.aio.server(interceptors=admin_auth, options=[("grpc.so_reuseport", 0)])
         if self.admin is not None:
             rpb_grpc.add_RouterServicer_to_server(RouterAdmin(self.router), self.admin)
         self.http = None

@@ -131,6 +131,10 @@ def test_without_a_token_the_admin_port_stays_on_loopback(serving):
             serving(config(), AdminAccess(admin_read_token=READ))
         serving(config(admin_host="0.0.0.0", admin_port=0))  # no admin port: nothing to guard
         serving(config(admin_host="0.0.0.0"), AdminAccess(admin_allow_unauthenticated=True))  # the explicit opt-out
+        replica = [ReplicaAddress("127.0.0.1", 1, 2)]
+        with pytest.raises(ValueError, match="CHUNKSERVE_ROUTER_ADMIN_TOKEN"):
+            RouterApp(RouterConfig(replicas=replica, admin_host="0.0.0.0", admin_port=free_port()))
+        RouterApp(RouterConfig(replicas=replica, admin_port=free_port()))  # the router on loopback, no token
         app = serving(config())  # loopback, no token: open, as before
         await app.start()
         try:
