@@ -10,9 +10,11 @@ sampling parameters (SamplingSpec's ranges, at most MAX_NUM_LOGPROBS) and an ent
 name known sequences once each, match their cursor, compute >= 1 token, stay below
 max_model_len, bring token ids inside the vocabulary (or decode the token sampled last) and
 in-range block ids, never one twice in a table, enough for their tokens; the tokens fit the
-budget; copies stay in range, with distinct destinations; token masks (structured output)
-are rows of ceil(vocab / 32) words at increasing positions that sample (today: only the
-entry's last, with `sample` set), allow some token and no id past the vocabulary.
+budget; copies stay in range, with distinct destinations; draft tokens (speculative
+decoding) follow a chunk that samples, inside the vocabulary, and every row from the last
+known token on samples; token masks (structured output) are rows of ceil(vocab / 32) words
+at increasing positions that sample (the entry's last, and its drafts'), allow some token
+and no id past the vocabulary.
 
 Block ownership. `holders[b]` counts the live sequences whose block table holds device
 block b. A sequence may *read* blocks others hold (a new sequence's leading prefix-cache
@@ -79,8 +81,11 @@ class CheckedPlan:
     token_ids: list[int] = field(default_factory=list)
     query_lens: list[int] = field(default_factory=list)
     computed: list[int] = field(default_factory=list)
-    sampling: list[tuple[int, int]] = field(default_factory=list)  # (entry index, sampled position)
+    # One per row that samples, in batch order: (entry index, position the sampled token takes).
+    sampling: list[tuple[int, int]] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # the flat batch row of each `sampling` item
     masks: dict[int, bytes] = field(default_factory=dict)  # index into `sampling` -> packed allowed tokens
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # entry index -> its draft tokens (verify)
 
 
 @dataclass(slots=True)
@@ -175,49 +180,63 @@ def _check_entry(step: int, i: int, s: epb.ScheduledSequence, st: ExecutorState,
     end = computed + n
     if end > st.max_model_len:
         raise PlanError(f"{_at(step, seq_id)}: positions up to {end - 1} exceed max_model_len {st.max_model_len}")
-    tokens = s.token_ids
+    tokens, draft = s.token_ids, s.draft_token_ids
+    known = n - len(draft)  # the chunk's tokens before its drafts
+    if draft and (not s.sample or known < 1):
+        raise PlanError(f"{_at(step, seq_id)}: {len(draft)} draft tokens need a chunk that samples before them")
     if tokens:
-        if len(tokens) != n:
-            raise PlanError(f"{_at(step, seq_id)}: {len(tokens)} token ids for {n} new tokens")
+        if len(tokens) != known:
+            raise PlanError(f"{_at(step, seq_id)}: {len(tokens)} token ids for {known} new tokens")
         if max(tokens) >= st.vocab_size:
             raise PlanError(f"{_at(step, seq_id)}: token id {max(tokens)} >= vocab size {st.vocab_size}")
         c.token_ids.extend(tokens)
-    elif n == 1 and state is not None and state.last_token is not None:
+    elif known == 1 and state is not None and state.last_token is not None:
         c.token_ids.append(state.last_token)
     else:
         raise PlanError(f"{_at(step, seq_id)}: no token ids and no sampled token to feed back")
+    if draft:
+        if max(draft) >= st.vocab_size:
+            raise PlanError(f"{_at(step, seq_id)}: draft token id {max(draft)} >= vocab size {st.vocab_size}")
+        c.token_ids.extend(draft)
+        c.drafts[i] = list(draft)
     table = _check_blocks(step, s, state, is_new, st, c, e)
     if len(table) * st.block_size < end:
         raise PlanError(f"{_at(step, seq_id)}: {len(table)} blocks cannot hold {end} tokens")
     e.writes.append((seq_id, computed // st.block_size, (end - 1) // st.block_size, table))
     c.query_lens.append(n)
     c.computed.append(computed)
-    if s.sample:
-        c.sampling.append((i, end))
-    if s.token_masks:
-        c.masks[len(c.sampling) - 1] = _check_masks(step, s, st.vocab_size)
+    if s.sample:  # the last known token's row, then one row per draft
+        first = len(c.sampling)
+        for j in range(len(draft) + 1):
+            c.sampling.append((i, end - len(draft) + j))
+            c.rows.append(e.total - 1 - len(draft) + j)
+        for offset, bits in _check_masks(step, s, st.vocab_size):
+            c.masks[first + offset - (n - 1 - len(draft))] = bits
+    elif s.token_masks:
+        raise PlanError(f"{_at(step, seq_id)}: token masks on an entry that does not sample")
 
 
-def _check_masks(step: int, s: epb.ScheduledSequence, vocab_size: int) -> bytes:
-    """An entry's token masks; returns the row of its sampled position. One row per sampling
-    position, by increasing position: today the entry samples only after its last token."""
+def _check_masks(step: int, s: epb.ScheduledSequence, vocab_size: int) -> list[tuple[int, bytes]]:
+    """An entry's token masks as (position in the chunk, bits): at most one row per position
+    that samples (the last known token's and each draft's), by increasing position."""
     where = _at(step, s.seq_id)
-    masks = s.token_masks
-    if not s.sample:
-        raise PlanError(f"{where}: token masks on an entry that does not sample")
-    if len(masks) != 1 or masks[0].position != s.num_new_tokens - 1:
-        positions = [m.position for m in masks]
+    sampled = range(s.num_new_tokens - 1 - len(s.draft_token_ids), s.num_new_tokens)
+    positions = [m.position for m in s.token_masks]
+    if any(p not in sampled for p in positions) or positions != sorted(set(positions)):
         raise PlanError(
-            f"{where}: token mask positions {positions}; only the sampled position {s.num_new_tokens - 1} has one"
+            f"{where}: token mask positions {positions}; the positions that sample are "
+            f"{sampled.start}..{sampled.stop - 1}, each at most once, increasing"
         )
-    bits, words = masks[0].bits, (vocab_size + 31) // 32
-    if len(bits) != 4 * words:
-        raise PlanError(f"{where}: token mask of {len(bits)} bytes; vocab size {vocab_size} needs {4 * words}")
-    if bits.count(0) == len(bits):
-        raise PlanError(f"{where}: token mask allows no token")
-    if vocab_size % 32 and int.from_bytes(bits[-4:], "little") >> (vocab_size % 32):
-        raise PlanError(f"{where}: token mask allows ids at or past vocab size {vocab_size}")
-    return bits
+    words = (vocab_size + 31) // 32
+    for m in s.token_masks:
+        bits = m.bits
+        if len(bits) != 4 * words:
+            raise PlanError(f"{where}: token mask of {len(bits)} bytes; vocab size {vocab_size} needs {4 * words}")
+        if bits.count(0) == len(bits):
+            raise PlanError(f"{where}: token mask allows no token")
+        if vocab_size % 32 and int.from_bytes(bits[-4:], "little") >> (vocab_size % 32):
+            raise PlanError(f"{where}: token mask allows ids at or past vocab size {vocab_size}")
+    return [(m.position, m.bits) for m in s.token_masks]
 
 
 def _check_blocks(

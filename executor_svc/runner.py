@@ -9,7 +9,6 @@ and the model runs, so a refused plan changes nothing.
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 
@@ -21,7 +20,7 @@ from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.collectives import NO_TP, PlanChannel, TPInfo
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.plan_check import CheckedPlan, SeqState, check_plan
-from executor_svc.sampler import sample
+from executor_svc.sampler import SampleOutput, sample
 
 
 class ModelRunner:
@@ -78,47 +77,79 @@ class ModelRunner:
             return response
 
         states = [self.seqs[s.seq_id] for s in plan.seqs]
-        query_lens = checked.query_lens
+        query_lens, computed, tables = checked.query_lens, checked.computed, [st.block_table for st in states]
+        if checked.drafts:
+            query_lens, computed, tables = _verify_as_decodes(checked, tables)
         graphs = self.graphs
         if graphs is not None and len(query_lens) == len(checked.token_ids) and graphs.bucket(len(query_lens)):
-            hidden = graphs.run(checked.token_ids, checked.computed, [st.block_table for st in states])
+            hidden = graphs.run(checked.token_ids, computed, tables)
         else:
-            meta, positions = build_metadata(
-                query_lens, checked.computed, [st.block_table for st in states], self.block_size, self.device
-            )
+            meta, positions = build_metadata(query_lens, computed, tables, self.block_size, self.device)
             input_ids = torch.tensor(checked.token_ids, dtype=torch.long, device=self.device)
             with set_forward_context(meta, self.kv_cache):
                 hidden = self.model(input_ids, positions)
         forwarded = time.perf_counter_ns()
 
         if checked.sampling:
-            if len(checked.sampling) == len(checked.token_ids):  # all decodes, all sample: every row, in order
+            if len(checked.rows) == len(checked.token_ids):  # every row samples, in order
                 logits = self.model.compute_logits(hidden)
             else:
-                ends = list(itertools.accumulate(query_lens))  # the last token of entry i is ends[i] - 1
-                rows = torch.tensor([ends[i] - 1 for i, _ in checked.sampling], device=self.device)
-                logits = self.model.compute_logits(hidden.index_select(0, rows))
+                logits = self.model.compute_logits(
+                    hidden.index_select(0, torch.tensor(checked.rows, device=self.device))
+                )
             if self.tp.rank != 0:  # rank 0 samples; the others only need the token ids back
                 tokens = self.channel.share_tokens(None, len(checked.sampling), self.tp.rank)
-                for k, (i, _) in enumerate(checked.sampling):
-                    states[i].last_token = tokens[k]
+                self._accept(plan, checked, states, tokens, None, None)
                 return response
             specs = [states[i].sampling for i, _ in checked.sampling]
             out = sample(logits, specs, [pos for _, pos in checked.sampling], checked.masks)
             if self.tp.enabled:
                 self.channel.share_tokens(out.token_ids, len(checked.sampling), 0)
-            for k, (i, _) in enumerate(checked.sampling):
-                states[i].last_token = out.token_ids[k]
-                entry = response.sampled.add(seq_id=plan.seqs[i].seq_id, token_id=out.token_ids[k])
-                if specs[k].num_logprobs >= 0:
-                    entry.logprob = out.logprobs[k]
-                    entry.top.extend(epb.TopLogprob(token_id=t, logprob=lp) for t, lp in out.top[k])
+            self._accept(plan, checked, states, out.token_ids, out, response)
         done = time.perf_counter_ns()
         response.forward_ns = forwarded - swapped
         response.sample_ns = done - forwarded
         response.execute_ns = done - start
         response.num_tokens = len(checked.token_ids)
         return response
+
+    @staticmethod
+    def _accept(
+        plan: epb.StepRequest,
+        checked: CheckedPlan,
+        states: list[SeqState],
+        token_ids: list[int],
+        out: SampleOutput | None,
+        response: epb.StepResponse | None,
+    ) -> None:
+        """Keeps each entry's sampled tokens: one for a plain entry; for a verify entry (drafts)
+        the longest prefix of drafts equal to what its rows sampled plus the token after it,
+        moving the cursor back over the rejected drafts (their KV is overwritten later). Every
+        TP rank runs this on the same ids, so every rank moves its cursor the same way.
+
+        Greedy: row j's argmax is what plain decoding samples after the j accepted drafts, so
+        the kept tokens are plain decoding's. Temperature > 0: a draft is a point mass, and
+        accepting it iff the row's draw equals it is rejection sampling with acceptance
+        min(1, p/q) = p(draft); a rejected row keeps its own draw, which is the residual's
+        draw; each row's uniform is keyed by (seed, position) as in plain decoding, so a
+        seeded request gets the very tokens it gets without drafts (docs/speculative.md)."""
+        k = 0
+        while k < len(checked.sampling):
+            i = checked.sampling[k][0]
+            draft = checked.drafts.get(i, ())
+            accepted = 0
+            while accepted < len(draft) and token_ids[k + accepted] == draft[accepted]:
+                accepted += 1
+            state = states[i]
+            state.last_token = token_ids[k + accepted]
+            state.num_computed_tokens -= len(draft) - accepted
+            if response is not None:
+                for j in range(k, k + accepted + 1):
+                    entry = response.sampled.add(seq_id=plan.seqs[i].seq_id, token_id=token_ids[j])
+                    if state.sampling.num_logprobs >= 0:
+                        entry.logprob = out.logprobs[j]
+                        entry.top.extend(epb.TopLogprob(token_id=t, logprob=lp) for t, lp in out.top[j])
+            k += len(draft) + 1
 
     def validate(self, plan: epb.StepRequest) -> CheckedPlan:
         """Checks the whole plan against this runner's state (plan_check.py); changes nothing."""
@@ -155,3 +186,26 @@ class ModelRunner:
             self.kv_cache[:, :, copy.dst].copy_(self.host_cache[:, :, copy.src], non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _verify_as_decodes(checked: CheckedPlan, tables: list[list[int]]) -> tuple[list[int], list[int], list[list[int]]]:
+    """(query lengths, cached lengths, block tables) with each verify entry (one with drafts) cut
+    into one decode row per token, all on its block table: row j attends to the cache up to
+    its own position, which is causal attention over the chunk because every layer writes the
+    step's K/V before it attends. So a verify step is a decode step of 1 + k rows per
+    drafting sequence: the path small decode steps take (the CPU's fused layers, the decode
+    attention kernels, CUDA graphs), computing each row as plain decoding computes that token,
+    instead of the varlen prefill path (measured 2-2.5x a 1-row decode at batch 1 on CPU)."""
+    query_lens: list[int] = []
+    computed: list[int] = []
+    out: list[list[int]] = []
+    for i, (n, start, table) in enumerate(zip(checked.query_lens, checked.computed, tables)):
+        if i in checked.drafts:
+            query_lens += [1] * n
+            computed += range(start, start + n)
+            out += [table] * n
+        else:
+            query_lens.append(n)
+            computed.append(start)
+            out.append(table)
+    return query_lens, computed, out

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from scheduler_svc.spec.config import parse_speculative_config
+
 if TYPE_CHECKING:
     from chunkserve_contracts.executor.v1.executor_pb2 import HandshakeResponse
 
@@ -216,6 +218,16 @@ class SchedulerConfig:
             "a stop string computes one token more, which is dropped. Greedy tokens are the same either way"
         },
     )
+    speculative_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "speculative decoding without a draft model, as vLLM spells it: JSON such as "
+            '{"method": "ngram", "num_speculative_tokens": 4} or {"method": "suffix"}; drafts come from the '
+            "request's own text (and, for suffix, recent outputs), the executor verifies them, and a gate "
+            "drafts only while this machine's measured step times say it pays; greedy output is unchanged "
+            "(docs/speculative.md)"
+        },
+    )
     step_timeout_s: float = field(
         default=120.0, metadata={"help": "a step the executor has not answered after this long fails its requests"}
     )
@@ -247,6 +259,7 @@ class SchedulerConfig:
             )
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("--tls-cert-file and --tls-key-file go together")
+        parse_speculative_config(self.speculative_config)  # ValueError naming what it would not honour
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
 

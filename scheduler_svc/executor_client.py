@@ -45,6 +45,7 @@ def plan_to_proto(plan: StepPlan) -> epb.StepRequest:
                 replace_block_table=s.replace_block_table,
                 sample=s.sample,
                 token_masks=[epb.TokenMask(position=m.position, bits=m.bits) for m in s.token_masks],
+                draft_token_ids=s.draft_token_ids,
             )
             for s in plan.seqs
         ],

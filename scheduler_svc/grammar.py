@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Protocol
 
 from scheduler_svc.errors import InternalError, InvalidRequestError, ServingError
-from scheduler_svc.request import Request, SamplingParams
+from scheduler_svc.request import FinishReason, Request, SamplingParams
 from scheduler_svc.structured import Constraint, GrammarMatcher
 
 log = logging.getLogger(__name__)
@@ -276,3 +276,15 @@ class CompileTasks:
         if not request.is_finished:
             request.matcher = matcher
             self._on_ready(request)
+
+
+def advance_grammar(request: Request, token_id: int, reason: FinishReason | None) -> FinishReason | None:
+    """Feeds an output token to the request's matcher; a complete grammar ends the request
+    (STOP). The token was sampled under the matcher's own mask, so a refusal is a bug: it is
+    logged and the request ends rather than go on unconstrained."""
+    if not request.matcher.accept(token_id):
+        log.error("request %s: token %d refused by its grammar after masking", request.request_id, token_id)
+        return reason or FinishReason.STOP
+    if reason is None and request.matcher.is_stopped():
+        return FinishReason.STOP
+    return reason

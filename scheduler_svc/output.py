@@ -66,12 +66,14 @@ class LiveRequest:
     request: Request
     stream: RequestStream
     detok: IncrementalDetokenizer
+    num_emitted: int = 0  # output tokens turned into deltas so far
 
     def token_delta(self, out: TokenOutput, tokenizer: Tokenizer) -> StreamDelta:
         """The delta of one sampled token; final (finish_reason set) when the token ended the
         request, STOP_SEQUENCE when its text completed a stop string (the caller then
         finishes the request in the scheduler, which checks only token ids)."""
         token, reason = out.sampled.token_id, out.finish_reason
+        self.num_emitted += 1
         # A token that stopped the request by id (EOS, stop id) contributes no text, unless the
         # request keeps its stop strings (vLLM's include_stop_str_in_output keeps that token's).
         # A grammar that completes (structured output) ends on an ordinary token: its text stays.
@@ -87,6 +89,9 @@ class LiveRequest:
             logprobs = [TokenLogprobs(out.sampled.logprob, top)]
         if reason is None:
             return StreamDelta(token_ids=[token], text=text, logprobs=logprobs)
+        # A verify step (speculative decoding) may have given tokens after this one: they are
+        # not output, and usage does not count them.
+        del self.request.output_token_ids[self.num_emitted :]
         final = self.final(reason, text + self.detok.flush())
         final.token_ids, final.logprobs = [token], logprobs
         if reason is FinishReason.STOP and token in self.request.sampling.stop_token_ids:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_svc.request import Request, SamplingParams
+from scheduler_svc.request import FinishReason, Request, SamplingParams
 
 
 @dataclass(slots=True)
@@ -44,6 +44,9 @@ class ScheduledSeq:
     replace_block_table: bool = False
     # Structured output: mask rows by position, increasing (empty: unconstrained).
     token_masks: list[TokenMask] = field(default_factory=list)
+    # Speculative decoding: guessed tokens after this decode's own, counted in num_new_tokens;
+    # every one of the entry's rows samples (a verify entry, scheduler_svc/spec/verify.py).
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -94,6 +97,7 @@ class StepStats:
     prefix_hits: int = 0  # of which found
     budget_reason: str = ""  # the auto budget's (scheduler_svc/budget.py); "" with a fixed budget
     predicted_step_ms: float = 0.0  # the auto budget's prediction for token_budget
+    draft_tokens: int = 0  # speculative decoding: draft tokens the plan's verify entries carry
 
 
 @dataclass(slots=True)
@@ -117,3 +121,12 @@ class StepResult:
     sample_ns: int = 0
     swap_ns: int = 0
     start_unix_ns: int = 0  # the executor's wall clock when it began the step (0: unknown)
+
+
+@dataclass(slots=True)
+class TokenOutput:
+    """A token a request gained in a step, and whether that token finished it."""
+
+    request: Request
+    sampled: Sampled
+    finish_reason: FinishReason | None

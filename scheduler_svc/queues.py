@@ -10,6 +10,7 @@ from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.plan import StepPlan
 from scheduler_svc.request import FinishReason, Request, RequestStatus
+from scheduler_svc.spec.drafter import Drafter
 
 
 class RequestQueues:
@@ -26,6 +27,7 @@ class RequestQueues:
         self._by_seq: dict[int, Request] = {}
         self._dropped_seq_ids: list[int] = []  # executor state to drop in the next plan
         self.num_steps = 0  # plans built so far
+        self.drafter: Drafter | None = None  # speculative decoding (scheduler_svc/spec), set by the scheduler
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -43,6 +45,8 @@ class RequestQueues:
             return
         self._release(request)
         request.matcher = None  # its grammar state (structured output) goes with it
+        if self.drafter is not None:
+            self.drafter.on_finish(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
@@ -92,6 +96,7 @@ class RequestQueues:
         if not self._dequeue(request):
             return
         request.num_inflight_tokens = 0  # the failed steps sampled nothing that will be read
+        request.num_draft_inflight = 0
         self._start_over(request)  # drops the old id on the executor
         del self._by_seq[request.seq_id]
         request.seq_id = seq_id

@@ -96,6 +96,10 @@ class Request:
     executor_has_last_token: bool = False
     # Tokens a step in flight will sample (0 or 1): in num_tokens, ids not known yet.
     num_inflight_tokens: int = 0
+    # Draft tokens of a verify step in flight (speculative decoding): already in
+    # num_computed_tokens, which its result moves back over the rejected ones; until then no
+    # other step is planned for the request.
+    num_draft_inflight: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     # A constrained request's grammar state (scheduler_svc/grammar.py): None until its

@@ -17,29 +17,20 @@ scheduling, engine.py). `update` then only fills in the sampled ids and caches f
 
 from __future__ import annotations
 
-import logging
 import time
-from dataclasses import dataclass
 
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.budget import BudgetController
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.plan import NewSeq, Sampled, ScheduledSeq, StepPlan, StepResult, StepStats, TokenMask
+from scheduler_svc.grammar import advance_grammar
+from scheduler_svc.plan import NewSeq, Sampled, ScheduledSeq, StepPlan, StepResult, StepStats, TokenMask, TokenOutput
 from scheduler_svc.policy import Policy
 from scheduler_svc.queues import RequestQueues
-from scheduler_svc.request import FinishReason, Request, RequestStatus
+from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.snapshot import SchedulerSnapshot
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class TokenOutput:
-    """A token a request gained in a step, and whether that token finished it."""
-
-    request: Request
-    sampled: Sampled
-    finish_reason: FinishReason | None
+from scheduler_svc.spec.config import parse_speculative_config
+from scheduler_svc.spec.drafter import Drafter
+from scheduler_svc.spec.verify import apply_verified, drafts_for
 
 
 class Scheduler(RequestQueues):
@@ -71,6 +62,9 @@ class Scheduler(RequestQueues):
     def reconfigure(self, config: SchedulerConfig, policy: Policy) -> None:
         """Swaps settings and policy. Call it between steps (the engine's event loop only runs
         other code between steps), so every plan is built under one configuration."""
+        if self.drafter is None or config.speculative_config != self.config.speculative_config:
+            spec = parse_speculative_config(config.speculative_config)
+            self.drafter = None if spec is None else Drafter(spec)  # a new one drops the old state
         self.config = config
         self.policy = policy
         # A prefill with more tokens left than this is "long" (vLLM's rule: 4% of max_model_len).
@@ -125,14 +119,16 @@ class Scheduler(RequestQueues):
                 budget = self._schedule_swapped(plan, budget)
                 if not self.swapped:  # preempted requests resume before new ones start
                     budget = self._schedule_waiting(plan, budget, whole=False)
-            self._schedule_running(plan, long, budget)
+            budget = self._schedule_running(plan, long, budget)
         else:
             budget = self._schedule_waiting(plan, budget, whole=True) if not self.swapped else budget
             if not plan.seqs:
                 rest = [r for r in self.running if not self._is_pinned(r)]
                 budget = self._schedule_running(plan, pinned + rest, budget)
                 if not plan.preempted:
-                    self._schedule_swapped(plan, budget)
+                    budget = self._schedule_swapped(plan, budget)
+        if self.drafter is not None and budget > 0:  # after everything else: only what is left
+            drafts_for(self, plan, budget)
         plan.finished_seq_ids = self._dropped_seq_ids
         self._dropped_seq_ids = []
         if self._host_blocks_read:
@@ -142,6 +138,7 @@ class Scheduler(RequestQueues):
             request = self._by_seq[entry.seq_id]
             self.policy.on_scheduled(request, entry.num_new_tokens)
             request.num_computed_tokens = entry.num_computed_tokens + entry.num_new_tokens
+            request.num_draft_inflight = len(entry.draft_token_ids)  # 0..k of them will be kept
             if entry.sample:  # the executor samples it and keeps it for the next decode
                 request.num_inflight_tokens += 1
                 request.executor_has_last_token = True
@@ -180,8 +177,8 @@ class Scheduler(RequestQueues):
             to_come -= decode
             if budget == 0 or len(plan.seqs) >= self.config.max_num_seqs:
                 break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this step
+            if request.status is not RequestStatus.RUNNING or request.num_draft_inflight:
+                continue  # preempted earlier in this step, or its cursor waits for a verify step
             if request.ends_by_length(self.max_model_len):
                 continue  # a step in flight gives it its last token: nothing more to compute
             reserve = 0 if decode else to_come
@@ -193,7 +190,7 @@ class Scheduler(RequestQueues):
             if n > 1:
                 # Shrink a chunk to the free blocks rather than preempt for it; with nothing
                 # free, preempt for one block's worth.
-                fit = self._tokens_that_fit(request)
+                fit = self.tokens_that_fit(request)
                 n = min(n, fit if fit > 0 else self.pool.block_size)
             if not self._make_room(request, n, plan):
                 continue
@@ -289,7 +286,7 @@ class Scheduler(RequestQueues):
                 n = aligned
         return n
 
-    def _tokens_that_fit(self, request: Request) -> int:
+    def tokens_that_fit(self, request: Request) -> int:
         """How many more tokens request can compute with the blocks it has plus the free ones."""
         capacity = (len(request.block_ids) + self.pool.num_free_blocks) * self.pool.block_size
         return max(0, capacity - request.num_computed_tokens)
@@ -301,7 +298,9 @@ class Scheduler(RequestQueues):
             # Not a request whose last token is in flight: it ends when that step's result is
             # applied, and preempting it first (a swap copies all its KV) would be wasted.
             candidates = [
-                r for r in self.running if r.seq_id not in scheduled and not r.ends_by_length(self.max_model_len)
+                r
+                for r in self.running
+                if r.seq_id not in scheduled and not r.ends_by_length(self.max_model_len) and not r.num_draft_inflight
             ]
             if self._is_pinned(request):  # a pinned request never preempts itself while it can
                 candidates = [r for r in candidates if r is not request] or candidates
@@ -335,6 +334,8 @@ class Scheduler(RequestQueues):
         )
         if plan.seqs[-1].sample and request.matcher is not None:  # its grammar's mask for the sampled token
             plan.seqs[-1].token_masks.append(TokenMask(n - 1, request.matcher.token_mask()))
+        if self.drafter is not None and not plan.seqs[-1].sample:  # index the prompt as it prefills
+            self.drafter.prepare(request, n)
         self.step_stats.requests.append(request)
         return plan.seqs[-1]
 
@@ -350,35 +351,30 @@ class Scheduler(RequestQueues):
         are checked here; stop strings need text and are checked by the caller, which then
         calls finish().
         """
+        if self.drafter is not None:
+            self.drafter.observe_result(plan, result)
         for entry in plan.seqs:
             request = self._by_seq.get(entry.seq_id)
-            if request is not None and request.status is RequestStatus.RUNNING:
+            if request is not None and request.status is RequestStatus.RUNNING and not entry.draft_token_ids:
                 self.pool.cache_full_blocks(
                     request, request.cache_salt, entry.num_computed_tokens + entry.num_new_tokens
                 )
         outputs: list[TokenOutput] = []
+        verified = apply_verified(self, plan, result, outputs)  # verify entries: drafts kept or rolled back
         for sampled in result.sampled:
             request = self._by_seq.get(sampled.seq_id)
-            if request is None or request.is_finished or request.num_inflight_tokens == 0:
+            if request is None or request.is_finished or request.num_inflight_tokens == 0 or sampled.seq_id in verified:
                 continue
             request.num_inflight_tokens -= 1
-            request.output_token_ids.append(sampled.token_id)
-            reason = request.stop_reason(sampled.token_id, self.max_model_len)
-            if request.matcher is not None:
-                reason = _advance_grammar(request, sampled.token_id, reason)
-            outputs.append(TokenOutput(request, sampled, reason))
-            if reason is not None:
-                self.finish(request, reason)
+            outputs.append(self.append_token(request, sampled))
         return outputs
 
-
-def _advance_grammar(request: Request, token_id: int, reason: FinishReason | None) -> FinishReason | None:
-    """Feeds an output token to the request's matcher; a complete grammar ends the request
-    (STOP). The token was sampled under the matcher's own mask, so a refusal is a bug: it is
-    logged and the request ends rather than go on unconstrained."""
-    if not request.matcher.accept(token_id):
-        log.error("request %s: token %d refused by its grammar after masking", request.request_id, token_id)
-        return reason or FinishReason.STOP
-    if reason is None and request.matcher.is_stopped():
-        return FinishReason.STOP
-    return reason
+    def append_token(self, request: Request, sampled: Sampled) -> TokenOutput:
+        """Gives a request one token of a step's result; finishes it when the token ends it."""
+        request.output_token_ids.append(sampled.token_id)
+        reason = request.stop_reason(sampled.token_id, self.max_model_len)
+        if request.matcher is not None:
+            reason = advance_grammar(request, sampled.token_id, reason)
+        if reason is not None:
+            self.finish(request, reason)
+        return TokenOutput(request, sampled, reason)

@@ -60,6 +60,8 @@ class FakeExecutor:
         self._handled: dict[int, asyncio.Event] = {}
         self.in_flight = 0
         self.max_in_flight = 0
+        self.drafted = 0  # draft tokens verified, and of those accepted (speculative decoding)
+        self.accepted = 0
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
@@ -89,17 +91,22 @@ class FakeExecutor:
             if st["computed"] is None:  # first entry: may start after a prefix-cache hit
                 st["computed"] = s.num_computed_tokens
             assert s.num_computed_tokens == st["computed"], "cursor mismatch"
+            draft = list(s.draft_token_ids)
             if s.token_ids:
-                assert len(s.token_ids) == s.num_new_tokens
-                new_tokens = list(s.token_ids)
+                assert len(s.token_ids) + len(draft) == s.num_new_tokens
+                new_tokens = list(s.token_ids) + draft
             else:
-                assert s.num_new_tokens == 1 and st["last"] is not None, "decode without a known token"
-                new_tokens = [st["last"]]
+                assert s.num_new_tokens == 1 + len(draft) and st["last"] is not None, "decode without a known token"
+                new_tokens = [st["last"]] + draft
+            assert not draft or s.sample, "drafts on an entry that does not sample"
             assert s.replace_block_table or not st.get("swapped"), "resumed without a new block table"
             st["swapped"] = False
             st["blocks"] = list(s.new_block_ids) if s.replace_block_table else st["blocks"] + s.new_block_ids
             total = st["computed"] + s.num_new_tokens
-            assert len(st["blocks"]) == blocks_needed(total, bs), "blocks != tokens"
+            # Exactly the blocks the tokens need; after rejected drafts the blocks their slots
+            # took stay with the sequence (rollback keeps them for its next tokens).
+            need = blocks_needed(total, bs)
+            assert len(st["blocks"]) == need or (st.get("rolled_back") and len(st["blocks"]) > need), "blocks != tokens"
             assert all(0 <= b < self.num_blocks for b in st["blocks"])
             others = {b for sid, o in self.seqs.items() if sid != s.seq_id for b in o["blocks"]}
             for i, tok in enumerate(new_tokens):
@@ -111,10 +118,28 @@ class FakeExecutor:
             if s.sample:
                 history = [self.device[st["blocks"][p // bs]][p % bs] for p in range(total)]
                 assert None not in history, "a sequence reads KV that was never written"
-                tok = self.next_token(history)
+                # A verify entry (drafts): row j samples after the history up to its own
+                # position; keep the drafts that match, then the token after them, and move
+                # the cursor back over the rest, as executor_svc/runner.py does.
+                kept = 0
+                while True:
+                    tok = self.next_token(history[: total - len(draft) + kept])
+                    sampled.append(Sampled(s.seq_id, tok))
+                    if kept == len(draft) or tok != draft[kept]:
+                        break
+                    kept += 1
+                st["computed"] = total - (len(draft) - kept)
+                st["rolled_back"] = st.get("rolled_back") or kept < len(draft)
                 st["last"] = tok
-                sampled.append(Sampled(s.seq_id, tok))
-        return StepResult(plan.step_id, sampled)
+                self.drafted += len(draft)
+                self.accepted += kept
+        return StepResult(plan.step_id, sampled, execute_ns=self.step_ns(plan))
+
+    def step_ns(self, plan: StepPlan) -> int:
+        """The step's executor time as reported: a deterministic function of its rows (no
+        clock), flat up to 8 rows as a weight-bound CPU step is, so the drafting gate has a
+        curve to learn. Override to model another machine."""
+        return 10_000_000 + 1_000_000 * max(0, plan.num_tokens - 8)
 
     def next_token(self, history: list[int]) -> int:
         if self.eos_after is not None and len(history) >= self.eos_after:

@@ -89,7 +89,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
-    __slots__ = ("seq_id", "num_computed_tokens", "num_new_tokens", "token_ids", "block_ids", "replace_block_table", "sample", "token_masks")
+    __slots__ = ("seq_id", "num_computed_tokens", "num_new_tokens", "token_ids", "block_ids", "replace_block_table", "sample", "token_masks", "draft_token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class ScheduledSequence(_message.Message):
     REPLACE_BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_computed_tokens: int
     num_new_tokens: int
@@ -106,7 +107,8 @@ class ScheduledSequence(_message.Message):
     replace_block_table: bool
     sample: bool
     token_masks: _containers.RepeatedCompositeFieldContainer[TokenMask]
-    def __init__(self, seq_id: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., replace_block_table: _Optional[bool] = ..., sample: _Optional[bool] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ...) -> None: ...
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., replace_block_table: _Optional[bool] = ..., sample: _Optional[bool] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenMask(_message.Message):
     __slots__ = ("position", "bits")
