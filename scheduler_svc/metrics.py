@@ -20,6 +20,7 @@ from scheduler_svc.engine import Observer, StepRecord
 from scheduler_svc.request import FinishReason, Request
 from scheduler_svc.slowdown import SlowdownWatch
 from scheduler_svc.snapshot import SchedulerSnapshot
+from scheduler_svc.spec.verify import accepted_counts
 
 TTFT_BUCKETS = (
     0.001,
@@ -188,6 +189,16 @@ class Metrics(Observer):
             "shape (1 = as fast as it was; 3+ sustained: CPU contention or a CPU quota, scheduler_svc/slowdown.py).",
         )
         self.slowdown_ratio.set(1.0)
+        # Speculative decoding (vLLM's names): a draft is one request's draft tokens in one step.
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verify entries: a request's draft tokens in one step.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_per_pos = Counter(
+            "chunkserve_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0 = the first).",
+            labels + ["position"],
+            registry=reg,
+        )
 
     def serve(self, host: str, port: int) -> None:
         """Serves /metrics over HTTP in a background thread."""
@@ -211,6 +222,12 @@ class Metrics(Observer):
         self.prefix_queries.inc(stats.prefix_queries)
         self.prefix_hits.inc(stats.prefix_hits)
         self.slowdown_ratio.set(self.slowdown.observe(plan, record.result, record.planned_at))
+        for drafted, accepted in accepted_counts(plan, record.result).values():
+            self.spec_drafts.inc()
+            self.spec_draft_tokens.inc(drafted)
+            self.spec_accepted.inc(accepted)
+            for position in range(accepted):
+                self._spec_per_pos.labels(self._model_name, str(position)).inc()
         self.on_state(record.state)
 
     def on_state(self, state: SchedulerSnapshot) -> None:

@@ -16,6 +16,7 @@ from google.protobuf import json_format
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from scheduler_svc.engine import Observer, StepRecord
 from scheduler_svc.request import Request
+from scheduler_svc.spec.verify import accepted_counts
 
 QUEUE_STEPS = 4096
 
@@ -46,6 +47,7 @@ class StepTracer(Observer):
         if self._file is None and not self._subscribers:
             return  # nobody listens: build nothing
         plan, stats = record.plan, record.stats
+        verified = accepted_counts(plan, record.result)
         seqs = [
             pb.StepTraceEntry(
                 request_id=s.request_id,
@@ -55,6 +57,8 @@ class StepTracer(Observer):
                 num_prompt_tokens=r.num_prompt_tokens,
                 num_cached_tokens=r.num_cached_tokens,
                 prefix_hash=_prefix_hash(r) if s.num_computed_tokens <= r.num_prompt_tokens else "",
+                num_draft_tokens=len(s.draft_token_ids),
+                num_accepted_tokens=verified.get(s.seq_id, (0, 0))[1],
             )
             for s, r in zip(plan.seqs, stats.requests)
         ]
@@ -80,6 +84,8 @@ class StepTracer(Observer):
             seqs=seqs,
             budget_reason=stats.budget_reason,
             predicted_step_ms=stats.predicted_step_ms,
+            num_draft_tokens=sum(k for k, _ in verified.values()),
+            num_accepted_tokens=sum(a for _, a in verified.values()),
         )
         if self._file is not None:
             self._file.write(json_format.MessageToJson(trace, indent=None) + "\n")

@@ -271,7 +271,7 @@ class WatchStepsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StepTraceEntry(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "is_prefill", "num_computed_tokens", "num_prompt_tokens", "num_cached_tokens", "prefix_hash")
+    __slots__ = ("request_id", "num_tokens", "is_prefill", "num_computed_tokens", "num_prompt_tokens", "num_cached_tokens", "prefix_hash", "num_draft_tokens", "num_accepted_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IS_PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +279,8 @@ class StepTraceEntry(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     is_prefill: bool
@@ -286,10 +288,12 @@ class StepTraceEntry(_message.Message):
     num_prompt_tokens: int
     num_cached_tokens: int
     prefix_hash: str
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., is_prefill: _Optional[bool] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prefix_hash: _Optional[str] = ...) -> None: ...
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., is_prefill: _Optional[bool] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prefix_hash: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class StepTrace(_message.Message):
-    __slots__ = ("step_id", "timestamp", "num_tokens", "token_budget", "num_prefill_tokens", "num_decode_tokens", "num_preempted", "num_swapped_out", "num_swapped_in", "num_cached_tokens", "executor_ns", "step_ns", "executor_start_unix_ns", "num_running", "num_waiting", "kv_cache_usage", "seqs", "policy", "budget_reason", "predicted_step_ms")
+    __slots__ = ("step_id", "timestamp", "num_tokens", "token_budget", "num_prefill_tokens", "num_decode_tokens", "num_preempted", "num_swapped_out", "num_swapped_in", "num_cached_tokens", "executor_ns", "step_ns", "executor_start_unix_ns", "num_running", "num_waiting", "kv_cache_usage", "seqs", "policy", "budget_reason", "predicted_step_ms", "num_draft_tokens", "num_accepted_tokens")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +314,8 @@ class StepTrace(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     BUDGET_REASON_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     timestamp: float
     num_tokens: int
@@ -330,4 +336,6 @@ class StepTrace(_message.Message):
     policy: str
     budget_reason: str
     predicted_step_ms: float
-    def __init__(self, step_id: _Optional[int] = ..., timestamp: _Optional[float] = ..., num_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_preempted: _Optional[int] = ..., num_swapped_out: _Optional[int] = ..., num_swapped_in: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., executor_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., executor_start_unix_ns: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., seqs: _Optional[_Iterable[_Union[StepTraceEntry, _Mapping]]] = ..., policy: _Optional[str] = ..., budget_reason: _Optional[str] = ..., predicted_step_ms: _Optional[float] = ...) -> None: ...
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    def __init__(self, step_id: _Optional[int] = ..., timestamp: _Optional[float] = ..., num_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_preempted: _Optional[int] = ..., num_swapped_out: _Optional[int] = ..., num_swapped_in: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., executor_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., executor_start_unix_ns: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., seqs: _Optional[_Iterable[_Union[StepTraceEntry, _Mapping]]] = ..., policy: _Optional[str] = ..., budget_reason: _Optional[str] = ..., predicted_step_ms: _Optional[float] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...

@@ -106,3 +106,14 @@ def apply_verified(sched: Scheduler, plan: StepPlan, result: StepResult, outputs
         else:
             sched.pool.cache_full_blocks(request, request.cache_salt, request.num_computed_tokens)
     return set(verify)
+
+
+def accepted_counts(plan: StepPlan, result: StepResult) -> dict[int, tuple[int, int]]:
+    """seq id -> (draft tokens, accepted) of a step's verify entries, from its plan and result
+    (for observers: metrics and the step trace)."""
+    counts = {e.seq_id: [len(e.draft_token_ids), -1] for e in plan.seqs if e.draft_token_ids}
+    if counts:
+        for sampled in result.sampled:
+            if (c := counts.get(sampled.seq_id)) is not None:
+                c[1] += 1
+    return {seq_id: (k, max(0, min(a, k))) for seq_id, (k, a) in counts.items()}

@@ -347,3 +347,44 @@ def test_usage_counts_no_token_after_a_stop_string(fakes, byte_tokenizer_dir):
     assert plain.finish_reason is FinishReason.STOP_SEQUENCE
     assert (got.token_ids, got.text, got.completion_tokens) == (plain.token_ids, plain.text, plain.completion_tokens)
     assert got.completion_tokens == len(got.token_ids)
+
+
+def test_metrics_and_step_trace_count_drafts_and_accepted_tokens(fakes, byte_tokenizer_dir, tmp_path):
+    import asyncio
+    import json
+
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.metrics import Metrics
+    from scheduler_svc.output import collect
+    from scheduler_svc.request import SamplingParams
+    from scheduler_svc.tokenizer import Tokenizer
+    from scheduler_svc.trace import StepTracer
+
+    period = 4
+    fake = _echo(fakes, period)(64, 4)
+    metrics, trace = Metrics("m"), StepTracer(str(tmp_path / "trace.jsonl"))
+
+    async def main():
+        sched = fakes.make_scheduler(num_blocks=64, block_size=4, speculative_config=NGRAM, max_num_batched_tokens=64)
+        engine = Engine(
+            sched, fake, Tokenizer(byte_tokenizer_dir), frozenset({fakes.EOS}), 100, 5.0, observers=(metrics, trace)
+        )
+        engine.start()
+        stream = engine.add_request(
+            [97 + j % period for j in range(24)], SamplingParams(temperature=0.0, max_tokens=40)
+        )
+        await asyncio.wait_for(collect(stream), 60)
+        await engine.stop()
+
+    asyncio.run(main())
+    trace.close()
+    value = lambda name, **labels: metrics.registry.get_sample_value(name, {"model_name": "m", **labels})  # noqa: E731
+    assert value("chunkserve_spec_decode_num_draft_tokens_total") == fake.drafted > 0
+    assert value("chunkserve_spec_decode_num_accepted_tokens_total") == fake.accepted > 0
+    assert value("chunkserve_spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+    steps = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert sum(s.get("numDraftTokens", 0) for s in steps) == fake.drafted
+    assert sum(s.get("numAcceptedTokens", 0) for s in steps) == fake.accepted
+    assert value("chunkserve_spec_decode_num_drafts_total") == sum(
+        1 for s in steps for e in s["seqs"] if e.get("numDraftTokens")
+    )
