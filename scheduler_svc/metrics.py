@@ -14,6 +14,8 @@ only reports its own step time), so no multiprocess registry is needed. Served o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from scheduler_svc.engine import Observer, StepRecord
@@ -189,7 +191,10 @@ class Metrics(Observer):
             "shape (1 = as fast as it was; 3+ sustained: CPU contention or a CPU quota, scheduler_svc/slowdown.py).",
         )
         self.slowdown_ratio.set(1.0)
-        # Speculative decoding (vLLM's names): a draft is one request's draft tokens in one step.
+        self._spec_metrics(counter, labels)
+
+    def _spec_metrics(self, counter: Callable[[str, str], Counter], labels: list[str]) -> None:
+        """Speculative decoding (vLLM's names): a draft is one request's draft tokens in one step."""
         self.spec_drafts = counter("spec_decode_num_drafts", "Verify entries: a request's draft tokens in one step.")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
@@ -197,7 +202,7 @@ class Metrics(Observer):
             "chunkserve_spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by position in the draft (0 = the first).",
             labels + ["position"],
-            registry=reg,
+            registry=self.registry,
         )
 
     def serve(self, host: str, port: int) -> None:
