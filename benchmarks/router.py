@@ -12,19 +12,24 @@ round-robin.
 
 Router overhead: one replica served directly and through the router, short requests (one
 output token) one at a time, alternating direct/router; the median latency difference is what
-the router adds per request.
+the router adds per request. Then tokens/s of 32 concurrent streams, direct and through the
+router. With --baseline-router-src (another checkout, e.g. `git worktree add /tmp/old <commit>`)
+that checkout's router is measured beside this one in the same run, interleaved, so a change
+to the router is judged by before/after ratios against the same direct baseline.
 
 This machine is a 2-core CPU shared with other work and the model is tiny: the absolute times
 are this machine's, the ratios are the result (benchmarks/RESULTS.md).
 
     .venv/bin/python benchmarks/router.py                      # defaults as recorded
     .venv/bin/python benchmarks/router.py --requests 64 --rate 4 --skip-overhead
+    .venv/bin/python benchmarks/router.py --policies "" --baseline-router-src /tmp/old   # overhead, before/after
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import subprocess
@@ -66,7 +71,7 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[float], in
     return prompts, arrivals, sum(map(len, prefixes))
 
 
-async def one(stub: pb_grpc.GenerationStub, prompt: list[int], max_tokens: int) -> Result:
+async def one(stub: pb_grpc.GenerationStub, prompt: list[int], max_tokens: int, timeout: float = 600) -> Result:
     request = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=prompt),
         sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
@@ -74,7 +79,7 @@ async def one(stub: pb_grpc.GenerationStub, prompt: list[int], max_tokens: int) 
     start = time.perf_counter()
     first = None
     cached = 0
-    async for msg in stub.Generate(request, timeout=600):
+    async for msg in stub.Generate(request, timeout=timeout):
         if first is None and msg.token_ids:
             first = time.perf_counter() - start
         if msg.finished:
@@ -94,13 +99,18 @@ async def run_policy(address: str, prompts: list[list[int]], arrivals: list[floa
         return await asyncio.gather(*(at(i) for i in range(len(prompts))))
 
 
-def start_router(servers: list[Server], policy: str, log_dir: Path) -> tuple[subprocess.Popen, int, int]:
+def start_router(
+    servers: list[Server], policy: str, log_dir: Path, src: str | None = None
+) -> tuple[subprocess.Popen, int, int]:
+    """`chunkserve router` in front of `servers`; `src`: run another checkout's router."""
     port, admin = free_port(), free_port()
     cmd = [sys.executable, "-m", "chunkserve.cli", "router", "--port", str(port), "--admin-port", str(admin)]
     cmd += ["--http-port", "0", "--metrics-port", "0", "--policy", policy]
     for s in servers:
         cmd += ["--replica", f"127.0.0.1:{s.port},admin={s.admin_port}"]
-    proc = subprocess.Popen(cmd, stdout=open(log_dir / f"router-{policy}.log", "w"), stderr=subprocess.STDOUT)
+    env = {**os.environ, "PYTHONPATH": src} if src else None
+    log = open(log_dir / f"router-{policy}-{port}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=src, env=env)
     stub = rpb_grpc.RouterStub(grpc.insecure_channel(f"127.0.0.1:{admin}"))
     deadline = time.time() + 60
     while True:
@@ -111,7 +121,7 @@ def start_router(servers: list[Server], policy: str, log_dir: Path) -> tuple[sub
         except grpc.RpcError:
             pass
         if proc.poll() is not None or time.time() > deadline:
-            raise SystemExit(f"router did not start:\n{(log_dir / f'router-{policy}.log').read_text()[-3000:]}")
+            raise SystemExit(f"router did not start:\n{(log_dir / f'router-{policy}-{port}.log').read_text()[-3000:]}")
         time.sleep(0.2)
 
 
@@ -134,18 +144,71 @@ def summary(results: list[Result]) -> dict[str, float]:
     }
 
 
-async def overhead(direct: str, routed: str, n: int) -> tuple[float, float]:
-    """Median end-to-end latency of a 1-token request, direct and through the router, alternating."""
+async def overhead(addresses: dict[str, str], n: int) -> dict[str, float]:
+    """Median end-to-end latency of a 1-token request at each address, one request at a time,
+    every round visiting all addresses in a rotating order."""
     prompt = list(range(3, 35))
-    lat: dict[str, list[float]] = {direct: [], routed: []}
-    async with grpc.aio.insecure_channel(direct) as a, grpc.aio.insecure_channel(routed) as b:
-        stubs = {direct: pb_grpc.GenerationStub(a), routed: pb_grpc.GenerationStub(b)}
+    names = list(addresses)
+    lat: dict[str, list[float]] = {name: [] for name in names}
+    channels = {name: grpc.aio.insecure_channel(address) for name, address in addresses.items()}
+    try:
+        stubs = {name: pb_grpc.GenerationStub(channel) for name, channel in channels.items()}
         for i in range(n):
-            for address in (direct, routed) if i % 2 == 0 else (routed, direct):
+            for name in names[i % len(names) :] + names[: i % len(names)]:
                 start = time.perf_counter()
-                await one(stubs[address], prompt, 1)
-                lat[address].append(time.perf_counter() - start)
-    return statistics.median(lat[direct][5:]), statistics.median(lat[routed][5:])  # first ones warm up
+                await one(stubs[name], prompt, 1)
+                lat[name].append(time.perf_counter() - start)
+    finally:
+        for channel in channels.values():
+            await channel.close()
+    return {name: statistics.median(values[5:]) for name, values in lat.items()}  # the first ones warm up
+
+
+async def serve_null_proxy(port: int, target: str) -> None:
+    """The floor of any Python gRPC proxy: Generate relayed as bytes to `target`, nothing else
+    (no routing, no id rewrite, no bookkeeping). Run as a process by --null-proxy."""
+
+    async def generate(data: bytes, context: grpc.aio.ServicerContext):
+        call = relay(data, timeout=context.time_remaining())
+        while (chunk := await call.read()) is not grpc.aio.EOF:
+            yield chunk
+
+    channel = grpc.aio.insecure_channel(target)
+    relay = channel.unary_stream("/chunkserve.v1.Generation/Generate")
+    handler = grpc.unary_stream_rpc_method_handler(generate)
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("chunkserve.v1.Generation", {"Generate": handler}),)
+    )
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def start_null_proxy(server: Server) -> tuple[subprocess.Popen, int, int]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-null-proxy", str(port), server.address])
+
+    async def reached() -> None:  # a call reaches the replica through it
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            await one(pb_grpc.GenerationStub(channel), [3, 4], 1, timeout=5)
+
+    deadline = time.time() + 30
+    while True:
+        try:
+            asyncio.run(reached())
+            return proc, port, 0
+        except grpc.RpcError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                raise SystemExit("the null proxy did not start") from None
+            time.sleep(0.2)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def throughput(address: str, streams: int, tokens: int) -> float:
@@ -155,6 +218,59 @@ async def throughput(address: str, streams: int, tokens: int) -> float:
         start = time.perf_counter()
         await asyncio.gather(*(one(stub, [3 + i % 90] * 32, tokens) for i in range(streams)))
         return streams * tokens / (time.perf_counter() - start)
+
+
+def router_overhead(args: argparse.Namespace, server: Server, log_dir: Path) -> None:
+    """One replica served directly, through this tree's router and, with --baseline-router-src,
+    through the router of another checkout (the code before a change): latency of 1-token
+    requests and tokens/s of --streams streams, all measured in this one run, interleaved,
+    plus each router's CPU time per request and per streamed token."""
+    routers: dict[str, tuple[subprocess.Popen, int, int]] = {}
+    try:
+        routers["router"] = start_router([server], "cache_aware", log_dir)
+        if args.baseline_router_src:
+            routers["baseline"] = start_router([server], "cache_aware", log_dir, src=args.baseline_router_src)
+        if args.null_proxy:
+            routers["null"] = start_null_proxy(server)
+        addresses = {"direct": server.address, **{name: f"127.0.0.1:{port}" for name, (_, port, _) in routers.items()}}
+        before = {name: cpu_seconds(proc.pid) for name, (proc, _, _) in routers.items()}
+        lat = asyncio.run(overhead(addresses, args.overhead_requests))
+        per_request = {name: cpu_seconds(proc.pid) - before[name] for name, (proc, _, _) in routers.items()}
+        names = list(addresses)
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        streamed = dict.fromkeys(routers, 0.0)
+        for k in range(args.throughput_rounds):  # every order in turn: A B C, C A B, ... (reversed on odd rounds)
+            order = names[k % len(names) :] + names[: k % len(names)]
+            for name in order if k % 2 == 0 else order[::-1]:
+                pid = routers[name][0].pid if name in routers else None
+                start = cpu_seconds(pid) if pid else 0.0
+                rates[name].append(asyncio.run(throughput(addresses[name], args.streams, args.stream_tokens)))
+                if pid:
+                    streamed[name] += cpu_seconds(pid) - start
+    finally:
+        for proc, _, _ in routers.values():
+            proc.terminate()
+            proc.wait(15)
+    tokens = args.throughput_rounds * args.streams * args.stream_tokens
+    print(
+        f"1-token requests one at a time, medians of {args.overhead_requests - 5}: direct {lat['direct'] * 1e3:.2f} ms"
+    )
+    for name in routers:
+        print(
+            f"  {name:>8}: {lat[name] * 1e3:.2f} ms, +{(lat[name] - lat['direct']) * 1e3:.2f} ms over direct; router CPU "
+            f"{per_request[name] / args.overhead_requests * 1e3:.2f} ms per request"
+        )
+    direct = statistics.median(rates["direct"])
+    print(
+        f"{args.streams} streams x {args.stream_tokens} tokens, median of {args.throughput_rounds}: "
+        f"direct {direct:.0f} tok/s"
+    )
+    for name in routers:
+        rate = statistics.median(rates[name])
+        print(
+            f"  {name:>8}: {rate:.0f} tok/s, {rate / direct:.3f}x of direct; router CPU "
+            f"{streamed[name] / tokens * 1e6:.0f} us per streamed token"
+        )
 
 
 def main() -> None:
@@ -171,7 +287,24 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=32, help="concurrent streams of the throughput comparison")
     p.add_argument("--stream-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--throughput-rounds", type=int, default=4, help="rounds of the tokens/s comparison")
+    p.add_argument(
+        "--baseline-router-src",
+        help="a checkout of the code before a change (git worktree add /tmp/old <commit>): its router is measured "
+        "beside this tree's in the overhead part, in the same run",
+    )
+    p.add_argument(
+        "--null-proxy",
+        action="store_true",
+        help="also measure a proxy that only relays Generate's bytes (the floor of a Python gRPC proxy)",
+    )
+    p.add_argument("--serve-null-proxy", nargs=2, metavar=("PORT", "TARGET"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.serve_null_proxy:
+        import uvloop
+
+        uvloop.run(serve_null_proxy(int(args.serve_null_proxy[0]), args.serve_null_proxy[1]))
+        return
 
     model = bench_model("tiny-bytes")  # no default model needed; prompts are token ids
     log_dir = Path(tempfile.mkdtemp(prefix="router-bench-"))
@@ -207,26 +340,7 @@ def main() -> None:
                 )
         if not args.skip_overhead:
             reset_caches(servers)
-            proc, port, _ = start_router(servers[:1], "cache_aware", log_dir)
-            try:
-                d, r = asyncio.run(overhead(servers[0].address, f"127.0.0.1:{port}", args.overhead_requests))
-                rates: dict[str, list[float]] = {"direct": [], "router": []}
-                for k in range(4):  # ABBA
-                    for name in ("direct", "router") if k % 2 == 0 else ("router", "direct"):
-                        address = servers[0].address if name == "direct" else f"127.0.0.1:{port}"
-                        rates[name].append(asyncio.run(throughput(address, args.streams, args.stream_tokens)))
-            finally:
-                proc.terminate()
-                proc.wait(15)
-            print(
-                f"router overhead, 1-token requests one at a time: direct {d * 1e3:.2f} ms, through the router "
-                f"{r * 1e3:.2f} ms median, +{(r - d) * 1e3:.2f} ms"
-            )
-            td, tr = statistics.median(rates["direct"]), statistics.median(rates["router"])
-            print(
-                f"{args.streams} streams x {args.stream_tokens} tokens: direct {td:.0f} tok/s, through the router "
-                f"{tr:.0f} tok/s (median of 4, ABBA): {tr / td:.3f}x"
-            )
+            router_overhead(args, servers[0], log_dir)
     finally:
         for s in servers:
             s.stop()

@@ -10,6 +10,7 @@ No torch (it imports the scheduler's tokenizer, validation and block hash only).
   scoring.py    the decision itself, pure (cache_aware, round_robin, least_loaded)
   grpc_front.py chunkserve.v1.Generation proxied (router request ids, retry before the first
                 token), the chunkserve.v1.Router operator service
+  wire.py       a streamed GenerateResponse's request id replaced in its bytes (no decode/encode)
   http_front.py the OpenAI HTTP API proxied
   metrics.py    Prometheus metrics of decisions and replicas
 

@@ -16,7 +16,6 @@ from chunkserve.router.metrics import RouterMetrics
 from chunkserve.router.replicas import Intervals, Replica, ReplicaAddress, ReplicaSet
 from chunkserve_contracts.auth import BearerTokenInterceptor, check_admin_bind
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
-from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from chunkserve_contracts.v1 import replica_pb2_grpc as rpb_grpc
 
 log = logging.getLogger(__name__)
@@ -80,7 +79,7 @@ class RouterApp:
         interceptors = [BearerTokenInterceptor(config.api_key)] if config.api_key else []
         self.server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         self.proxy = GenerationProxy(self.router)
-        pb_grpc.add_GenerationServicer_to_server(self.proxy, self.server)
+        self.server.add_generic_rpc_handlers((self.proxy.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.admin = None
         if config.admin_port:

@@ -19,15 +19,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from chunkserve.router.core import NoReplicaError, Router, Ticket
+from chunkserve.router.wire import request_id_field, with_request_id
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
-from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from chunkserve_contracts.v1 import replica_pb2 as rpb
 from chunkserve_contracts.v1 import replica_pb2_grpc as rpb_grpc
 
 log = logging.getLogger(__name__)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+GENERATION = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 LIVE_FIELDS = ("num_free_device_blocks", "num_requests_running", "num_requests_waiting")
 
 
@@ -47,19 +49,40 @@ class _ReplicaLost(Exception):
     """The replica's call was cancelled by the health check (the replica went down)."""
 
 
-class GenerationProxy(pb_grpc.GenerationServicer):
+class GenerationProxy:
+    """chunkserve.v1.Generation on the router. Generate relays bytes: the request is parsed once
+    (to route it) and forwarded as it came; the replica's messages are parsed only until the
+    first token (admission, retries) and relayed with the router's request id spliced in
+    (wire.with_request_id), never decoded and encoded again per token."""
+
     def __init__(self, router: Router) -> None:
         self.router = router
         self._placed: dict[str, _Placed] = {}
 
-    async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The service's handlers: Generate on raw bytes, Abort and GetInfo as messages."""
+        unary = grpc.unary_unary_rpc_method_handler
+        return grpc.method_handlers_generic_handler(
+            GENERATION,
+            {
+                "Generate": grpc.unary_stream_rpc_method_handler(self.Generate),  # bytes in, bytes out
+                "Abort": unary(self.Abort, pb.AbortRequest.FromString, pb.AbortResponse.SerializeToString),
+                "GetInfo": unary(self.GetInfo, pb.GetInfoRequest.FromString, pb.GetInfoResponse.SerializeToString),
+            },
+        )
+
+    async def Generate(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        try:
+            request = pb.GenerateRequest.FromString(data)
+        except DecodeError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request is not a valid GenerateRequest")
         token_ids = await self.router.token_ids(request)
         rid = f"rt-{uuid.uuid4().hex[:20]}"
+        rid_field = request_id_field(rid)
         placed = self._placed[rid] = _Placed()
         tried: set[str] = set()
         admitted = streamed = False
+        watcher = asyncio.current_task()
         try:
             while True:
                 try:
@@ -67,26 +90,32 @@ class GenerationProxy(pb_grpc.GenerationServicer):
                 except NoReplicaError as exc:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
                 replica = ticket.replica
-                timeout = context.time_remaining()
-                call = replica.generation.Generate(request, metadata=_forwarded(context), timeout=timeout)
-                watcher = asyncio.current_task()
+                call = replica.generate(data, metadata=_forwarded(context), timeout=context.time_remaining())
                 replica.calls.add(call)  # type: ignore[arg-type]
                 first = True
                 try:
-                    async for msg in self._read(call, watcher):
-                        if first:  # the replica's admission message: its id for Abort
-                            first = False
-                            placed.replica_request_id = msg.request_id
-                            if not msg.token_ids and not msg.finished:
-                                if admitted:
-                                    continue  # moved: the client already has its first message
-                                admitted = True
-                        if msg.token_ids or msg.finished:
-                            ticket.got_first_token()
-                            streamed = True
-                        msg.request_id = rid
-                        yield msg
-                    return
+                    while True:
+                        try:
+                            chunk = await call.read()
+                        except asyncio.CancelledError:
+                            if watcher is not None and watcher.cancelling():
+                                raise  # the client went away
+                            raise _ReplicaLost() from None  # mark_down cancelled the call
+                        if chunk is grpc.aio.EOF:
+                            return
+                        if not streamed:  # admission and the first token: parsed (small, few)
+                            msg = pb.GenerateResponse.FromString(chunk)
+                            if first:  # the replica's admission message: its id for Abort
+                                first = False
+                                placed.replica_request_id = msg.request_id
+                                if not msg.token_ids and not msg.finished:
+                                    if admitted:
+                                        continue  # moved: the client already has its first message
+                                    admitted = True
+                            if msg.token_ids or msg.finished:
+                                ticket.got_first_token()
+                                streamed = True
+                        yield with_request_id(chunk, rid_field)
                 except (grpc.aio.AioRpcError, _ReplicaLost) as exc:
                     code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
                     details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else "the replica went down"
@@ -103,17 +132,6 @@ class GenerationProxy(pb_grpc.GenerationServicer):
                     ticket.release()
         finally:
             self._placed.pop(rid, None)
-
-    @staticmethod
-    async def _read(call: grpc.aio.UnaryStreamCall, watcher: asyncio.Task | None) -> AsyncIterator[pb.GenerateResponse]:
-        """The call's messages; a cancel by mark_down (not the client leaving) is _ReplicaLost."""
-        try:
-            async for msg in call:
-                yield msg
-        except asyncio.CancelledError:
-            if watcher is not None and watcher.cancelling():
-                raise  # the client went away
-            raise _ReplicaLost() from None
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         placed = self._placed.get(request.request_id)

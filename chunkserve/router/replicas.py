@@ -84,6 +84,7 @@ class Replica:
     channel: grpc.aio.Channel = field(init=False)
     admin_channel: grpc.aio.Channel = field(init=False)
     generation: pb_grpc.GenerationStub = field(init=False)
+    generate: grpc.aio.UnaryStreamMultiCallable = field(init=False)  # Generate on raw bytes (grpc_front.py)
     healthy: bool = False
     events_connected: bool = False
     draining: bool = False
@@ -103,6 +104,7 @@ class Replica:
         self.channel = grpc.aio.insecure_channel(self.address.grpc, options=options)
         self.admin_channel = grpc.aio.insecure_channel(self.address.admin, options=options)
         self.generation = pb_grpc.GenerationStub(self.channel)
+        self.generate = self.channel.unary_stream(f"/{GENERATION}/Generate")  # no (de)serializers: bytes
 
     @property
     def name(self) -> str:

@@ -245,6 +245,9 @@ def test_the_router_reads_events_and_load_with_the_read_token_and_guards_its_own
             routed, ids = await tokens(f"127.0.0.1:{router.port}")
             assert routed == direct and len(direct) == 6
             assert len(set(ids)) == 1 and ids[0].startswith("rt-")  # the router's id in every message
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
+                raw = channel.unary_stream("/chunkserve.v1.Generation/Generate")  # bytes: not a GenerateRequest
+                assert await code_of(raw(b"\xff\xff\xff")) == grpc.StatusCode.INVALID_ARGUMENT
             async with grpc.aio.insecure_channel(f"127.0.0.1:{router_admin}") as channel:
                 stub = rpb_grpc.RouterStub(channel)
                 assert await code_of(stub.ListReplicas(rpb.ListReplicasRequest())) == UNAUTHENTICATED
