@@ -26,6 +26,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 // glibc's vector expf (libmvec), declared as its <math.h> does under -ffast-math, so that the
@@ -134,74 +135,124 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, 
   float* out_p = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
 
-  // Work items: a (sequence, KV head) unit whole, or one split_tokens piece of a longer one.
-  // A whole unit writes its normalised output; a piece leaves, per query head of the group,
-  // its max score, its sum of exp(score - max) and its unnormalised sum of p * V in `part`
-  // (group x (hd + 2) floats), merged below. Which units split depends on their own context
-  // length only, so a sequence's result does not depend on the batch or the thread count.
+  // Runs: consecutive rows with one block table and context lengths c, c + 1, ... are one
+  // sequence's decode and its draft tokens (a verify step, executor_svc/runner.py); a run's
+  // work items read each K and V row once for all its rows. Each row still gets exactly what
+  // it alone would: its own pieces (below), the same sums in the same order.
+  std::vector<std::pair<int64_t, int64_t>> runs;  // (first row, rows)
+  for (int64_t d = 0; d < D; ++d) {
+    if (!runs.empty()) {
+      auto& [d0, r] = runs.back();
+      if (ctx_p[d] == ctx_p[d - 1] + 1 &&
+          std::memcmp(bt_p + d * max_blocks, bt_p + d0 * max_blocks, max_blocks * sizeof(int32_t)) == 0) {
+        ++r;
+        continue;
+      }
+    }
+    runs.emplace_back(d, 1);
+  }
+
+  // Work items: a (run, KV head) unit whole, or one split_tokens piece of a longer one. A row
+  // whose context is at most split_tokens is attended whole and writes its normalised output;
+  // a longer row's piece leaves, per query head of the group, its max score, its sum of
+  // exp(score - max) and its unnormalised sum of p * V in `part` (group x (hd + 2) floats),
+  // merged below. Which rows split, and where, depends on their own context length only, so
+  // a sequence's result does not depend on the batch, its drafts or the thread count.
   struct Item {
-    int64_t unit, t0, t1, part;  // tokens [t0, t1); part: its slot in part_buf, or -1 for a whole unit
+    int64_t d0, rows, h, t0, t1, piece;  // run rows [d0, d0 + rows), tokens [t0, t1), piece index
   };
   std::vector<Item> items;
   std::vector<int64_t> first_part(D * Hkv, -1);
   int64_t parts = 0;
   for (int64_t w = 0; w < D * Hkv; ++w) {
     const int64_t ctx = ctx_p[w / Hkv];
-    if (ctx <= split_tokens) {
-      items.push_back({w, 0, ctx, -1});
-      continue;
+    if (ctx > split_tokens) {
+      first_part[w] = parts;
+      parts += (ctx + split_tokens - 1) / split_tokens;
     }
-    first_part[w] = parts;
-    for (int64_t t0 = 0; t0 < ctx; t0 += split_tokens) {
-      items.push_back({w, t0, std::min(ctx, t0 + split_tokens), parts++});
+  }
+  for (const auto& [d0, r] : runs) {
+    const int64_t longest = ctx_p[d0 + r - 1];
+    for (int64_t h = 0; h < Hkv; ++h) {
+      if (longest <= split_tokens) {
+        items.push_back({d0, r, h, 0, longest, 0});
+        continue;
+      }
+      for (int64_t t0 = 0, p = 0; t0 < longest; t0 += split_tokens, ++p)
+        items.push_back({d0, r, h, t0, std::min(longest, t0 + split_tokens), p});
     }
   }
   const int64_t stride = group * (hd + 2);
   std::vector<float> part_buf(parts * stride);
 
   auto work = [&](int64_t begin, int64_t end) {
-    std::vector<float> probs;
+    struct Row {
+      const float* q;
+      float* out;
+      float* part;  // nullptr: a whole row
+      int64_t n;    // its tokens in this item, from t0
+      std::vector<float> probs;
+    };
+    std::vector<Row> rows_here;
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
-      const int64_t d = it.unit / Hkv, h = it.unit % Hkv, t0 = it.t0, n = it.t1 - it.t0;
-      const int32_t* table = bt_p + d * max_blocks;
-      const float* qh = q_p + (d * Hq + h * group) * hd;
-      float* part = it.part < 0 ? nullptr : part_buf.data() + it.part * stride;
-      float* oh = part == nullptr ? out_p + (d * Hq + h * group) * hd : part + 2 * group;
-      probs.resize(group * n);
-      for (int64_t t = 0; t < std::min(n, kPrefetchAhead); ++t)
+      const int64_t h = it.h, t0 = it.t0;
+      const int32_t* table = bt_p + it.d0 * max_blocks;
+      rows_here.clear();
+      int64_t n_max = 0;
+      for (int64_t d = it.d0; d < it.d0 + it.rows; ++d) {
+        const int64_t ctx = ctx_p[d];
+        const bool whole = ctx <= split_tokens;
+        if (whole ? it.piece > 0 : ctx <= t0) continue;  // attended in another item
+        const int64_t n = (whole ? ctx : std::min(ctx, it.t1)) - t0;
+        float* part = whole ? nullptr : part_buf.data() + (first_part[d * Hkv + h] + it.piece) * stride;
+        rows_here.push_back({q_p + (d * Hq + h * group) * hd,
+                             part == nullptr ? out_p + (d * Hq + h * group) * hd : part + 2 * group, part, n,
+                             std::vector<float>(group * n)});
+        n_max = std::max(n_max, n);
+      }
+      for (int64_t t = 0; t < std::min(n_max, kPrefetchAhead); ++t)
         prefetch_row(row_of(k_p, table, t0 + t, bs, Hkv, h, hd), hd);
-      for (int64_t t = 0; t < n; ++t) {
-        if (t + kPrefetchAhead < n) prefetch_row(row_of(k_p, table, t0 + t + kPrefetchAhead, bs, Hkv, h, hd), hd);
+      for (int64_t t = 0; t < n_max; ++t) {
+        if (t + kPrefetchAhead < n_max) prefetch_row(row_of(k_p, table, t0 + t + kPrefetchAhead, bs, Hkv, h, hd), hd);
         const float* k = row_of(k_p, table, t0 + t, bs, Hkv, h, hd);
-        for (int64_t g = 0; g < group; ++g) probs[g * n + t] = dot(qh + g * hd, k, hd) * sc;
+        for (Row& row : rows_here) {
+          if (t >= row.n) continue;
+          for (int64_t g = 0; g < group; ++g) row.probs[g * row.n + t] = dot(row.q + g * hd, k, hd) * sc;
+        }
       }
-      for (int64_t t = 0; t < std::min(n, kPrefetchAhead); ++t)
+      for (int64_t t = 0; t < std::min(n_max, kPrefetchAhead); ++t)
         prefetch_row(row_of(v_p, table, t0 + t, bs, Hkv, h, hd), hd);
-      for (int64_t g = 0; g < group; ++g) {
-        float* p = probs.data() + g * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, p[t]);
-        float sum = 0.f;
+      for (Row& row : rows_here) {
+        const int64_t n = row.n;
+        for (int64_t g = 0; g < group; ++g) {
+          float* p = row.probs.data() + g * n;
+          float m = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < n; ++t) m = std::max(m, p[t]);
+          float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; ++t) {
-          p[t] = expf(p[t] - m);
-          sum += p[t];
-        }
-        if (part == nullptr) {
-          const float inv = 1.f / sum;
+          for (int64_t t = 0; t < n; ++t) {
+            p[t] = expf(p[t] - m);
+            sum += p[t];
+          }
+          if (row.part == nullptr) {
+            const float inv = 1.f / sum;
 #pragma omp simd
-          for (int64_t t = 0; t < n; ++t) p[t] *= inv;
-        } else {
-          part[g] = m;
-          part[group + g] = sum;
+            for (int64_t t = 0; t < n; ++t) p[t] *= inv;
+          } else {
+            row.part[g] = m;
+            row.part[group + g] = sum;
+          }
+          std::fill(row.out + g * hd, row.out + (g + 1) * hd, 0.f);
         }
-        std::fill(oh + g * hd, oh + (g + 1) * hd, 0.f);
       }
-      for (int64_t t = 0; t < n; ++t) {
-        if (t + kPrefetchAhead < n) prefetch_row(row_of(v_p, table, t0 + t + kPrefetchAhead, bs, Hkv, h, hd), hd);
+      for (int64_t t = 0; t < n_max; ++t) {
+        if (t + kPrefetchAhead < n_max) prefetch_row(row_of(v_p, table, t0 + t + kPrefetchAhead, bs, Hkv, h, hd), hd);
         const float* v = row_of(v_p, table, t0 + t, bs, Hkv, h, hd);
-        for (int64_t g = 0; g < group; ++g) axpy(oh + g * hd, probs[g * n + t], v, hd);
+        for (Row& row : rows_here) {
+          if (t >= row.n) continue;
+          for (int64_t g = 0; g < group; ++g) axpy(row.out + g * hd, row.probs[g * row.n + t], v, hd);
+        }
       }
     }
   };

@@ -105,6 +105,22 @@ def test_long_contexts_split_into_pieces_match_and_do_not_depend_on_the_batch(na
         assert torch.equal(op(batch.q[i : i + 1], batch.cache, tables[i : i + 1], lens[i : i + 1], 0.3, 10**9), alone)
 
 
+@pytest.mark.parametrize("ctx0, rows", [(5, 4), (509, 6), (1020, 9), (1400, 9), (40, 1)])
+def test_a_verify_run_reads_the_cache_once_and_gives_each_row_what_it_gets_alone(native, ctx0, rows):
+    """A decode and its drafts (speculative decoding) come as consecutive rows with one block
+    table and contexts c, c + 1, ...: the op attends them as one run, and every row is bitwise
+    what it gets alone (short contexts, pieces, a run across the 512-token piece boundary)."""
+    batch = make_paged_batch([(ctx0 + rows - 1, 1)], 16, 9, 3, 64, seed=3)
+    (table,) = batch.meta.block_table.int()
+    q = torch.randn(rows, 9, 64, generator=torch.Generator().manual_seed(ctx0))
+    lens = torch.arange(ctx0, ctx0 + rows, dtype=torch.int32)
+    op = torch.ops.chunkserve.paged_decode_attention
+    run = op(q, batch.cache, table.repeat(rows, 1), lens, 0.3)
+    alone = torch.cat([op(q[j : j + 1], batch.cache, table[None], lens[j : j + 1], 0.3) for j in range(rows)])
+    assert torch.equal(run, alone)
+    assert torch.equal(op(q, batch.cache, table.repeat(rows, 1), lens, 0.3, 10**9), run)  # one thread or many
+
+
 @pytest.mark.parametrize("layout", ["head slice", "transposed"])
 def test_native_write_kv_equals_aten_write_from_strided_views(native, layout):
     """k and v as the model passes them: views into a wider tensor, or of a transposed product
