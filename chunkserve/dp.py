@@ -102,6 +102,20 @@ def tokenizer_folder(scheduler: object, model: str) -> str | None:
     return None  # a .gguf file: text prompts are routed by load (token-id prompts by cache)
 
 
+def replica_env(scheduler: object, access: object, base: dict[str, str] | os._Environ) -> dict[str, str]:
+    """The replicas' environment. Secrets never go on a command line: the API key and the admin
+    tokens reach the replicas here, so they refuse calls without them (the router forwards the
+    client's key and reads their Replica service with the read token, else the admin token)."""
+    env = dict(base)
+    secrets = {
+        "CHUNKSERVE_API_KEY": scheduler.api_key,  # type: ignore[attr-defined]
+        "CHUNKSERVE_ADMIN_TOKEN": getattr(access, "admin_token", None),
+        "CHUNKSERVE_ADMIN_READ_TOKEN": getattr(access, "admin_read_token", None),
+    }
+    env.update({name: value for name, value in secrets.items() if value})
+    return env
+
+
 async def serve_data_parallel(n: int, scheduler: object, executor: object, model: str, access: object = None) -> int:
     """Starts the N replica children, then the router on the public ports; stops all on a
     signal. A replica that exits is reported and left out by the router's health checks.
@@ -126,16 +140,9 @@ async def serve_data_parallel(n: int, scheduler: object, executor: object, model
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    # Secrets never go on a command line: the API key reaches the replicas through their
-    # environment, so they refuse calls without it (the router forwards the client's).
-    env = dict(os.environ)
-    if scheduler.api_key:  # type: ignore[attr-defined]
-        env["CHUNKSERVE_API_KEY"] = scheduler.api_key  # type: ignore[attr-defined]
+    env = replica_env(scheduler, access, os.environ)
     admin_token = getattr(access, "admin_token", None)
     read_token = getattr(access, "admin_read_token", None)
-    for name, value in (("CHUNKSERVE_ADMIN_TOKEN", admin_token), ("CHUNKSERVE_ADMIN_READ_TOKEN", read_token)):
-        if value:
-            env[name] = value
     for plan in plans:
         log.info("replica %d: chunkserve serve %s", plan.rank, " ".join(plan.argv))
         child = await asyncio.create_subprocess_exec(

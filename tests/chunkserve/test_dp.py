@@ -12,15 +12,33 @@ import time
 import grpc
 import pytest
 
-from chunkserve.dp import plan_replicas
+from chunkserve.dp import plan_replicas, replica_env
 from chunkserve.launch import free_port
 from chunkserve.router.replicas import parse_replica
 from executor_svc.config import ExecutorConfig
+from scheduler_svc.admin_access import AdminAccess
 from scheduler_svc.config import SchedulerConfig
 
 
 def flag(argv: list[str], name: str) -> str:
     return argv[len(argv) - 1 - argv[::-1].index(name) + 1]  # the last one wins, as in argparse
+
+
+def test_secrets_reach_the_replicas_through_their_environment_only():
+    sched = SchedulerConfig(port=7000, api_key="key-1")
+    access = AdminAccess(admin_token="admin-2", admin_read_token="read-3")
+    plans = plan_replicas(2, sched, ExecutorConfig(executor_port=7100), cpus=list(range(4)))
+    for plan in plans:  # `ps` shows a command line: no secret there
+        assert not {"key-1", "admin-2", "read-3"} & set(plan.argv), plan.argv
+        assert "--admin-host" in plan.argv and flag(plan.argv, "--admin-host") == "127.0.0.1"
+    env = replica_env(sched, access, {"PATH": "/bin"})
+    assert env == {
+        "PATH": "/bin",
+        "CHUNKSERVE_API_KEY": "key-1",
+        "CHUNKSERVE_ADMIN_TOKEN": "admin-2",
+        "CHUNKSERVE_ADMIN_READ_TOKEN": "read-3",
+    }
+    assert replica_env(SchedulerConfig(), AdminAccess(), {"PATH": "/bin"}) == {"PATH": "/bin"}
 
 
 def test_plans_offset_ports_split_cpus_and_offset_event_endpoints():

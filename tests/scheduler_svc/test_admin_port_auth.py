@@ -66,7 +66,18 @@ def serving(fakes, byte_tokenizer_dir, monkeypatch):
     return app_module.SchedulerApp
 
 
-def test_admin_rpcs_need_the_admin_token_and_the_router_reads_with_the_read_token(serving):
+def admin_cli(address: str, *action: str) -> int:
+    """`chunkserve admin --address ADDRESS ACTION` (its parser reads CHUNKSERVE_ADMIN_TOKEN)."""
+    import argparse
+
+    from chunkserve.admin_cli import add_admin_parser, run_admin
+
+    parser = argparse.ArgumentParser()
+    add_admin_parser(parser.add_subparsers())
+    return run_admin(parser.parse_args(["admin", "--address", address, *action]))
+
+
+def test_admin_rpcs_need_the_admin_token_and_the_router_reads_with_the_read_token(serving, monkeypatch, capsys):
     access = AdminAccess(admin_token=ADMIN, admin_read_token=READ)
 
     async def main():
@@ -109,6 +120,14 @@ def test_admin_rpcs_need_the_admin_token_and_the_router_reads_with_the_read_toke
                     first = await events.read()  # the snapshot, at once
                     assert first.replay
                     events.cancel()
+                # `chunkserve admin` sends CHUNKSERVE_ADMIN_TOKEN, and says what to set without it.
+                address = f"127.0.0.1:{app.config.admin_port}"
+                monkeypatch.delenv("CHUNKSERVE_ADMIN_TOKEN", raising=False)
+                assert await asyncio.to_thread(admin_cli, address, "config") == 1  # a blocking client: off the loop
+                assert "UNAUTHENTICATED): set CHUNKSERVE_ADMIN_TOKEN" in capsys.readouterr().err
+                monkeypatch.setenv("CHUNKSERVE_ADMIN_TOKEN", ADMIN)
+                assert await asyncio.to_thread(admin_cli, address, "config") == 0
+                assert '"maxNumSeqs": 7' in capsys.readouterr().out
                 # Reflection stays open (grpcurl list).
                 reflect = channel.stream_stream(
                     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
