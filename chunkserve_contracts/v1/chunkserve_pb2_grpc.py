@@ -196,7 +196,9 @@ class Generation:
 
 class AdminStub:
     """Operator service, served on its own port (--admin-port, default 50052 on loopback; 0 = off):
-    never exposed to clients of the Generation service.
+    never exposed to clients of the Generation service. With --admin-token every call needs
+    `authorization: Bearer <token>` (UNAUTHENTICATED otherwise); beyond loopback a token is
+    required at start-up unless --admin-allow-unauthenticated (docs/deploy.md).
     """
 
     def __init__(self, channel):
@@ -229,7 +231,9 @@ class AdminStub:
 
 class AdminServicer:
     """Operator service, served on its own port (--admin-port, default 50052 on loopback; 0 = off):
-    never exposed to clients of the Generation service.
+    never exposed to clients of the Generation service. With --admin-token every call needs
+    `authorization: Bearer <token>` (UNAUTHENTICATED otherwise); beyond loopback a token is
+    required at start-up unless --admin-allow-unauthenticated (docs/deploy.md).
     """
 
     def WatchSteps(self, request, context):
@@ -294,7 +298,9 @@ def add_AdminServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Admin:
     """Operator service, served on its own port (--admin-port, default 50052 on loopback; 0 = off):
-    never exposed to clients of the Generation service.
+    never exposed to clients of the Generation service. With --admin-token every call needs
+    `authorization: Bearer <token>` (UNAUTHENTICATED otherwise); beyond loopback a token is
+    required at start-up unless --admin-allow-unauthenticated (docs/deploy.md).
     """
 
     @staticmethod
