@@ -292,8 +292,25 @@ def test_chunkserve_serve_and_generate_cli(default_model_path, tmp_path):
         ["--max-num-batched-tokens", "auto", "--target-itl-ms", "120"],  # a budget that moves every step
         ["--max-num-batched-tokens", "64", "--async-output-processing"],  # output served after the next send
         ["--max-num-batched-tokens", "64", "--async-scheduling"],  # step N+1 planned and sent while N runs
+        [  # drafts verified in decode steps (issue 34), the gate on its own step times
+            "--max-num-batched-tokens",
+            "64",
+            "--async-scheduling",
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}',
+        ],
     ],
-    ids=["budget16", "budget64", "budget256", "budget2048", "unchunked", "auto", "async-output", "async-scheduling"],
+    ids=[
+        "budget16",
+        "budget64",
+        "budget256",
+        "budget2048",
+        "unchunked",
+        "auto",
+        "async-output",
+        "async-scheduling",
+        "speculative",
+    ],
 )
 def test_greedy_tokens_do_not_depend_on_chunking(default_model_path, prompts, expected, tmp_path, scheduler_args):
     """All prompts at once, so steps mix prefill chunks and decodes differently per budget."""

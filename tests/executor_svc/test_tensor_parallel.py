@@ -373,3 +373,43 @@ def test_tp2_masked_greedy_tokens_equal_tp1_and_stay_in_the_masks(tmp_path):
     (tmp_path / "free").mkdir()
     free = tokens(replay(model, 1, tmp_path / "free", mixed_plans()))
     assert free != tokens(one)  # the masks changed what was sampled
+
+
+@pytest.mark.slow  # three executor processes, ~35 s
+def test_tp2_verify_steps_keep_the_same_tokens_and_cursors_as_tp1(tmp_path):
+    """Speculative decoding under TP: rank 0 samples every row of a verify entry and shares the
+    ids, and every rank keeps the same accepted prefix and moves its cursor back alike. Mask
+    rows of one token each make acceptance certain: all three drafts, then one of three; the
+    plans after them only run if both processes' cursors are where the scheduler puts them."""
+    model = write_model(tmp_path / "model", tied=False)
+    vocab = TP_TINY["vocab_size"]
+
+    def only(t: int) -> bytes:
+        words = [0] * ((vocab + 31) // 32)
+        words[t // 32] |= 1 << (t % 32)
+        return b"".join(w.to_bytes(4, "little") for w in words)
+
+    def verify(step, computed, drafts, forced, blocks=()):
+        s = entry(1, computed, 1 + len(drafts), blocks=blocks)
+        s.draft_token_ids.extend(drafts)
+        for position, t in enumerate(forced):
+            s.token_masks.add(position=position, bits=only(t))
+        return epb.StepRequest(step_id=step, seqs=[s])
+
+    plans = [
+        epb.StepRequest(
+            step_id=0,
+            new_seqs=[
+                epb.NewSequence(seq_id=1, sampling=epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1))
+            ],
+            seqs=[entry(1, 0, 6, [3, 14, 15, 92, 65, 35], [0, 1])],
+        ),
+        verify(1, 6, [8, 9, 10], [8, 9, 10, 11], [2]),  # all accepted: 8 9 10 and 11, cursor 10
+        verify(2, 10, [12, 13, 14], [12, 20], [3]),  # 12 accepted, 20 sampled instead of 13: cursor 12
+        epb.StepRequest(step_id=3, seqs=[entry(1, 12, 1)]),  # free decodes after the rollback
+        epb.StepRequest(step_id=4, seqs=[entry(1, 13, 1, blocks=[4])]),
+    ]
+    one, two = replay(model, 1, tmp_path, plans), replay(model, 2, tmp_path, plans)
+    assert tokens(one) == tokens(two)
+    got = [t for _, t in sum(tokens(one), [])]
+    assert got[1:7] == [8, 9, 10, 11, 12, 20] and len(got) == 9  # every plan ran: the cursors held
