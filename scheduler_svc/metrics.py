@@ -14,6 +14,7 @@ only reports its own step time), so no multiprocess registry is needed. Served o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -226,7 +227,8 @@ class Metrics(Observer):
         self.predicted_step.set(stats.predicted_step_ms / 1e3)
         self.prefix_queries.inc(stats.prefix_queries)
         self.prefix_hits.inc(stats.prefix_hits)
-        self.slowdown_ratio.set(self.slowdown.observe(plan, record.result, record.planned_at))
+        # A steady clock for its "sustained for 30 s" (planned_at is wall time, which can jump).
+        self.slowdown_ratio.set(self.slowdown.observe(plan, record.result, time.monotonic()))
         for drafted, accepted in accepted_counts(plan, record.result).values():
             self.spec_drafts.inc()
             self.spec_draft_tokens.inc(drafted)

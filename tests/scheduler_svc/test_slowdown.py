@@ -74,11 +74,23 @@ def test_the_ratio_is_at_least_one_and_other_steps_do_not_move_it(times):
     assert watch.observe(_plan(5), StepResult(0, [], forward_ns=0), 1e6) == before  # no executor time
 
 
-def test_the_gauge_follows_the_watch():
+def test_the_gauge_follows_the_watch_through_the_steps_metrics_sees(fakes):
+    """Metrics.on_step feeds the watch every step's record: the gauge moves with decode steps
+    five times slower than the best, and a prefill step leaves it."""
+    from scheduler_svc.engine import StepRecord
+    from scheduler_svc.plan import StepStats
+
     metrics = Metrics("m")
-    assert metrics.registry.get_sample_value("chunkserve_decode_step_slowdown_ratio", {"model_name": "m"}) == 1.0
-    watch = metrics.slowdown
-    _feed(watch, [10.0] * slowdown.WINDOW)
-    _feed(watch, [50.0] * slowdown.WINDOW)
-    metrics.slowdown_ratio.set(watch.ratio)
-    assert metrics.registry.get_sample_value("chunkserve_decode_step_slowdown_ratio", {"model_name": "m"}) == 5.0
+    gauge = lambda: metrics.registry.get_sample_value("chunkserve_decode_step_slowdown_ratio", {"model_name": "m"})  # noqa: E731
+    assert gauge() == 1.0
+    state = fakes.make_scheduler().snapshot()
+
+    def step(plan: StepPlan, ms: float) -> None:
+        result = StepResult(0, [], forward_ns=int(ms * 1e6))
+        metrics.on_step(StepRecord(plan, StepStats(64, "fcfs"), result, 0.0, 0, state))
+
+    for ms in [10.0] * slowdown.WINDOW + [50.0] * slowdown.WINDOW:
+        step(_plan(1), ms)
+    assert gauge() == 5.0
+    step(_plan(1, prefill=16), 1000.0)
+    assert gauge() == 5.0
