@@ -66,10 +66,11 @@ def drafts_for(sched: Scheduler, plan: StepPlan, budget: int) -> None:
     candidates = drafter.candidates(decodes)
     keep = drafter.choose(len(plan.seqs), candidates, budget, sched.num_steps)
     for c in candidates:
-        if (k := keep.get(c.index, 0)) == 0:
-            continue
         entry = plan.seqs[c.index]
         request = sched.requests[entry.request_id]
+        # Free blocks again: drafts placed before this one may have taken them.
+        if (k := min(keep.get(c.index, 0), sched.tokens_that_fit(request) - 1)) <= 0:
+            continue
         entry.draft_token_ids = c.draft[:k]
         entry.num_new_tokens = 1 + k
         entry.new_block_ids.extend(sched.pool.allocate(request, 1 + k))

@@ -388,3 +388,23 @@ def test_metrics_and_step_trace_count_drafts_and_accepted_tokens(fakes, byte_tok
     assert value("chunkserve_spec_decode_num_drafts_total") == sum(
         1 for s in steps for e in s["seqs"] if e.get("numDraftTokens")
     )
+
+
+def test_drafts_of_several_requests_share_the_last_free_blocks_without_overdrawing(fakes):
+    """Two decodes that each see room for drafts in the one free block, which only one can
+    take: the second drafts only within its own blocks, and no block is taken twice."""
+    period = 5
+    fake = _echo(fakes, period)(5, 4)  # two 7-token prompts hold 4 of the 5 blocks
+    sched = fakes.make_scheduler(num_blocks=5, block_size=4, speculative_config=NGRAM, max_num_batched_tokens=64)
+    sched.drafter.times.observe(2, False, 0.01, 0)  # a plain 2-row step seen: drafting may start at once
+    reqs = _requests(fakes, [7, 7], [20, 20], period)
+    for r in reqs:
+        sched.add_request(r)
+    plan = sched.schedule()  # the two prefills
+    assert len(plan.seqs) == 2
+    sched.update(plan, fake.execute(plan))
+    plan = sched.schedule()
+    assert [len(e.draft_token_ids) for e in plan.seqs] == [4, 0]  # the first took the free block
+    assert sched.pool.num_free_blocks == 0
+    sched.pool.check_invariants()
+    sched.update(plan, fake.execute(plan))
