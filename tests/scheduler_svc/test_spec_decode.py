@@ -94,7 +94,7 @@ def _requests(fakes, lens, max_tokens, period: int | None = None):
     return reqs
 
 
-@settings(max_examples=60, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=200, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     lens=st.lists(st.integers(1, 40), min_size=1, max_size=6),
     max_tokens=st.lists(st.integers(1, 30), min_size=6, max_size=6),
