@@ -21,6 +21,8 @@ or quieter is measured again (one exploring step per bucket and window: < 1% of 
 from __future__ import annotations
 
 import heapq
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -57,25 +59,34 @@ def _bucket(rows: int) -> int:
 
 
 class StepTimes:
-    """Executor time of pure-decode steps by row count, plain and verifying (module docstring)."""
+    """Executor time of pure-decode steps by row count, plain and verifying (module docstring).
 
-    def __init__(self, alpha: float = 0.25, forget_after: int = 256) -> None:
-        self.alpha = alpha
+    A bucket's figure is the median of its last `window` observations, so one step slowed by a
+    neighbour (or a kernel's first call, which once kept suffix drafts off for a whole request)
+    does not decide for the next 256 steps; a verify bucket seen fewer than `min_seen` times
+    counts as not seen, so a first slow step is tried again before it is believed."""
+
+    def __init__(self, window: int = 8, min_seen: int = 2, forget_after: int = 256) -> None:
+        self.window = window
+        self.min_seen = min_seen
         self.forget_after = forget_after
-        self._t: dict[tuple[int, bool], tuple[float, int]] = {}  # (bucket, verify) -> (seconds, step seen)
+        self._t: dict[tuple[int, bool], tuple[deque[float], int]] = {}  # (bucket, verify) -> (recent seconds, step)
 
     def observe(self, rows: int, verify: bool, seconds: float, step: int) -> None:
         key = (_bucket(rows), verify)
         old = self._t.get(key)
         if old is None or step - old[1] > self.forget_after:
-            self._t[key] = (seconds, step)
-        else:
-            self._t[key] = (old[0] + self.alpha * (seconds - old[0]), step)
+            old = (deque(maxlen=self.window), step)
+        old[0].append(seconds)
+        self._t[key] = (old[0], step)
 
-    def known(self, rows: int, verify: bool, step: int) -> float | None:
-        """The learned time of such a step, None when not seen within `forget_after` steps."""
+    def known(self, rows: int, verify: bool, step: int, min_seen: int = 1) -> float | None:
+        """The learned time of such a step; None when seen fewer than `min_seen` times within
+        the last `forget_after` steps."""
         got = self._t.get((_bucket(rows), verify))
-        return None if got is None or step - got[1] > self.forget_after else got[0]
+        if got is None or step - got[1] > self.forget_after or len(got[0]) < min_seen:
+            return None
+        return statistics.median(got[0])
 
     def plain(self, rows: int, step: int) -> float | None:
         """A plain decode step of `rows` rows: learned, else the nearest smaller one learned
@@ -88,8 +99,8 @@ class StepTimes:
         return None
 
     def verify(self, rows: int, step: int) -> float | None:
-        """A verify step of `rows` rows, or None when it has not been seen lately."""
-        return self.known(rows, True, step)
+        """A verify step of `rows` rows, or None when it has not been seen `min_seen` times lately."""
+        return self.known(rows, True, step, self.min_seen)
 
 
 class Drafter:

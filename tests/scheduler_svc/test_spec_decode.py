@@ -236,15 +236,17 @@ def test_a_request_with_a_verify_step_in_flight_is_not_planned_again(fakes):
     assert req.num_computed_tokens == req.num_tokens - 1
 
 
-def test_step_times_forget_and_extrapolate():
-    t = StepTimes(alpha=0.5, forget_after=10)
+def test_step_times_forget_extrapolate_and_shrug_off_one_slow_step():
+    t = StepTimes(window=4, min_seen=2, forget_after=10)
     t.observe(1, False, 0.010, step=1)
     assert t.plain(1, 2) == pytest.approx(0.010)
     assert t.plain(4, 2) == pytest.approx(0.040)  # scaled from 1 row: no faster than linear
     assert t.verify(4, 2) is None
-    t.observe(4, True, 0.012, step=3)
-    t.observe(4, True, 0.020, step=4)
-    assert t.verify(4, 5) == pytest.approx(0.016)
+    t.observe(4, True, 0.500, step=3)  # a first call's one-off cost: not believed alone
+    assert t.verify(4, 3) is None
+    t.observe(4, True, 0.012, step=4)
+    t.observe(4, True, 0.014, step=5)
+    assert t.verify(4, 5) == pytest.approx(0.014)  # the median: the outlier does not decide
     assert t.verify(4, 20) is None  # not seen for more than forget_after steps
 
 
@@ -257,9 +259,9 @@ def test_the_gate_drafts_only_while_it_pays():
     assert d.choose(1, cands, 64, step=1) == {}  # no plain step seen: nothing to compare with
     d.times.observe(1, False, 0.010, 1)
     assert d.choose(1, cands, 64, step=2) == {0: 4}  # verify steps unseen: tried
-    d.times.observe(5, True, 0.050, 2)  # a verify of 4 drafts costs 5 plain steps: never pays
-    for rows in (2, 3, 4):
-        d.times.observe(rows, True, 0.050, 2)
+    for rows in (2, 3, 4, 5):  # a verify of up to 4 drafts costs 5 plain steps: never pays
+        for _ in range(3):
+            d.times.observe(rows, True, 0.050, 2)
     assert d.choose(1, cands, 64, step=3) == {}
     for _ in range(20):  # 2 drafts turn out nearly free (the average moves there): pays at 0.9
         d.times.observe(3, True, 0.011, 3)
