@@ -1,21 +1,22 @@
 """Speculative decoding in the scheduler: which decodes of a step carry drafts, and how many.
 
-The scheduler (scheduler.py) calls `Drafter.add_drafts` once a step's plan holds every decode,
-prefill chunk and swap-in it will carry, so drafts only take the budget and free blocks that
-are left: they never delay a decode or a prefill. A draft turns a decode entry into a verify
-entry of 1 + k tokens (plan.py `draft_token_ids`); the executor keeps the longest accepted
-prefix plus one token (executor_svc/runner.py) and `on_result` learns from what came back.
+`spec/verify.py` (called by scheduler.py once a step's plan holds every decode, prefill chunk
+and swap-in it will carry) asks `Drafter.candidates` for guesses and `Drafter.choose` for how
+many tokens of them to keep, so drafts only take the budget and free blocks that are left:
+they never delay a decode or a prefill. A draft turns a decode entry into a verify entry of
+1 + k tokens (plan.py `draft_token_ids`); the executor keeps the longest accepted prefix plus
+one token (executor_svc/runner.py) and `on_result` learns from what came back.
 
 The gate decides with this machine's own step times, learned from the results (`StepTimes`),
 not from a model of the hardware: on a CPU a verify step of 1 + k rows runs a different path
-than a 1-row decode (measured 1.3-2.5x its time on the 2-core EPYC, where the GPU pays
-almost nothing), and the figures move with the machine's load. For a step of D decodes it
-drafts the E tokens with the best acceptance chances (`a_r ** j`, each request's tracker)
-only when the expected tokens per second, (D + sum of those chances) / t(D + E rows,
-verifying), beat D / t(D rows, plain). A verify step of a row count not seen lately is
-assumed to cost what the plain step costs, so it is tried once and then known; every figure
-is forgotten `forget_after` steps after it was last refreshed, so a machine that got busier
-or quieter is measured again (one exploring step per bucket and window: < 1% of steps).
+than a fused 1-row decode (2-3x its time on the 2-core EPYC, benchmarks/RESULTS.md), and the
+figures move with the machine's load. For a step of D decodes it drafts the E tokens with
+the best acceptance chances (`a_r ** j`, each request's tracker) only when the expected
+tokens per second, (D + sum of those chances) / t(D + E rows, verifying), beat D / t(D rows,
+plain). A verify step of a row count not seen lately is assumed to cost what the plain step
+costs, so it is tried (twice: `StepTimes.min_seen`) and then known; every figure is
+forgotten `forget_after` steps after it was last refreshed, so a machine that got busier or
+quieter is measured again (a few exploring steps per bucket and window of 256 steps).
 """
 
 from __future__ import annotations
