@@ -193,9 +193,12 @@ def _verify_as_decodes(checked: CheckedPlan, tables: list[list[int]]) -> tuple[l
     into one decode row per token, all on its block table: row j attends to the cache up to
     its own position, which is causal attention over the chunk because every layer writes the
     step's K/V before it attends. So a verify step is a decode step of 1 + k rows per
-    drafting sequence: the path small decode steps take (the CPU's fused layers, the decode
-    attention kernels, CUDA graphs), computing each row as plain decoding computes that token,
-    instead of the varlen prefill path (measured 2-2.5x a 1-row decode at batch 1 on CPU)."""
+    drafting sequence: each row is computed by the kernels plain decoding uses for that token
+    (decode attention, which reads such a run's KV once; CUDA graphs' decode buckets; the
+    CPU's fused layers where the plan gives that row count to them), so greedy equality
+    rests on batch invariance, not on prefill and decode kernels agreeing. On the 2-core CPU
+    it costs about what the varlen path costs (both 2-3x a fused 1-row decode at 1 + 3..8
+    rows, docs/speculative.md)."""
     query_lens: list[int] = []
     computed: list[int] = []
     out: list[list[int]] = []
