@@ -10,6 +10,8 @@ import transformers
 from chunkserve_kernels import build_metadata, set_forward_context
 
 from chunkserve.launch import tiny_llama_config
+from executor_svc.config import ExecutorConfig
+from executor_svc.worker import load
 
 TINY = dict(rms_norm_eps=1e-5, initializer_range=0.1)  # on top of chunkserve.launch.TINY_LLAMA
 LLAMA3_ROPE = {
@@ -111,3 +113,26 @@ def hf_model_factory():
 @pytest.fixture
 def tiny_configs():
     return CONFIGS
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A saved random Llama checkpoint, its HF model, and a loaded executor (block size 4, 32
+    blocks, a 64-token budget): the runner tests' model (one per test module)."""
+    path = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    config = tiny_llama_config(initializer_range=0.2)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(path)
+    loaded = load(
+        ExecutorConfig(
+            model=str(path),
+            dtype="float32",
+            block_size=4,
+            num_gpu_blocks_override=32,
+            swap_space=0.001,
+            max_num_batched_tokens=64,
+            cache_dir=str(path / "cache"),
+        )
+    )
+    return hf, loaded, path

@@ -7,37 +7,13 @@ import time
 
 import pytest
 import torch
-import transformers
 
-from chunkserve.launch import tiny_llama_config
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.config import ExecutorConfig
 from executor_svc.plan_check import PlanError
 from executor_svc.worker import load
 
 GREEDY = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A saved random Llama checkpoint, its HF model, and a loaded executor (block size 4)."""
-    path = tmp_path_factory.mktemp("tiny")
-    torch.manual_seed(0)
-    config = tiny_llama_config(initializer_range=0.2)
-    hf = transformers.LlamaForCausalLM(config).eval()
-    hf.save_pretrained(path)
-    loaded = load(
-        ExecutorConfig(
-            model=str(path),
-            dtype="float32",
-            block_size=4,
-            num_gpu_blocks_override=32,
-            swap_space=0.001,
-            max_num_batched_tokens=64,
-            cache_dir=str(path / "cache"),
-        )
-    )
-    return hf, loaded, path
 
 
 def hf_greedy(hf, prompt, n):

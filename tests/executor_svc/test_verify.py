@@ -6,14 +6,9 @@ plan check refuses drafts it cannot verify."""
 from __future__ import annotations
 
 import pytest
-import torch
-import transformers
 
-from chunkserve.launch import tiny_llama_config
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
-from executor_svc.config import ExecutorConfig
 from executor_svc.plan_check import PlanError
-from executor_svc.worker import load
 
 GREEDY = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1)
 PROMPT = [3, 17, 9, 44, 23, 8, 61, 5, 12, 30]
@@ -21,22 +16,9 @@ BLOCKS = list(range(16))  # 64 slots of 4: room for any run here
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-verify")
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(tiny_llama_config(initializer_range=0.2)).eval().save_pretrained(path)
-    loaded = load(
-        ExecutorConfig(
-            model=str(path),
-            dtype="float32",
-            block_size=4,
-            num_gpu_blocks_override=32,
-            swap_space=0.0,
-            max_num_batched_tokens=64,
-            cache_dir=str(path / "cache"),
-        )
-    )
-    return loaded.runner
+def runner(tiny):
+    """The runner tests' tiny random Llama (conftest.py): block size 4, 32 blocks."""
+    return tiny[1].runner
 
 
 def _start(runner, sampling=GREEDY, seq_id=1):
@@ -76,6 +58,16 @@ def _decode(runner, n, sampling=GREEDY):
     return out
 
 
+def _verify_step(runner, step, draft, masks=()):
+    """One verify step of sequence 1 from its cursor: its last token and `draft`."""
+    c = runner.seqs[1].num_computed_tokens
+    entry = epb.ScheduledSequence(
+        seq_id=1, num_computed_tokens=c, num_new_tokens=1 + len(draft), sample=True, draft_token_ids=draft
+    )
+    entry.token_masks.extend(masks)
+    return runner.execute(epb.StepRequest(step_id=step, seqs=[entry]))
+
+
 def _speculate(runner, n, guess, sampling=GREEDY, k=3):
     """Decoding with verify steps whose drafts come from guess(tokens so far, k); returns the
     tokens and the kept-draft count per step."""
@@ -85,20 +77,7 @@ def _speculate(runner, n, guess, sampling=GREEDY, k=3):
         c = runner.seqs[1].num_computed_tokens
         assert c == len(PROMPT) + len(out) - 1  # the cursor: every kept token but the last
         draft = guess(out, k)
-        r = runner.execute(
-            epb.StepRequest(
-                step_id=step,
-                seqs=[
-                    epb.ScheduledSequence(
-                        seq_id=1,
-                        num_computed_tokens=c,
-                        num_new_tokens=1 + len(draft),
-                        sample=True,
-                        draft_token_ids=draft,
-                    )
-                ],
-            )
-        )
+        r = _verify_step(runner, step, draft)
         got = [s.token_id for s in r.sampled]
         assert 1 <= len(got) <= len(draft) + 1 and got[:-1] == draft[: len(got) - 1]
         kept.append(len(got) - 1)
@@ -144,17 +123,7 @@ def test_logprobs_of_each_kept_token(runner):
     first = _start(runner, params)
     plain = _decode(runner, 6)
     _start(runner, params)
-    c = runner.seqs[1].num_computed_tokens
-    r = runner.execute(
-        epb.StepRequest(
-            step_id=2,
-            seqs=[
-                epb.ScheduledSequence(
-                    seq_id=1, num_computed_tokens=c, num_new_tokens=4, sample=True, draft_token_ids=plain[1:4]
-                )
-            ],
-        )
-    )
+    r = _verify_step(runner, 2, plain[1:4])
     assert first == plain[0] and [s.token_id for s in r.sampled] == plain[1:5]
     for s in r.sampled:
         assert s.logprob <= 0 and len(s.top) == 2 and s.top[0].token_id == s.token_id
@@ -193,20 +162,5 @@ def test_mask_rows_at_draft_positions_constrain_those_rows(runner):
         b for w in range(words) for b in ((1 << (t - 32 * w)) if 32 * w <= t < 32 * w + 32 else 0).to_bytes(4, "little")
     )
     forced = (plain[2] + 5) % 128  # at the row that checks the second draft: not the model's pick
-    c = runner.seqs[1].num_computed_tokens
-    r = runner.execute(
-        epb.StepRequest(
-            step_id=2,
-            seqs=[
-                epb.ScheduledSequence(
-                    seq_id=1,
-                    num_computed_tokens=c,
-                    num_new_tokens=3,
-                    sample=True,
-                    draft_token_ids=plain[1:3],
-                    token_masks=[epb.TokenMask(position=1, bits=only(forced))],
-                )
-            ],
-        )
-    )
+    r = _verify_step(runner, 2, plain[1:3], [epb.TokenMask(position=1, bits=only(forced))])
     assert [s.token_id for s in r.sampled] == [plain[1], forced]  # draft 2 rejected by the mask's row
