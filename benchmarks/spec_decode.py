@@ -94,6 +94,38 @@ async def streams_rate(address: str, prompts: list[list[int]], max_tokens: int) 
         return sum(await asyncio.gather(*(one(p) for p in prompts)))
 
 
+def compare_workload(name: str, prompts: list[list[int]], servers: dict, args: argparse.Namespace) -> None:
+    """One workload on both servers, alternating over the rounds; prints its table row, and the
+    first differing tokens if the outputs differ."""
+    spec = servers["spec"]
+    rates: dict[str, list[float]] = {"plain": [], "spec": []}
+    outputs: dict[str, list[list[int]]] = {"plain": [], "spec": []}
+    before = spec_counters(spec.metrics_url)
+    for rnd in range(args.rounds):
+        order = ("plain", "spec") if rnd % 2 == 0 else ("spec", "plain")
+        for prompt in prompts:
+            for which in order:
+                tokens, rate = asyncio.run(generate(servers[which].address, prompt, args.max_tokens))
+                rates[which].append(rate)
+                if rnd == 0:
+                    outputs[which].append(tokens)
+    after = spec_counters(spec.metrics_url)
+    d = {k: after[k] - before[k] for k in SPEC_NAMES}
+    p, s = statistics.median(rates["plain"]), statistics.median(rates["spec"])
+    accept = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0
+    per_verify = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 1.0
+    equal = outputs["plain"] == outputs["spec"]
+    print(
+        f"{name:<26} {p:>11.1f} {s:>10.1f} {s / p:>6.2f} {accept:>7.2f} {per_verify:>10.2f} {str(equal):>6}", flush=True
+    )
+    if not equal:
+        for a, b in zip(outputs["plain"], outputs["spec"]):
+            if a != b:
+                i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                print(f"  first difference at token {i}: plain {a[i : i + 5]} spec {b[i : i + 5]}", flush=True)
+                break
+
+
 def main() -> None:
     from spec_proposers import load_tokenizer, workloads
 
@@ -137,33 +169,7 @@ def main() -> None:
             flush=True,
         )
         for name, prompts in work.items():
-            rates: dict[str, list[float]] = {"plain": [], "spec": []}
-            outputs: dict[str, list[list[int]]] = {"plain": [], "spec": []}
-            before = spec_counters(spec.metrics_url)
-            for rnd in range(args.rounds):
-                order = ("plain", "spec") if rnd % 2 == 0 else ("spec", "plain")
-                for prompt in prompts:
-                    for which in order:
-                        tokens, rate = asyncio.run(generate(servers[which].address, prompt, args.max_tokens))
-                        rates[which].append(rate)
-                        if rnd == 0:
-                            outputs[which].append(tokens)
-            after = spec_counters(spec.metrics_url)
-            d = {k: after[k] - before[k] for k in SPEC_NAMES}
-            p, s = statistics.median(rates["plain"]), statistics.median(rates["spec"])
-            accept = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0
-            per_verify = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 1.0
-            equal = outputs["plain"] == outputs["spec"]
-            print(
-                f"{name:<26} {p:>11.1f} {s:>10.1f} {s / p:>6.2f} {accept:>7.2f} {per_verify:>10.2f} {str(equal):>6}",
-                flush=True,
-            )
-            if not equal:
-                for a, b in zip(outputs["plain"], outputs["spec"]):
-                    if a != b:
-                        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                        print(f"  first difference at token {i}: plain {a[i : i + 5]} spec {b[i : i + 5]}", flush=True)
-                        break
+            compare_workload(name, prompts, servers, args)
         rng = random.Random(1)
         prompts = [[rng.randrange(tok.vocab_size) for _ in range(64)] for _ in range(args.streams)]
         r = {}
