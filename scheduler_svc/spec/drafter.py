@@ -148,6 +148,19 @@ class Drafter:
                 out.append(DraftCandidate(index, draft, tracker.acceptance))
         return out
 
+    def could_pay(self, num_decodes: int, max_tokens: int, step: int) -> bool:
+        """Whether some number of draft tokens up to max_tokens would pay even if every one
+        were accepted: when not, nobody's proposer runs this step (at 32 streams on a CPU that
+        is most steps, and proposing costs tens of microseconds per request)."""
+        base = self.times.plain(num_decodes, step)
+        if base is None:
+            return False
+        for e in range(1, max_tokens + 1):
+            t = self.times.verify(num_decodes + e, step)
+            if t is None or (num_decodes + e) / t > num_decodes / base:
+                return True
+        return False
+
     def choose(self, num_decodes: int, candidates: list[DraftCandidate], budget: int, step: int) -> dict[int, int]:
         """How many draft tokens each candidate keeps ({entry index: k}, only k > 0): the E
         best acceptance chances, E chosen for the most expected tokens per second."""

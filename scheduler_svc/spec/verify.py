@@ -61,7 +61,8 @@ def drafts_for(sched: Scheduler, plan: StepPlan, budget: int) -> None:
         if request.num_inflight_tokens == 0 and request.sampling.constraint is None:
             if (room := _draft_room(sched, request)) > 0:
                 decodes.append((index, request, room))
-    if not decodes:
+    most = min(budget, sum(min(room, drafter.settings.k_max) for _, _, room in decodes))
+    if not decodes or not drafter.could_pay(len(plan.seqs), most, sched.num_steps):
         return
     candidates = drafter.candidates(decodes)
     keep = drafter.choose(len(plan.seqs), candidates, budget, sched.num_steps)

@@ -410,3 +410,21 @@ def test_drafts_of_several_requests_share_the_last_free_blocks_without_overdrawi
     assert sched.pool.num_free_blocks == 0
     sched.pool.check_invariants()
     sched.update(plan, fake.execute(plan))
+
+
+def test_nobody_proposes_while_no_draft_could_pay():
+    """Verify steps known to cost more per token than plain ones even at full acceptance: the
+    proposers are not asked (their per-request cost is saved), and an unseen bucket asks them."""
+    from scheduler_svc.spec.config import parse_speculative_config
+
+    d = Drafter(parse_speculative_config(NGRAM))
+    assert not d.could_pay(4, 8, step=1)  # no plain step seen yet
+    d.times.observe(4, False, 0.010, 1)
+    assert d.could_pay(4, 8, step=2)  # verify steps unseen: worth a try
+    for rows in range(5, 13):
+        for _ in range(2):
+            d.times.observe(rows, True, 0.010 * rows, 2)  # as slow per row as 4 plain steps
+    assert not d.could_pay(4, 8, step=3)
+    d.times.observe(13, True, 0.011, 3)
+    d.times.observe(13, True, 0.011, 3)
+    assert d.could_pay(4, 9, step=4)
