@@ -264,13 +264,14 @@ def table_plans(model: Any, config: ExecutorConfig, place: Placement) -> tuple[P
 
 
 def use_fused_decode(model: Any, native: bool) -> bool:
-    """With the native kernels on, small pure-decode steps whose linears the plan gives to the
-    native product or the int4 copies run every decoder layer as one native call
+    """With the native kernels on, pure-decode steps whose linears the plan gives to the native
+    product, the packed copies or the int4 copies run every decoder layer as one native call
     (models/fused.py); not under tensor parallelism (no collectives there)."""
     if not native or model.tp.enabled:
         return False
     model.use_fused_decode()
-    log.info("decode steps whose linears take the native product or int4 copies: one native call for all layers")
+    kernels = ", ".join(sorted(model.fused.kernels))
+    log.info("pure-decode steps whose linears take one of %s: one native call for all layers", kernels)
     return True
 
 

@@ -3,12 +3,14 @@
 per layer from Python.
 
 When a step takes it is decided in one place, `FusedDecode.forward`: a float32 CPU step whose
-decoder linears the model's plan gives to the native product ("gemv") or, where the int4
-copies exist, to them ("reduced"), and whose attention backend hands over the step's decode
+decoder linears the model's plan gives to the native product ("gemv") or, where the copies
+exist, to oneDNN's packed copies ("packed": a speculative verify step's 1 + k rows or a batch of
+decodes, where the Python between the ops cost ~15 ms of a 1 + 3-row verify step's ~65 on one
+thread) or to the int4 copies ("reduced"), and whose attention backend hands over the step's decode
 tables (`AttentionBackend.decode_inputs`: a pure-decode step in sequence order on the native
 path). The fused layers compute exactly what the Python layers compute on those paths (a
 hypothesis test holds them bitwise equal), so this is a question of speed only. Built by
-`LlamaForCausalLM.use_fused_decode` after the plan and any int4 copies are in place.
+`LlamaForCausalLM.use_fused_decode` after the plan and any packed or int4 copies are in place.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def _linear_tensors(name: str, lin: Linear) -> dict[str, torch.Tensor]:
     out = {f"{name}.weight": lin.weight}
     if lin.bias is not None:
         out[f"{name}.bias"] = lin.bias
+    if lin.packed is not None:
+        out[f"{name}.packed"] = lin.packed
     if isinstance(lin.reduced, Int4Weights):
         out[f"{name}.int4"], out[f"{name}.int4_scales"] = lin.reduced.packed, lin.reduced.scales_and_zeros
     return out
@@ -63,7 +67,9 @@ class FusedDecode:
             ):
                 tensors |= _linear_tensors(name, lin)
             self.native.add_layer(tensors)
-        self.int4 = bool(self.native.has_int4())
+        # the kernels of the plan's that the fused layers can run
+        self.kernels = {"gemv"} | ({"packed"} if self.native.has_packed() else set())
+        self.kernels |= {"reduced"} if self.native.has_int4() else set()
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: Plan
@@ -73,15 +79,11 @@ class FusedDecode:
         if x.dtype != torch.float32 or x.device.type != "cpu":
             return None
         kernel = plan(x.shape[0])
-        if kernel == "gemv":
-            int4 = False
-        elif kernel == "reduced" and self.int4:
-            int4 = True
-        else:
+        if kernel not in self.kernels:
             return None
         ctx = get_forward_context()
         inputs = self.backend.decode_inputs(ctx.meta, ctx.kv_cache[0])
         if inputs is None:
             return None
         tables, context_lens = inputs
-        return self.native.forward(x, cos, sin, ctx.kv_cache, ctx.meta.slot_mapping, tables, context_lens, int4)
+        return self.native.forward(x, cos, sin, ctx.kv_cache, ctx.meta.slot_mapping, tables, context_lens, kernel)

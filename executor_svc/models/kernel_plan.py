@@ -28,9 +28,10 @@ from dataclasses import dataclass
 KERNELS = ("mm", "mm-pad", "packed", "gemv", "reduced", "half-onednn")
 MARGIN = 0.05
 INT4_MAX_ROWS = 32
-# the native few-row product (kernels/csrc/cpu_linear.cpp) is a candidate up to this many rows:
-# from ~4 on oneDNN's packed product, which reuses each weight line across rows, wins
-GEMV_MAX_ROWS = 4
+# the native few-row product (kernels/csrc/cpu_linear.cpp) is a candidate up to this many rows
+# (one pass over the weights for up to 8 rows of x: a verify step of 1 + 7 drafts); from ~4 on
+# oneDNN's packed product, which reuses each weight line across rows, mostly wins
+GEMV_MAX_ROWS = 8
 # oneDNN's packed float32 product serves steps of at least this many rows in the tables
 # (layers.prepack_weight has the measurements)
 PREPACK_MIN_ROWS = 3

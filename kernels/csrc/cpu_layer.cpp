@@ -6,7 +6,8 @@
 // 2-core CPU each call from Python costs a few microseconds of argument parsing, module attribute
 // lookups and glue before any arithmetic, ~1 ms a step in all, when the step's weight reads take
 // ~10 ms. From C++ the ops are plain function calls (ours) or one dispatch (aten's). Used for pure
-// decode steps whose linears the plan gives to the native product ("gemv", 1-4 rows) or to the
+// decode steps whose linears the plan gives to the native product ("gemv"), to oneDNN's packed
+// float32 copies ("packed": a speculative verify step's 1 + k rows, a batch of decodes) or to the
 // int4 copies (--quantization int4: torch's int4 kernel on bfloat16 activations, as
 // models/quant.Int4Weights calls it); every other step keeps the Python layers
 // (models/llama.py, `FusedDecode`).
@@ -17,6 +18,7 @@
 #include "cpu_ops.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -28,13 +30,34 @@
 namespace chunkserve {
 namespace {
 
-// One linear of a layer: the float32 weight (the native product's) and, where the int4 copies
-// were made, torch's int4 layout of the same weight.
+// One linear of a layer: the float32 weight (the native product's) and, where they were made,
+// oneDNN's packed copy of it and torch's int4 layout of it.
 struct LayerLinear {
   at::Tensor weight;  // float32 [out, in]
   std::optional<at::Tensor> bias;
+  at::Tensor packed;             // undefined without a packed copy
   at::Tensor int4, int4_scales;  // undefined without int4 copies
 };
+
+// The plan's kernel for every linear of a step (models/kernel_plan.py names them).
+enum class Kernel { kGemv, kPacked, kInt4 };
+
+Kernel kernel_named(const std::string& name) {
+  if (name == "gemv") return Kernel::kGemv;
+  if (name == "packed") return Kernel::kPacked;
+  if (name == "reduced") return Kernel::kInt4;
+  TORCH_CHECK(false, "DecodeLayers: no fused path for the linear kernel ", name);
+}
+
+// `layers.packed_linear`: oneDNN's product on the packed copy, the same op Python calls.
+at::Tensor packed_linear(const at::Tensor& x, const LayerLinear& lin) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                            c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+  return op.call(x, lin.packed, lin.bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+}
 
 struct Layer {
   at::Tensor input_norm, post_norm;
@@ -51,11 +74,13 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return (x * cos).add_(rotated);
 }
 
-// `Linear.apply_kernel` of the plan's "gemv" (the native product on the float32 weight) or, with
-// `int4`, "reduced" (the int4 kernel on x in bfloat16, the result cast back to x's dtype when
-// `same_dtype` or there is a bias, then added; else left bfloat16 for the caller's float32 add).
-at::Tensor linear(const at::Tensor& x, const LayerLinear& lin, bool int4, int64_t group, bool same_dtype) {
-  if (!int4) return gemv(x, lin.weight, lin.bias);
+// `Linear.apply_kernel` of the plan's "gemv" (the native product on the float32 weight),
+// "packed" (oneDNN's on its packed copy) or "reduced" with the int4 copies (the int4 kernel on x
+// in bfloat16, the result cast back to x's dtype when `same_dtype` or there is a bias, then
+// added; else left bfloat16 for the caller's float32 add).
+at::Tensor linear(const at::Tensor& x, const LayerLinear& lin, Kernel kernel, int64_t group, bool same_dtype) {
+  if (kernel == Kernel::kGemv) return gemv(x, lin.weight, lin.bias);
+  if (kernel == Kernel::kPacked) return packed_linear(x, lin);
   at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16).contiguous(), lin.int4, group, lin.int4_scales);
   if (same_dtype || lin.bias.has_value()) y = y.to(x.scalar_type());
   return lin.bias.has_value() ? y.add_(*lin.bias) : y;
@@ -80,20 +105,24 @@ class DecodeLayers : public torch::CustomClassHolder {
   }
 
   // Appends the next layer from its named tensors: input_norm, post_attention_norm, and for each
-  // linear L of qkv, o, gate_up, down: L.weight, L.bias where it has one, and L.int4 with
-  // L.int4_scales where the int4 copies exist (every linear of every layer, or none). Refuses a
-  // missing or unknown name.
+  // linear L of qkv, o, gate_up, down: L.weight, L.bias where it has one, L.packed where the
+  // packed copies exist, and L.int4 with L.int4_scales where the int4 copies exist (each kind
+  // for every linear of every layer, or none). Refuses a missing or unknown name.
   void add_layer(c10::Dict<std::string, at::Tensor> tensors) {
     Layer layer;
     layer.input_norm = take(tensors, "input_norm");
     layer.post_norm = take(tensors, "post_attention_norm");
     LayerLinear* linears[] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-    int with_int4 = 0;
+    int with_int4 = 0, with_packed = 0;
     for (int i = 0; i < 4; ++i) {
       const std::string name = kLinears[i];
       LayerLinear& lin = *linears[i];
       lin.weight = take(tensors, name + ".weight");
       if (tensors.contains(name + ".bias")) lin.bias = take(tensors, name + ".bias");
+      if (tensors.contains(name + ".packed")) {
+        lin.packed = take(tensors, name + ".packed");
+        ++with_packed;
+      }
       if (tensors.contains(name + ".int4")) {
         lin.int4 = take(tensors, name + ".int4");
         lin.int4_scales = take(tensors, name + ".int4_scales");
@@ -105,6 +134,9 @@ class DecodeLayers : public torch::CustomClassHolder {
     TORCH_CHECK(unknown.empty(), "DecodeLayers.add_layer: unknown tensor names:", unknown);
     TORCH_CHECK(with_int4 == 0 || with_int4 == 4, "DecodeLayers.add_layer: int4 copies for all four linears or none");
     TORCH_CHECK(layers_.empty() || (with_int4 == 4) == has_int4(), "DecodeLayers: int4 copies for every layer or none");
+    TORCH_CHECK(with_packed == 0 || with_packed == 4, "DecodeLayers.add_layer: packed copies for all four linears or none");
+    TORCH_CHECK(layers_.empty() || (with_packed == 4) == has_packed(),
+                "DecodeLayers: packed copies for every layer or none");
     const int64_t rows = layer.qkv.weight.size(0);
     TORCH_CHECK(rows % (heads_ + 2 * kv_heads_) == 0, "qkv.weight rows are not (heads + 2 kv_heads) x head_dim");
     layers_.push_back(std::move(layer));
@@ -112,23 +144,26 @@ class DecodeLayers : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   bool has_int4() const { return !layers_.empty() && layers_[0].qkv.int4.defined(); }
+  bool has_packed() const { return !layers_.empty() && layers_[0].qkv.packed.defined(); }
 
   // x [T, hidden] (the embeddings), cos / sin as RotaryEmbedding gives them, kv_cache the whole
   // cache [layers, 2, blocks, block_size, kv_heads, head_dim], slot_mapping / block_table /
-  // context_lens the step's decodes (int32 tables and lengths, sequence order); `int4`: the linears
-  // through the int4 copies, else the native product. -> (the last layer's MLP output, the residual
-  // stream before it is added), what the model's final norm takes.
+  // context_lens the step's decodes (int32 tables and lengths, sequence order); `kernel` the plan's
+  // for every linear: "gemv", "packed" or "reduced" (the int4 copies). -> (the last layer's MLP
+  // output, the residual stream before it is added), what the model's final norm takes.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
                                              at::Tensor slot_mapping, at::Tensor block_table, at::Tensor context_lens,
-                                             bool int4) const {
+                                             const std::string& kernel_name) const {
     TORCH_CHECK(x.dim() == 2, "x must be [T, hidden]");
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == num_layers(), "kv_cache must be [layers, 2, ...] for ",
                 num_layers(), " layers");
-    TORCH_CHECK(!int4 || has_int4(), "int4 asked for but the layers have no int4 copies");
+    const Kernel kernel = kernel_named(kernel_name);
+    TORCH_CHECK(kernel != Kernel::kInt4 || has_int4(), "int4 asked for but the layers have no int4 copies");
+    TORCH_CHECK(kernel != Kernel::kPacked || has_packed(), "packed asked for but the layers have no packed copies");
     std::optional<at::Tensor> residual;
     for (int64_t i = 0; i < num_layers(); ++i) {
       std::tie(x, residual) = layer_forward(layers_[i], x, residual, cos, sin, kv_cache.select(0, i), slot_mapping,
-                                            block_table, context_lens, int4);
+                                            block_table, context_lens, kernel);
     }
     return {x, *residual};
   }
@@ -139,19 +174,19 @@ class DecodeLayers : public torch::CustomClassHolder {
                                                    const std::optional<at::Tensor>& residual, const at::Tensor& cos,
                                                    const at::Tensor& sin, const at::Tensor& cache,
                                                    const at::Tensor& slot_mapping, const at::Tensor& block_table,
-                                                   const at::Tensor& context_lens, bool int4) const {
+                                                   const at::Tensor& context_lens, Kernel kernel) const {
     const int64_t T = x.size(0), qk_heads = heads_ + kv_heads_;
     const int64_t hd = L.qkv.weight.size(0) / (qk_heads + kv_heads_);
     auto [normed, res] = add_rms_norm(x, residual, L.input_norm, eps_);
-    const at::Tensor qkv = linear(normed, L.qkv, int4, group_, true).view({T, qk_heads + kv_heads_, hd});
+    const at::Tensor qkv = linear(normed, L.qkv, kernel, group_, true).view({T, qk_heads + kv_heads_, hd});
     const at::Tensor qk = rotary(qkv.slice(1, 0, qk_heads), cos, sin);
     write_kv(cache, qk.slice(1, heads_), qkv.slice(1, qk_heads), slot_mapping);
     const at::Tensor o = paged_decode_attention(qk.slice(1, 0, heads_), cache, block_table, context_lens, scale_);
-    const at::Tensor y = linear(o.reshape({T, heads_ * hd}), L.o, int4, group_, false);
+    const at::Tensor y = linear(o.reshape({T, heads_ * hd}), L.o, kernel, group_, false);
     std::tie(normed, res) = add_rms_norm(y, res, L.post_norm, eps_);
-    const std::vector<at::Tensor> gate_up = linear(normed, L.gate_up, int4, group_, true).chunk(2, -1);
+    const std::vector<at::Tensor> gate_up = linear(normed, L.gate_up, kernel, group_, true).chunk(2, -1);
     const at::Tensor h = at::silu(gate_up[0]) * gate_up[1];
-    return {linear(h, L.down, int4, group_, false), res};
+    return {linear(h, L.down, kernel, group_, false), res};
   }
 
   double eps_;
@@ -169,5 +204,6 @@ TORCH_LIBRARY_FRAGMENT(chunkserve, m) {
       .def("add_layer", &chunkserve::DecodeLayers::add_layer)
       .def("num_layers", &chunkserve::DecodeLayers::num_layers)
       .def("has_int4", &chunkserve::DecodeLayers::has_int4)
+      .def("has_packed", &chunkserve::DecodeLayers::has_packed)
       .def("forward", &chunkserve::DecodeLayers::forward);
 }

@@ -8,11 +8,14 @@
 // (each thread a contiguous run of weight rows, each row one dot product per input row with
 // 32 float lanes the compiler turns into vector FMAs) read them at ~44 (one row: 17.3 ms padded
 // MKL, 15.0 oneDNN packed, 12.3 this; benchmarks/RESULTS.md, "A few-row float32 product and a
-// fused decode layer"). Walking one weight row at a time beat walking 2, 4 or 8 at once and
-// beat software prefetching: one sequential stream per core is what the hardware prefetcher
-// follows best. From ~4 rows of x on, oneDNN's blocked product is faster (it reuses each
-// weight line across more rows); which kernel serves which step size is measured at start-up
-// (executor_svc/models/linear_plan.py, kernel "gemv").
+// fused decode layer"). Walking one weight row at a time beat walking 2, 4 or 8 at once: one
+// sequential stream per core is what the hardware prefetcher follows best. With several rows
+// of x (a speculative verify step's 1 + k) the loop does more arithmetic per weight line and
+// the hardware prefetcher falls behind; asking for the line 4 weight rows ahead kept it fed
+// (one thread, a 28 MB weight, 3 runs: 1 row 0.76-1.00 ms vs 0.97-1.27 without, 4 rows
+// 1.6-2.0 vs 1.7-2.4, 8 rows 2.9-3.1 vs 3.9-4.9). From ~4 rows of x on, oneDNN's blocked
+// product is still faster (it reuses each weight line across more rows); which kernel serves
+// which step size is measured at start-up (executor_svc/models/linear_plan.py, kernel "gemv").
 //
 // Numerics: float32 products and sums (fused multiply-adds), in another order than MKL's: the
 // last bits differ, as they do between MKL's own blockings. A row's result does not depend on
@@ -24,30 +27,56 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <optional>
 
 namespace chunkserve {
 namespace {
 
 constexpr int64_t kLanes = 32;     // partial sums per dot product: 2 AVX-512 / 4 AVX2 registers
-constexpr int64_t kMaxGroup = 4;   // rows of x per pass over the weights
+constexpr int64_t kMaxGroup = 8;   // rows of x per pass over the weights
 constexpr int64_t kGrainRows = 64; // weight rows per parallel task at the least
+constexpr int64_t kAhead = 4;      // weight rows ahead that each pass asks the cache for
+
+// 16 floats: one AVX-512 register, two AVX2 ones (GCC's vector extension: no intrinsics, so
+// the file builds for any -march; loads through memcpy are unaligned vector loads).
+typedef float Vec __attribute__((vector_size(64)));
+constexpr int64_t kVec = 16;
+static_assert(kLanes == 2 * kVec, "two vectors of partial sums per row of x");
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
 
 // y[m, n0:n1] for the M rows of x starting at x (row stride K): one pass over W's rows n0..n1.
+// Written with explicit vectors: GCC kept the partial sums of 1 or 2 rows of x in registers
+// from plain loops but not of 3 or 4 (3.4 GB/s, a tenth of the 2-row speed). Lane j of a row's
+// sums accumulates w[k + j] * x[k + j] over k, then the 32 lanes are added in order, as before.
 template <int M>
 void rows(const float* __restrict x, int64_t K, const float* __restrict w, const float* bias, float* __restrict y,
           int64_t ldy, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const float* __restrict wr = w + n * K;
-    float acc[M][kLanes] = {};
+    Vec lo[M], hi[M];
+    for (int m = 0; m < M; ++m) lo[m] = hi[m] = Vec{};
     int64_t k = 0;
-    for (; k + kLanes <= K; k += kLanes)
-      for (int m = 0; m < M; ++m)
-#pragma GCC unroll 32
-        for (int64_t j = 0; j < kLanes; ++j) acc[m][j] += wr[k + j] * x[m * K + k + j];
+    for (; k + kLanes <= K; k += kLanes) {
+      __builtin_prefetch(wr + kAhead * K + k);
+      __builtin_prefetch(wr + kAhead * K + k + kVec);
+      const Vec w0 = load(wr + k), w1 = load(wr + k + kVec);
+      for (int m = 0; m < M; ++m) {
+        lo[m] += w0 * load(x + m * K + k);
+        hi[m] += w1 * load(x + m * K + k + kVec);
+      }
+    }
     for (int m = 0; m < M; ++m) {
+      float acc[kLanes];
+      std::memcpy(acc, &lo[m], sizeof(Vec));
+      std::memcpy(acc + kVec, &hi[m], sizeof(Vec));
       float s = 0.f;
-      for (int64_t j = 0; j < kLanes; ++j) s += acc[m][j];
+      for (int64_t j = 0; j < kLanes; ++j) s += acc[j];
       for (int64_t kk = k; kk < K; ++kk) s += wr[kk] * x[m * K + kk];
       y[m * ldy + n] = bias == nullptr ? s : s + bias[n];
     }
@@ -60,7 +89,11 @@ void group(const float* x, int64_t M, int64_t K, const float* w, const float* bi
     case 1: rows<1>(x, K, w, bias, y, N, n0, n1); break;
     case 2: rows<2>(x, K, w, bias, y, N, n0, n1); break;
     case 3: rows<3>(x, K, w, bias, y, N, n0, n1); break;
-    default: rows<4>(x, K, w, bias, y, N, n0, n1); break;
+    case 4: rows<4>(x, K, w, bias, y, N, n0, n1); break;
+    case 5: rows<5>(x, K, w, bias, y, N, n0, n1); break;
+    case 6: rows<6>(x, K, w, bias, y, N, n0, n1); break;
+    case 7: rows<7>(x, K, w, bias, y, N, n0, n1); break;
+    default: rows<8>(x, K, w, bias, y, N, n0, n1); break;
   }
 }
 

@@ -1,5 +1,6 @@
 """The fused decode layers (kernels/csrc/cpu_layer.cpp via models/fused.py): a pure-decode step
-whose linears the plan gives to the native product (float32) or to the int4 copies runs every
+whose linears the plan gives to the native product or oneDNN's packed copies (float32) or to
+the int4 copies runs every
 decoder layer in one native call. It must compute exactly what the Python layers compute on
 the same native ops (bitwise: same hidden states, same K/V written), and every other step must
 keep the Python layers. Skipped where this machine has no C++ compiler."""
@@ -26,7 +27,11 @@ pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is No
 
 # the plan a 2-core Zen 5 measured for the default model: the native product up to 3 rows
 PLAN = Plan((1, 2, 3, 4, 8), ("gemv", "gemv", "gemv", "mm", "mm"))
-PLANS = {"float32": PLAN, "int4": Plan((1, 2, 3, 4, 8), ("reduced", "reduced", "reduced", "mm", "mm"))}
+PLANS = {
+    "float32": PLAN,
+    "int4": Plan((1, 2, 3, 4, 8), ("reduced", "reduced", "reduced", "mm", "mm")),
+    "packed": Plan((1, 2, 3, 4, 8), ("gemv", "gemv", "gemv", "packed", "packed")),  # every size fused
+}
 
 
 def _native_model(tiny_configs, hf_model_factory, name, fused, mode="float32"):
@@ -39,6 +44,8 @@ def _native_model(tiny_configs, hf_model_factory, name, fused, mode="float32"):
     model.use_native_kernels()
     if mode == "int4":
         quantize_model(model, "int4")
+    if mode == "packed":
+        assert model.prepack() > 0
     model.use_plan(PLANS[mode], Plan.of("mm"))
     if fused:
         model.use_fused_decode()
@@ -62,7 +69,7 @@ class _Spy:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     name=st.sampled_from(["llama", "smollm_tied", "llama_bias_headdim", "llama3_rope", "qwen2_bias"]),
-    mode=st.sampled_from(["float32", "int4"]),
+    mode=st.sampled_from(["float32", "int4", "packed"]),
     prompts=st.lists(st.integers(1, 20), min_size=1, max_size=6),
     steps=st.lists(
         st.tuples(st.lists(st.integers(0, 5), min_size=1, max_size=6, unique=True), st.booleans()),
@@ -77,7 +84,7 @@ def test_fused_steps_equal_the_python_layers_bitwise(
 ):
     fused = _native_model(tiny_configs, hf_model_factory, name, fused=True, mode=mode)
     plain = _native_model(tiny_configs, hf_model_factory, name, fused=False, mode=mode)
-    assert fused.fused.int4 == (mode == "int4")
+    assert fused.fused.kernels == {"float32": {"gemv"}, "int4": {"gemv", "reduced"}, "packed": {"gemv", "packed"}}[mode]
     spy = _Spy(fused)
     runs = {m: paged_runner(m, block_size=block_size, num_blocks=256, seed=seed) for m in (fused, plain)}
     gen = torch.Generator().manual_seed(seed)
@@ -99,8 +106,10 @@ def test_fused_steps_equal_the_python_layers_bitwise(
         for s in work:
             assert torch.equal(outs[fused][s], outs[plain][s]), (name, mode, s)
     assert torch.equal(runs[fused].kv_cache, runs[plain].kv_cache)
-    # every pure-decode step (one token per sequence, a 1-token prompt counts) of 1-3 rows, no other
-    assert spy.fused == sum(all(len(t) == 1 for t in w.values()) and len(w) <= 3 for w in taken)
+    # every pure-decode step (one token per sequence, a 1-token prompt counts) of 1-3 rows (of any
+    # size with the packed copies), no other
+    most = 6 if mode == "packed" else 3
+    assert spy.fused == sum(all(len(t) == 1 for t in w.values()) and len(w) <= most for w in taken)
 
 
 def test_other_steps_keep_the_python_layers(tiny_configs, hf_model_factory, paged_runner):
@@ -133,9 +142,9 @@ def test_the_executor_switches_it_on_with_the_native_kernels(tiny_model_path, tm
 
     common = dict(model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path))
     fused = worker.load(ExecutorConfig(**common)).runner.model.fused
-    assert fused is not None and fused.native.num_layers() == 2 and not fused.int4
+    assert fused is not None and fused.native.num_layers() == 2 and "reduced" not in fused.kernels
     int4 = worker.load(ExecutorConfig(quantization="int4", **common)).runner.model.fused
-    assert int4.int4  # made after the int4 copies
+    assert "reduced" in int4.kernels  # made after the int4 copies
     assert worker.load(ExecutorConfig(cpu_kernels="torch", **common)).runner.model.fused is None
 
 
@@ -166,6 +175,7 @@ def test_the_layers_object_refuses_bad_tensors_and_arguments(tiny_configs, hf_mo
         ({k: v for k, v in good.items() if k != "o.weight"}, "no tensor named o.weight"),
         (good | {"qkv.extra": layer.input_layernorm.weight}, "unknown tensor names: qkv.extra"),
         (good | {"o.int4": attn.o_proj.weight, "o.int4_scales": attn.o_proj.weight}, "all four linears or none"),
+        (good | {"o.packed": attn.o_proj.weight}, "packed copies for all four linears or none"),
     ):
         with pytest.raises(RuntimeError, match=match):
             fresh().add_layer(bad)
@@ -176,6 +186,10 @@ def test_the_layers_object_refuses_bad_tensors_and_arguments(tiny_configs, hf_mo
     tail = (torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
     cos = sin = torch.zeros(1, 1, attn.head_dim)
     with pytest.raises(RuntimeError, match="kv_cache must be"):
-        layers.forward(x, cos, sin, cache, *tail, False)
+        layers.forward(x, cos, sin, cache, *tail, "gemv")
     with pytest.raises(RuntimeError, match="no int4 copies"):
-        layers.forward(x, cos, sin, cache[:1], *tail, True)
+        layers.forward(x, cos, sin, cache[:1], *tail, "reduced")
+    with pytest.raises(RuntimeError, match="no packed copies"):
+        layers.forward(x, cos, sin, cache[:1], *tail, "packed")
+    with pytest.raises(RuntimeError, match="no fused path for the linear kernel mm"):
+        layers.forward(x, cos, sin, cache[:1], *tail, "mm")

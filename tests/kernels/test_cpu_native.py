@@ -253,7 +253,7 @@ def test_add_rms_norm_rows_do_not_depend_on_the_batch(native):
 def test_gemv_matches_a_float64_product(native, rows, k, n, bias, transposed, scale, seed):
     """x W^T (+ b) within float32 rounding of the float64 product (bounded by the sum of
     |x||w| terms, as any float32 summation order is), for widths below, at and off the
-    32-lane blocks, rows in groups of 4 and a remainder, x a transposed view."""
+    32-lane blocks, rows in groups of 8 and a remainder, x a transposed view."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(k, rows, generator=gen).t() if transposed else torch.randn(rows, k, generator=gen)
     x = x * scale
