@@ -6,6 +6,12 @@ the request's last n tokens, find their most recent earlier occurrence in the pr
 output, and propose the (up to) k tokens that followed it; the first n that matches wins, so
 a longer context is trusted over a shorter one.
 
+Where the copy runs into the current text (the occurrence ends p < k tokens before the end:
+the text repeats with period p, as a list, a table row or a model stuck in a loop does) the
+draft goes on repeating those p tokens up to k: exactly what the lookup would propose step
+after step if every drafted token were accepted. Without it such a request drafted p tokens a
+step however long its acceptance run (a period-2 output verified 2 drafts at a time).
+
 Incremental: instead of rescanning the history every step (vLLM's proposer runs a KMP scan
 over the whole context per step), each request keeps one dict per n mapping an n-gram to the
 end of its most recent occurrence. Appending a token indexes the (max - min + 1) n-grams that
@@ -29,6 +35,16 @@ class _NgramState:
     # that has a token after it.
     index: list[dict[tuple[int, ...], int]]
     indexed: int = 0  # ends 1..indexed are in the index
+
+
+def periodic_copy(tokens: Sequence[int], end: int, k: int) -> list[int]:
+    """The k tokens after position `end` of `tokens`, the text from `end` on repeated where it
+    runs out (module docstring: the lookup iterated under full acceptance)."""
+    draft = list(tokens[end : end + k])
+    period = len(tokens) - end
+    while len(draft) < k:
+        draft.append(draft[len(draft) - period])
+    return draft
 
 
 class NgramProposer:
@@ -86,7 +102,7 @@ class NgramProposer:
                 continue
             end = state.index[i].get(tuple(tokens[length - n :]))
             if end is not None:
-                return tokens[end : end + k]
+                return periodic_copy(tokens, end, k)
         return []
 
     def on_tokens(self, req: SpecRequest, new_tokens: Sequence[int]) -> None:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.spec.ngram import NgramProposer
+from scheduler_svc.spec.ngram import NgramProposer, periodic_copy
 from scheduler_svc.spec.proposer import Proposer
 
 
@@ -19,9 +19,23 @@ class Req:
     prompt_token_ids: list[int] = field(default_factory=list)
 
 
+def iterated_lookup(tokens: list[int], end: int, k: int) -> list[int]:
+    """What the lookup proposes step after step when every drafted token is accepted: one
+    token at a time, the n-gram ending at `end` matching again each time (the oracle of
+    `periodic_copy`)."""
+    history = list(tokens)
+    out = []
+    for _ in range(k):
+        out.append(history[end])
+        history.append(history[end])
+        end += 1
+    return out
+
+
 def brute_force_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """The oracle: for n from max down to min, scan the history backwards for the most recent
-    earlier occurrence of the last n tokens that has a token after it."""
+    earlier occurrence of the last n tokens that has a token after it; copy k tokens from it,
+    one at a time as the lookup would if every one were accepted."""
     length = len(tokens)
     for n in range(max_n, min_n - 1, -1):
         if n >= length:
@@ -29,7 +43,7 @@ def brute_force_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> lis
         suffix = tokens[length - n :]
         for end in range(length - 1, n - 1, -1):
             if tokens[end - n : end] == suffix:
-                return tokens[end : end + k]
+                return iterated_lookup(tokens, end, k)
     return []
 
 
@@ -72,7 +86,7 @@ def test_a_proposal_is_what_followed_an_earlier_occurrence(tokens, lo, k):
         n
         for n in range(lo, hi + 1)
         for end in range(n, length)
-        if tokens[end - n : end] == tokens[length - n :] and tokens[end : end + len(draft)] == draft
+        if tokens[end - n : end] == tokens[length - n :] and iterated_lookup(tokens, end, len(draft)) == draft
     ]
     assert found, "the draft continues no earlier occurrence of the last n tokens"
 
@@ -84,10 +98,13 @@ def test_the_longest_window_wins_over_a_more_recent_shorter_one():
     assert NgramProposer(1, 1).propose(Req("b", tokens), 2) == [8, 6]  # n=1: most recent "3"
 
 
-def test_the_most_recent_occurrence_wins_and_a_copy_can_run_into_the_current_text():
+def test_the_most_recent_occurrence_wins_and_a_copy_running_into_the_current_text_repeats():
     tokens = [4, 5, 1, 4, 5, 2, 4, 5]
     assert NgramProposer(2, 2).propose(Req("a", tokens), 3) == [2, 4, 5]
-    assert NgramProposer(2, 2).propose(Req("b", [7, 7, 7]), 4) == [7]  # only one token follows
+    assert NgramProposer(2, 2).propose(Req("b", [7, 7, 7]), 4) == [7, 7, 7, 7]  # the run goes on
+    # "1 2" ended 2 tokens back: the text repeats with period 2, and so does the draft
+    assert NgramProposer(2, 2).propose(Req("c", [9, 1, 2, 1, 2]), 5) == [1, 2, 1, 2, 1]
+    assert periodic_copy([5, 6, 7, 5, 6], 2, 4) == [7, 5, 6, 7]
 
 
 def test_no_draft_without_a_match_or_for_k_zero_and_finish_drops_the_state():
