@@ -84,6 +84,20 @@ class LLGuidanceMatcher:
     def accept(self, token_id: int) -> bool:
         return self._m.consume_token(token_id)
 
+    def draft_masks(self, draft: Sequence[int]) -> list[bytes]:
+        """The masks after each token of the longest prefix of `draft` the grammar allows
+        (row j: after its first j + 1 tokens), the state left as it was: the matcher walks the
+        prefix, then rolls back over it."""
+        allowed = self._m.validate_tokens(list(draft))
+        rows = []
+        for token in draft[:allowed]:
+            if not self._m.consume_token(token):  # validate_tokens said it would: a bug upstream
+                break
+            rows.append(self.token_mask())
+        if rows and not self._m.rollback(len(rows)):
+            raise RuntimeError(f"grammar matcher could not roll back {len(rows)} draft tokens: {self.error()}")
+        return rows
+
     def is_stopped(self) -> bool:
         return self._m.is_stopped()
 

@@ -10,6 +10,7 @@ does not compile ends the request with INVALID_ARGUMENT.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -94,6 +95,12 @@ class GrammarMatcher(Protocol):
 
     def accept(self, token_id: int) -> bool:
         """Advances by an output token; False when the grammar does not allow it."""
+        ...
+
+    def draft_masks(self, draft: Sequence[int]) -> list[bytes]:
+        """Speculative decoding: the next-token masks after each token of the longest prefix of
+        `draft` the grammar allows (row j after its first j + 1 tokens); the state is left as it
+        was (the drafts may be rejected)."""
         ...
 
     def is_stopped(self) -> bool:

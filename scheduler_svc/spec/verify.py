@@ -5,7 +5,9 @@ speculative decoding touches the step scheduler (scheduler.py calls them; docs/s
 blocks left: a draft never delays a decode or a prefill chunk, never preempts anyone (it
 shrinks to the free blocks instead) and never passes max_tokens or the context. Only a step of
 decodes alone is drafted: a step with a prefill chunk is large already, and the gate's times
-(drafter.py) are those of pure-decode steps.
+(drafter.py) are those of pure-decode steps. A structured-output request's draft is cut at
+its first token the grammar forbids and carries one mask row per draft position (the
+matcher walks the draft and rolls back: only accepted tokens advance it, in `append_token`).
 
 `apply_verified` gives a verify entry's result to its request: the accepted drafts and the
 token sampled after them, in order, until one ends the request (later ones are dropped with
@@ -19,7 +21,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.plan import Sampled, StepPlan, StepResult, StepStats, TokenOutput
+from scheduler_svc.plan import Sampled, StepPlan, StepResult, StepStats, TokenMask, TokenOutput
 from scheduler_svc.request import Request
 from scheduler_svc.spec.drafter import Drafter
 
@@ -56,9 +58,9 @@ def drafts_for(sched: Scheduler, plan: StepPlan, budget: int) -> None:
         if entry.num_new_tokens != 1 or not entry.sample:
             return  # a prefill chunk in the step: no drafts
         request = sched.requests[entry.request_id]
-        # Its last token's id must be known (not a step in flight's, under async scheduling),
-        # and no grammar: the matcher cannot yet walk a draft and roll back.
-        if request.num_inflight_tokens == 0 and request.sampling.constraint is None:
+        # Its last token's id must be known (not a step in flight's, under async scheduling):
+        # the proposer and the grammar matcher need it.
+        if request.num_inflight_tokens == 0:
             if (room := _draft_room(sched, request)) > 0:
                 decodes.append((index, request, room))
     most = min(budget, sum(min(room, drafter.settings.k_max) for _, _, room in decodes))
@@ -72,6 +74,12 @@ def drafts_for(sched: Scheduler, plan: StepPlan, budget: int) -> None:
         # Free blocks again: drafts placed before this one may have taken them.
         if (k := min(keep.get(c.index, 0), sched.tokens_that_fit(request) - 1)) <= 0:
             continue
+        if request.matcher is not None:
+            rows = request.matcher.draft_masks(c.draft[:k])  # cut at the first forbidden token
+            if (k := len(rows)) == 0:
+                continue
+            # position j + 1 samples after the first j + 1 drafts (position 0 has its row)
+            entry.token_masks.extend(TokenMask(j + 1, bits) for j, bits in enumerate(rows))
         entry.draft_token_ids = c.draft[:k]
         entry.num_new_tokens = 1 + k
         entry.new_block_ids.extend(sched.pool.allocate(request, 1 + k))

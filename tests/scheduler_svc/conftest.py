@@ -14,7 +14,7 @@ from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from scheduler_svc.block_pool import BlockPool, blocks_needed
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.errors import StepFailedError
-from scheduler_svc.plan import Sampled, StepPlan, StepResult
+from scheduler_svc.plan import Sampled, ScheduledSeq, StepPlan, StepResult
 from scheduler_svc.policy import create_policy
 from scheduler_svc.request import Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler
@@ -123,7 +123,7 @@ class FakeExecutor:
                 # the cursor back over the rest, as executor_svc/runner.py does.
                 kept = 0
                 while True:
-                    tok = self.next_token(history[: total - len(draft) + kept])
+                    tok = self.sample_row(s, kept, history[: total - len(draft) + kept])
                     sampled.append(Sampled(s.seq_id, tok))
                     if kept == len(draft) or tok != draft[kept]:
                         break
@@ -140,6 +140,11 @@ class FakeExecutor:
         clock), flat up to 8 rows as a weight-bound CPU step is, so the drafting gate has a
         curve to learn. Override to model another machine."""
         return 10_000_000 + 1_000_000 * max(0, plan.num_tokens - 8)
+
+    def sample_row(self, entry: ScheduledSeq, row: int, history: list[int]) -> int:
+        """The token sampled at an entry's row `row` of its sampled rows (0: after its last
+        input token without drafts, j: after its first j drafts), `history` what it reads."""
+        return self.next_token(history)
 
     def next_token(self, history: list[int]) -> int:
         if self.eos_after is not None and len(history) >= self.eos_after:

@@ -167,30 +167,32 @@ def test_a_compiled_constraint_is_reused_but_each_request_gets_its_own_state(com
 class _Masking:
     """Mixed into the conftest FakeExecutor: samples only what an entry's mask row allows
     (the fake's own choice when allowed, else one picked by the history), and checks that an
-    entry of a constrained sequence that samples has exactly one row, at its last position."""
+    entry of a constrained sequence that samples has exactly one row per sampled position: its
+    last, and with drafts each draft position before it (and that every draft is allowed by the
+    row before it: the scheduler cuts a draft at its first forbidden token)."""
 
     vocab = 300
 
     def execute(self, plan):
         for new in plan.new_seqs:
             self.constrained[new.seq_id] = new.sampling.constraint is not None
-        self._rows = []
         for s in plan.seqs:
             assert not s.token_masks or s.sample, "a mask on an entry that does not sample"
             if s.sample:
                 assert bool(s.token_masks) == self.constrained[s.seq_id], "mask missing or unasked"
                 if s.token_masks:
-                    assert [m.position for m in s.token_masks] == [s.num_new_tokens - 1]
-                self._rows.append(s.token_masks[0].bits if s.token_masks else None)
-        self._rows.reverse()
+                    first = s.num_new_tokens - 1 - len(s.draft_token_ids)
+                    assert [m.position for m in s.token_masks] == list(range(first, s.num_new_tokens))
+                    for m, draft in zip(s.token_masks, s.draft_token_ids):
+                        assert draft in allowed_ids(m.bits, self.vocab), "a draft its grammar forbids"
+                    self.masked_drafts += len(s.draft_token_ids)
         return super().execute(plan)
 
-    def next_token(self, history):
-        token = super().next_token(history)
-        row = self._rows.pop()
-        if row is None:
+    def sample_row(self, entry, row, history):
+        token = super().sample_row(entry, row, history)
+        if not entry.token_masks:
             return token
-        allowed = allowed_ids(row, self.vocab)
+        allowed = allowed_ids(entry.token_masks[row].bits, self.vocab)
         assert allowed, "a mask that allows nothing"
         return token if token in allowed else allowed[sum(history) % len(allowed)]
 
@@ -199,6 +201,7 @@ def masking_fake(fakes, *args, **kwargs):
     cls = type("MaskingFake", (_Masking, fakes.FakeExecutor), {})
     fake = cls(*args, **kwargs)
     fake.constrained = {}
+    fake.masked_drafts = 0  # draft tokens of constrained entries
     return fake
 
 
@@ -246,7 +249,7 @@ class GatedCompiler:
 
 
 def run_constrained(
-    fakes, tokenizer_dir, work, *, fake, compiler, gate_open=True, between=None, use_cache=False, **cfg
+    fakes, tokenizer_dir, work, *, fake, compiler, gate_open=True, between=None, use_cache=False, proposer=None, **cfg
 ):
     """Runs work items (prompt, max_tokens, constraint or None, abort after k deltas or None)
     through an Engine on `fake`; returns the engine and per item (tokens, text, finish reason,
@@ -259,6 +262,8 @@ def run_constrained(
         sched = fakes.make_scheduler(
             num_blocks=fake.num_blocks, block_size=fake.block_size, num_host_blocks=fake.num_host_blocks, **cfg
         )
+        if proposer is not None:
+            sched.drafter.proposer = proposer
         gated = GatedCompiler(compiler, gate_open)
         gated.use_cache = use_cache
         engine = Engine(sched, fake, ServingTokenizer(tokenizer_dir), frozenset({256}), 100, 5.0, grammars=gated)
@@ -381,6 +386,59 @@ def test_constrained_greedy_tokens_do_not_depend_on_chunking_caching_or_async(fa
     assert engine.scheduler.pool.num_free_blocks == 96 and not engine.scheduler.requests
     if cfg.get("async_scheduling"):
         assert fake.max_in_flight == 2
+
+
+class _Oracle:
+    """Drafts what a reference run output next, every 4th draft position wrong (by one id: some
+    of those the grammar forbids, some it allows and verification rejects)."""
+
+    def __init__(self, outputs: dict[tuple[int, ...], list[int]]) -> None:
+        self.outputs = outputs
+
+    def prepare(self, req, budget):
+        return 0
+
+    def propose(self, req, k):
+        done = len(req.output_token_ids)
+        ref = self.outputs[tuple(req.prompt_token_ids)][done : done + k]
+        return [t if (done + j) % 4 else (t + 1) % 256 for j, t in enumerate(ref)]
+
+    def on_tokens(self, req, new_tokens):
+        pass
+
+    def on_finish(self, req):
+        pass
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_constrained_drafts_carry_a_mask_row_per_position_and_change_no_token(
+    fakes, byte_tokenizer_dir, compiler, async_scheduling
+):
+    """Speculative decoding on constrained requests: every draft position gets its grammar's
+    row, a draft is cut at its first forbidden token (the fake checks both), the matcher rolls
+    back over rejected drafts, and the tokens equal a run without drafts."""
+    work = _work()
+    _, reference = run_constrained(
+        fakes, byte_tokenizer_dir, work, fake=masking_fake(fakes, 96, BLOCK), compiler=compiler
+    )
+    outputs = {tuple(p): r[0] for (p, *_), r in zip(work, reference)}
+    fake = masking_fake(fakes, 96, BLOCK)
+    spec = '{"method": "ngram", "num_speculative_tokens": 5}'
+    engine, results = run_constrained(
+        fakes,
+        byte_tokenizer_dir,
+        work,
+        fake=fake,
+        compiler=compiler,
+        proposer=_Oracle(outputs),
+        speculative_config=spec,
+        max_num_batched_tokens=64,
+        async_scheduling=async_scheduling,
+    )
+    assert results == reference
+    _check_valid(work, results)
+    assert fake.masked_drafts > 0 and 0 < fake.accepted < fake.drafted
+    assert engine.scheduler.pool.num_free_blocks == 96 and not engine.scheduler.requests
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
