@@ -291,7 +291,7 @@ def components(runner, ids: list[int], ctx: int) -> dict[str, float]:
 
     out["silu(gate)*up x L"] = _us(lambda: act(gu)) * n_layers / 1000
     lin = attn.qkv_proj
-    if lin.reduced is not None and lin.reduced.applies(x):
+    if lin.reduced is not None and lin.plan(x.shape[0]) == "reduced":  # the plan decides the kernel
         # inputs are cast to bfloat16 for every linear; outputs back to float32 for all four
         # (before) or only q/k/v and gate/up (o_proj and down_proj results added as they are)
         folded = "same_dtype" in inspect.signature(type(lin).forward).parameters
