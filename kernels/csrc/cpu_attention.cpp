@@ -7,14 +7,16 @@
 // dispatch and (with two threads) an OpenMP fork/join, and at 32 streams the gather and the
 // expanded V rows read the cache more than once; F.rms_norm is a composite of ~6 ops (~14 us
 // a call at one row) after a separate residual add. Here each (sequence, KV head) reads its
-// keys and values once from the cache blocks, and a norm row is one pass. Plain loops: the
-// compiler vectorises them (-O3 -march=native; `omp simd` lets it reorder the float sums, so
-// results differ from the aten path in the last bits, as two BLAS blockings do).
+// keys and values once from the cache blocks, scored and summed in register tiles
+// (cpu_attention_tiles.h says how), and a norm row is one pass of plain loops the compiler
+// vectorises (-O3 -march=native; `omp simd` lets it reorder the float sums). Results differ from
+// the aten path in the last bits, as two BLAS blockings do.
 //
 // Registered as torch.ops.chunkserve.{paged_decode_attention, write_kv, add_rms_norm}; built at
 // the executor's first start by chunkserve_kernels/cpu_native.py and kept for later starts.
 
 #include "cpu_ops.h"
+#include "cpu_attention_tiles.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,44 +31,115 @@
 #include <utility>
 #include <vector>
 
-// glibc's vector expf (libmvec), declared as its <math.h> does under -ffast-math, so that the
-// softmax loop vectorises without -ffast-math (which would also assume no infinities, and on
-// GCC < 13 link crtfastmath into the library, switching the whole process to flush-to-zero).
-#pragma omp declare simd notinbranch
-extern "C" float expf(float) noexcept;
-
 namespace chunkserve {
 namespace {
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
 
 inline void axpy(float* y, float a, const float* x, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// How many tokens ahead the loops over a sequence's rows prefetch: enough to keep a few dozen
-// cache misses in flight (the rows are scattered over the blocks and mostly not in cache: a
-// step's weights have just streamed through it), few enough that what is prefetched is still
-// in L1 when it is used (prefetching a whole long context ahead evicted its first rows: at 32
-// streams x 400 tokens that was 1.1-1.3x slower than the aten path).
-constexpr int64_t kPrefetchAhead = 16;
+// A work item: the run's rows [d0, d0 + rows) for KV head h over tokens [t0, t1), a piece of a
+// split context (piece > 0 or a row over split_tokens) or the whole.
+struct Item {
+  int64_t d0, rows, h, t0, t1, piece;
+};
 
+// One call's inputs as its work items read them.
+struct Step {
+  const float *q, *k, *v;
+  float *out, *parts;  // parts: per piece of a split (row, KV head), see below
+  const int32_t *ctx, *tables;
+  const int64_t* first_part;
+  int64_t max_blocks, bs, Hkv, Hq, group, hd, split, stride;
+  float scale;
+};
 
-// The row of head h for token t of a sequence with block table `table` (K or V per `base`).
-inline const float* row_of(const float* base, const int32_t* table, int64_t t, int64_t bs, int64_t Hkv, int64_t h,
-                           int64_t hd) {
-  return base + ((static_cast<int64_t>(table[t / bs]) * bs + t % bs) * Hkv + h) * hd;
+// A query vector of an item: where its result goes and how many of the item's tokens it sees.
+struct Query {
+  const float* q;
+  float* dst;
+  float* part;  // nullptr: a whole row, dst gets the normalised output
+  int64_t g, n;
+};
+
+// Per thread, reused over its items.
+struct Scratch {
+  std::vector<Query> queries;
+  std::vector<float> buf;
+  std::vector<const float*> k, v;
+  std::vector<int64_t> n;
+};
+
+// The item's query vectors, row by row (so their token counts ascend: a run's contexts do).
+int64_t collect(const Step& st, const Item& it, std::vector<Query>& queries) {
+  queries.clear();
+  int64_t n_max = 0;
+  for (int64_t d = it.d0; d < it.d0 + it.rows; ++d) {
+    const int64_t ctx = st.ctx[d];
+    const bool whole = ctx <= st.split;
+    if (whole ? it.piece > 0 : ctx <= it.t0) continue;  // attended in another item
+    const int64_t n = (whole ? ctx : std::min(ctx, it.t1)) - it.t0;
+    float* part = whole ? nullptr : st.parts + (st.first_part[d * st.Hkv + it.h] + it.piece) * st.stride;
+    float* dst = part == nullptr ? st.out + (d * st.Hq + it.h * st.group) * st.hd : part + 2 * st.group;
+    for (int64_t g = 0; g < st.group; ++g)
+      queries.push_back({st.q + (d * st.Hq + it.h * st.group + g) * st.hd, dst + g * st.hd, part, g, n});
+    n_max = std::max(n_max, n);
+  }
+  return n_max;
 }
 
-inline void prefetch_row(const float* row, int64_t hd) {
-  constexpr int64_t kLine = 64 / sizeof(float);
-  for (int64_t i = 0; i < hd; i += kLine) __builtin_prefetch(row + i, 0, 3);
+// Row pointers for the item's tokens [0, n) (K or V per `base`), then zero rows up to `room`;
+// where hd is not a whole number of vectors (hp floats), padded copies in `copy`.
+void gather(const Step& st, const Item& it, const float* base, int64_t n, int64_t room, int64_t hp,
+            const float* zero, float* copy, std::vector<const float*>& rows) {
+  rows.assign(room, zero);
+  const int32_t* table = st.tables + it.d0 * st.max_blocks;
+  const int64_t step = st.Hkv * st.hd;  // from one token's row to the next in a block
+  for (int64_t t = 0, b = it.t0 / st.bs, i = it.t0 % st.bs; t < n; ++t) {
+    const float* row = base + (static_cast<int64_t>(table[b]) * st.bs * st.Hkv + it.h) * st.hd + i * step;
+    if (hp != st.hd) {
+      std::memcpy(copy + t * hp, row, st.hd * sizeof(float));
+      row = copy + t * hp;
+    }
+    rows[t] = row;
+    if (++i == st.bs) i = 0, ++b;
+  }
+  for (int64_t t = 0; t < std::min(n, kPrefetchAhead); ++t) prefetch_row(rows[t], hp);
+}
+
+// One work item: scores, softmax and value sums of its query vectors, each written to its row's
+// output (a whole row) or its piece's `part` (max, sum of exp, unnormalised sum of p * V).
+void attend(const Step& st, const Item& it, Scratch& s) {
+  const int64_t n_max = collect(st, it, s.queries);
+  const int64_t nq = static_cast<int64_t>(s.queries.size());
+  const int64_t hp = (st.hd + kVec - 1) / kVec * kVec;  // head_dim in whole vectors
+  const int64_t ls = (n_max + 2 * kVec - 1) / kVec * kVec;  // n_max, a tile's overrun, padding
+  const int64_t copies = hp == st.hd ? 0 : 2 * n_max * hp;
+  s.buf.resize(nq * (2 * hp + ls) + hp + copies + kVec);
+  float* q = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(s.buf.data()) + 63) & ~uintptr_t{63});
+  float* scores = q + nq * hp;
+  float* acc = scores + nq * ls;
+  float* zero = acc + nq * hp;
+  float* copy = zero + hp;
+  std::fill(zero, copy, 0.f);
+  if (hp != st.hd) std::fill(q, copy + copies, 0.f);  // the padding of q and of the row copies
+  for (int64_t j = 0; j < nq; ++j) std::memcpy(q + j * hp, s.queries[j].q, st.hd * sizeof(float));
+  gather(st, it, st.k, n_max, ls, hp, zero, copy, s.k);
+  gather(st, it, st.v, n_max, n_max, hp, zero, copy + n_max * hp, s.v);
+  scores_of(q, nq, hp, s.k.data(), s.v.data(), n_max, scores, ls, st.scale);
+  s.n.resize(nq);
+  for (int64_t j = 0; j < nq; ++j) {
+    const Query& qr = s.queries[j];
+    const auto [m, sum] = softmax(scores + j * ls, qr.n, qr.part == nullptr);
+    if (qr.part != nullptr) {
+      qr.part[qr.g] = m;
+      qr.part[st.group + qr.g] = sum;
+    }
+    s.n[j] = qr.n;
+  }
+  values(scores, ls, s.n.data(), nq, s.v.data(), hp, acc);
+  for (int64_t j = 0; j < nq; ++j) std::memcpy(s.queries[j].dst, acc + j * hp, st.hd * sizeof(float));
 }
 
 void check_cache(const at::Tensor& cache) {
@@ -158,9 +231,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, 
   // exp(score - max) and its unnormalised sum of p * V in `part` (group x (hd + 2) floats),
   // merged below. Which rows split, and where, depends on their own context length only, so
   // a sequence's result does not depend on the batch, its drafts or the thread count.
-  struct Item {
-    int64_t d0, rows, h, t0, t1, piece;  // run rows [d0, d0 + rows), tokens [t0, t1), piece index
-  };
   std::vector<Item> items;
   std::vector<int64_t> first_part(D * Hkv, -1);
   int64_t parts = 0;
@@ -184,77 +254,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, 
   }
   const int64_t stride = group * (hd + 2);
   std::vector<float> part_buf(parts * stride);
-
+  const Step st{q_p,    k_p, v_p, out_p, part_buf.data(), ctx_p, bt_p, first_part.data(), max_blocks, bs,
+                Hkv,    Hq,  group, hd,  split_tokens,    stride, sc};
   auto work = [&](int64_t begin, int64_t end) {
-    struct Row {
-      const float* q;
-      float* out;
-      float* part;  // nullptr: a whole row
-      int64_t n;    // its tokens in this item, from t0
-      std::vector<float> probs;
-    };
-    std::vector<Row> rows_here;
-    for (int64_t i = begin; i < end; ++i) {
-      const Item& it = items[i];
-      const int64_t h = it.h, t0 = it.t0;
-      const int32_t* table = bt_p + it.d0 * max_blocks;
-      rows_here.clear();
-      int64_t n_max = 0;
-      for (int64_t d = it.d0; d < it.d0 + it.rows; ++d) {
-        const int64_t ctx = ctx_p[d];
-        const bool whole = ctx <= split_tokens;
-        if (whole ? it.piece > 0 : ctx <= t0) continue;  // attended in another item
-        const int64_t n = (whole ? ctx : std::min(ctx, it.t1)) - t0;
-        float* part = whole ? nullptr : part_buf.data() + (first_part[d * Hkv + h] + it.piece) * stride;
-        rows_here.push_back({q_p + (d * Hq + h * group) * hd,
-                             part == nullptr ? out_p + (d * Hq + h * group) * hd : part + 2 * group, part, n,
-                             std::vector<float>(group * n)});
-        n_max = std::max(n_max, n);
-      }
-      for (int64_t t = 0; t < std::min(n_max, kPrefetchAhead); ++t)
-        prefetch_row(row_of(k_p, table, t0 + t, bs, Hkv, h, hd), hd);
-      for (int64_t t = 0; t < n_max; ++t) {
-        if (t + kPrefetchAhead < n_max) prefetch_row(row_of(k_p, table, t0 + t + kPrefetchAhead, bs, Hkv, h, hd), hd);
-        const float* k = row_of(k_p, table, t0 + t, bs, Hkv, h, hd);
-        for (Row& row : rows_here) {
-          if (t >= row.n) continue;
-          for (int64_t g = 0; g < group; ++g) row.probs[g * row.n + t] = dot(row.q + g * hd, k, hd) * sc;
-        }
-      }
-      for (int64_t t = 0; t < std::min(n_max, kPrefetchAhead); ++t)
-        prefetch_row(row_of(v_p, table, t0 + t, bs, Hkv, h, hd), hd);
-      for (Row& row : rows_here) {
-        const int64_t n = row.n;
-        for (int64_t g = 0; g < group; ++g) {
-          float* p = row.probs.data() + g * n;
-          float m = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < n; ++t) m = std::max(m, p[t]);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < n; ++t) {
-            p[t] = expf(p[t] - m);
-            sum += p[t];
-          }
-          if (row.part == nullptr) {
-            const float inv = 1.f / sum;
-#pragma omp simd
-            for (int64_t t = 0; t < n; ++t) p[t] *= inv;
-          } else {
-            row.part[g] = m;
-            row.part[group + g] = sum;
-          }
-          std::fill(row.out + g * hd, row.out + (g + 1) * hd, 0.f);
-        }
-      }
-      for (int64_t t = 0; t < n_max; ++t) {
-        if (t + kPrefetchAhead < n_max) prefetch_row(row_of(v_p, table, t0 + t + kPrefetchAhead, bs, Hkv, h, hd), hd);
-        const float* v = row_of(v_p, table, t0 + t, bs, Hkv, h, hd);
-        for (Row& row : rows_here) {
-          if (t >= row.n) continue;
-          for (int64_t g = 0; g < group; ++g) axpy(row.out + g * hd, row.probs[g * row.n + t], v, hd);
-        }
-      }
-    }
+    Scratch scratch;
+    for (int64_t i = begin; i < end; ++i) attend(st, items[i], scratch);
   };
   const int64_t num_items = static_cast<int64_t>(items.size());
   if (rows <= serial_max_rows) {

@@ -121,6 +121,20 @@ def test_a_verify_run_reads_the_cache_once_and_gives_each_row_what_it_gets_alone
     assert torch.equal(op(q, batch.cache, table.repeat(rows, 1), lens, 0.3, 10**9), run)  # one thread or many
 
 
+@pytest.mark.parametrize("head_dim, ctx0, rows", [(8, 509, 6), (80, 20, 9), (48, 3, 2)])
+def test_a_verify_run_is_bitwise_its_rows_alone_at_other_head_sizes(native, head_dim, ctx0, rows):
+    """Head sizes that are not 64: not a whole number of vectors (8: padded copies), five
+    vectors (80: a value tile of four and one of one), three (48); runs of 2-9 rows."""
+    batch = make_paged_batch([(ctx0 + rows - 1, 1)], 16, 6, 2, head_dim, seed=head_dim)
+    (table,) = batch.meta.block_table.int()
+    q = torch.randn(rows, 6, head_dim, generator=torch.Generator().manual_seed(ctx0))
+    lens = torch.arange(ctx0, ctx0 + rows, dtype=torch.int32)
+    op = torch.ops.chunkserve.paged_decode_attention
+    run = op(q, batch.cache, table.repeat(rows, 1), lens, 0.3)
+    alone = torch.cat([op(q[j : j + 1], batch.cache, table[None], lens[j : j + 1], 0.3) for j in range(rows)])
+    assert torch.equal(run, alone)
+
+
 @pytest.mark.parametrize("layout", ["head slice", "transposed"])
 def test_native_write_kv_equals_aten_write_from_strided_views(native, layout):
     """k and v as the model passes them: views into a wider tensor, or of a transposed product
