@@ -65,27 +65,38 @@ class StepTimes:
     A bucket's figure is the median of its last `window` observations, so one step slowed by a
     neighbour (or a kernel's first call, which once kept suffix drafts off for a whole request)
     does not decide for the next 256 steps; a verify bucket seen fewer than `min_seen` times
-    counts as not seen, so a first slow step is tried again before it is believed."""
+    counts as not seen, so a first slow step is tried again before it is believed (3: the
+    median of 2 is their mean, which one first call's 0.5 s still ruins). A verify bucket not
+    seen for `retry_verify_after` steps is forgotten and tried again: figures taken in a bad
+    moment (a loaded machine) had kept a 200-token request from drafting at all (the same
+    workload drafted and ran 2.43x in the next run). Worst case, where verifying never pays:
+    `min_seen` probe steps per `retry_verify_after` steps, ~3% at batch 1."""
 
-    def __init__(self, window: int = 8, min_seen: int = 2, forget_after: int = 256) -> None:
+    def __init__(
+        self, window: int = 8, min_seen: int = 3, forget_after: int = 256, retry_verify_after: int = 96
+    ) -> None:
         self.window = window
         self.min_seen = min_seen
         self.forget_after = forget_after
+        self.retry_verify_after = retry_verify_after
         self._t: dict[tuple[int, bool], tuple[deque[float], int]] = {}  # (bucket, verify) -> (recent seconds, step)
+
+    def _horizon(self, verify: bool) -> int:
+        return self.retry_verify_after if verify else self.forget_after
 
     def observe(self, rows: int, verify: bool, seconds: float, step: int) -> None:
         key = (_bucket(rows), verify)
         old = self._t.get(key)
-        if old is None or step - old[1] > self.forget_after:
+        if old is None or step - old[1] > self._horizon(verify):
             old = (deque(maxlen=self.window), step)
         old[0].append(seconds)
         self._t[key] = (old[0], step)
 
     def known(self, rows: int, verify: bool, step: int, min_seen: int = 1) -> float | None:
-        """The learned time of such a step; None when seen fewer than `min_seen` times within
-        the last `forget_after` steps."""
+        """The learned time of such a step; None when seen fewer than `min_seen` times, or not
+        within the last `forget_after` (plain) / `retry_verify_after` (verify) steps."""
         got = self._t.get((_bucket(rows), verify))
-        if got is None or step - got[1] > self.forget_after or len(got[0]) < min_seen:
+        if got is None or step - got[1] > self._horizon(verify) or len(got[0]) < min_seen:
             return None
         return statistics.median(got[0])
 

@@ -237,7 +237,7 @@ def test_a_request_with_a_verify_step_in_flight_is_not_planned_again(fakes):
 
 
 def test_step_times_forget_extrapolate_and_shrug_off_one_slow_step():
-    t = StepTimes(window=4, min_seen=2, forget_after=10)
+    t = StepTimes(window=4, min_seen=2, forget_after=10, retry_verify_after=10)
     t.observe(1, False, 0.010, step=1)
     assert t.plain(1, 2) == pytest.approx(0.010)
     assert t.plain(4, 2) == pytest.approx(0.040)  # scaled from 1 row: no faster than linear
@@ -248,6 +248,26 @@ def test_step_times_forget_extrapolate_and_shrug_off_one_slow_step():
     t.observe(4, True, 0.014, step=5)
     assert t.verify(4, 5) == pytest.approx(0.014)  # the median: the outlier does not decide
     assert t.verify(4, 20) is None  # not seen for more than forget_after steps
+
+
+def test_a_verify_figure_from_a_bad_moment_is_retried_and_a_first_call_is_outvoted():
+    t = StepTimes()  # the drafter's own settings
+    t.observe(1, False, 0.010, step=1)
+    t.observe(9, True, 0.500, step=2)  # a first call
+    t.observe(9, True, 0.020, step=3)
+    assert t.verify(9, 3) is None  # two seen: not believed yet
+    t.observe(9, True, 0.021, step=4)
+    assert t.verify(9, 4) == pytest.approx(0.021)  # the median of three outvotes the first call
+    for step in range(5, 5 + 8):  # a loaded moment: every verify of 9 rows slow
+        t.observe(9, True, 0.200, step=step)
+    assert t.verify(9, 13) == pytest.approx(0.200)
+    for step in range(13, 200):  # plain steps only (the gate said no); the plain figure stays
+        t.observe(1, False, 0.010, step=step)
+    assert t.verify(9, 200) is None  # not seen for retry_verify_after steps: tried again
+    t.observe(9, True, 0.020, step=201)  # ... and the old slow figures are gone with it
+    t.observe(9, True, 0.020, step=202)
+    t.observe(9, True, 0.020, step=203)
+    assert t.verify(9, 203) == pytest.approx(0.020) and t.plain(1, 203) == pytest.approx(0.010)
 
 
 def test_the_gate_drafts_only_while_it_pays():
@@ -421,10 +441,11 @@ def test_nobody_proposes_while_no_draft_could_pay():
     assert not d.could_pay(4, 8, step=1)  # no plain step seen yet
     d.times.observe(4, False, 0.010, 1)
     assert d.could_pay(4, 8, step=2)  # verify steps unseen: worth a try
+    seen = d.times.min_seen
     for rows in range(5, 13):
-        for _ in range(2):
+        for _ in range(seen):
             d.times.observe(rows, True, 0.010 * rows, 2)  # as slow per row as 4 plain steps
     assert not d.could_pay(4, 8, step=3)
-    d.times.observe(13, True, 0.011, 3)
-    d.times.observe(13, True, 0.011, 3)
+    for _ in range(seen):
+        d.times.observe(13, True, 0.011, 3)
     assert d.could_pay(4, 9, step=4)
