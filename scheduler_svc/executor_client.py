@@ -16,6 +16,12 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # The handshake waits for an executor that is still loading (wait_for_ready): gRPC's
+    # default reconnect backoff grows 1.6x per attempt to 120 s, so an executor ready after
+    # 30 s was found up to ~13 s late (attempts at 26 s, then 43 s). Loopback or LAN
+    # connection attempts are cheap; one a second at most finds it within a second.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
