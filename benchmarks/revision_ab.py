@@ -1,0 +1,84 @@
+"""Batch-1 plain decode of two checkouts of chunkserve, one server each, requests alternating.
+
+Why: a change to the executor's kernels must not slow plain decoding, and on a shared 2-core
+VM whose speed moves 10-30% between runs minutes apart only an interleaved comparison holds.
+Each server runs the code of its own tree (`--old` and `--new`: checkouts, e.g. made with
+`git worktree add /tmp/old <rev>`), in float32 on the default model, default flags; the
+same greedy requests go to both, alternately (old, new, then new, old), and the decode
+tok/s after the first token are compared, with each request's tokens.
+
+    .venv/bin/python benchmarks/revision_ab.py --old /tmp/old [--new .] [--rounds 3]
+
+The children must import each tree's packages: they start in a temporary directory with
+PYTHONPATH set to the tree, and the tree must hold a `chunkserve_kernels` link to its
+`kernels` folder (the editable install maps that name to the installed tree otherwise); the
+script makes the link in a tree that is not the installed one when it is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from spec_decode import generate  # noqa: E402
+
+PROMPTS = {
+    "1.2K-token prompt": [(i * 37) % 40000 + 100 for i in range(1200)],
+    "60-token prompt": [(i * 53) % 30000 + 200 for i in range(60)],
+}
+
+
+def main() -> None:
+    from chunkserve.launch import start_server
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", required=True, help="checkout of the baseline revision")
+    ap.add_argument("--new", default=str(Path(__file__).resolve().parent.parent))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=120)
+    args = ap.parse_args()
+    trees = {"old": Path(args.old).resolve(), "new": Path(args.new).resolve()}
+    import chunkserve_kernels
+
+    installed = Path(chunkserve_kernels.__file__).resolve().parent
+    for tree in trees.values():
+        link = tree / "chunkserve_kernels"
+        if installed != tree / "kernels" and not link.exists():
+            link.symlink_to(tree / "kernels")
+    tmp = Path(tempfile.mkdtemp())
+    os.chdir(tmp)  # `python -m` puts the working directory first on the children's path
+    servers = {}
+    try:
+        for name, tree in trees.items():
+            os.environ["PYTHONPATH"] = str(tree)
+            servers[name] = start_server(tmp, ["--model", "default"], [])
+        rates = {(n, p): [] for n in servers for p in PROMPTS}
+        same = []
+        for rnd in range(args.rounds):
+            order = ["old", "new"] if rnd % 2 == 0 else ["new", "old"]
+            for pname, prompt in PROMPTS.items():
+                tokens = {}
+                for n in order:
+                    tokens[n], rate = asyncio.run(generate(servers[n].address, prompt, args.max_tokens))
+                    rates[(n, pname)].append(rate)
+                same.append(tokens["old"] == tokens["new"])
+    finally:
+        for server in servers.values():
+            server.stop()
+    print(f"old {trees['old']}  new {trees['new']}  {args.rounds} rounds, {args.max_tokens} tokens, decode tok/s")
+    for p in PROMPTS:
+        old, new = statistics.median(rates[("old", p)]), statistics.median(rates[("new", p)])
+        print(f"{p:20s} old {old:6.1f}  new {new:6.1f}  new/old {new / old:.3f}")
+    print("same tokens for every request:", all(same))
+
+
+if __name__ == "__main__":
+    main()
