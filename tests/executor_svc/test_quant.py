@@ -44,18 +44,58 @@ def _bf16_reference(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 NEAR_TIE_NATS = 0.25
 
 
-def _depart_only_at_near_ties(qq, tok, mode_runner, fp32_runner, prompts: list[str], gen: int) -> list[int]:
-    """Greedy `gen` tokens per chat prompt in float32 (with each token's lead) and in the mode;
-    asserts every first divergence is at a float32 near-tie; returns the common prefixes."""
+GREEDY_TOKENS = 16  # per chat prompt (qq.PROMPTS), in float32 and in each reduced mode
+
+
+def _runner(**config):
+    """An in-process executor on the default model, its kernels from the tables
+    (`--cpu-linear-plan table`): the reduced copies serve the step sizes docs/cpu.md's table
+    gives this CPU class, every run alike, and no plan is measured (a measured plan took
+    40-140 s per mode on 2 loaded cores, and one measured under load was not used anyway)."""
+    from executor_svc.config import default_cache_dir
+    from executor_svc.worker import load
+
+    cfg = ExecutorConfig(device="cpu", kv_cache_memory_gib=0.1, swap_space=0.0, cache_dir=default_cache_dir(),
+                         cpu_linear_plan="table", **config)  # fmt: skip
+    return load(cfg).runner
+
+
+def _serves_one_token_steps_reduced(runner) -> None:
+    """The mode's copies compute the decoder linears and the head of a 1-token (decode) step,
+    so the greedy comparison below goes through them (not a float32 kernel throughout)."""
+    model = runner.model
+    assert model.model.plan(1) in ("reduced", "half-onednn"), model.model.plan
+    assert model.lm_head.plan(1) in ("reduced", "half-onednn"), model.lm_head.plan
+
+
+@pytest.fixture(scope="module")
+def fp32_greedy(default_model_path):
+    """Per chat prompt of qq.PROMPTS: (text, prompt ids, float32's greedy tokens, each token's
+    lead over the runner-up in nats); computed once for every reduced mode's comparison."""
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import quantization_quality as qq
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    runner = _runner(dtype="float32")
+    out = []
+    with torch.inference_mode():
+        for text in qq.PROMPTS:
+            prompt = list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  return_dict=True)["input_ids"])  # fmt: skip
+            leads: list[float] = []
+            out.append((text, prompt, qq.greedy(runner, prompt, GREEDY_TOKENS, leads), leads))
+    return out
+
+
+def _depart_only_at_near_ties(qq, tok, mode_runner, fp32_greedy) -> list[int]:
+    """Greedy tokens per chat prompt in the mode against float32's (`fp32_greedy`); asserts
+    every first divergence is at a float32 near-tie; returns the common prefixes."""
     prefixes = []
-    for text in prompts:
-        prompt = list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              return_dict=True)["input_ids"])  # fmt: skip
-        leads: list[float] = []
-        want = qq.greedy(fp32_runner, prompt, gen, leads)
-        got = qq.greedy(mode_runner, prompt, gen)
-        n = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), gen)
-        assert n == gen or leads[n] < NEAR_TIE_NATS, (
+    for text, prompt, want, leads in fp32_greedy:
+        got = qq.greedy(mode_runner, prompt, len(want))
+        n = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), len(want))
+        assert n == len(want) or leads[n] < NEAR_TIE_NATS, (
             f"{text!r}: left float32 at token {n} where float32 led by {leads[n]:.3f} nats: "
             f"{tok.decode(want)!r} vs {tok.decode(got)!r}"
         )
@@ -136,7 +176,7 @@ def test_quantize_model_covers_every_decoder_linear_and_adds_a_bf16_head(tiny_co
 
 
 @pytest.mark.slow  # the default model, twice
-def test_default_model_int4_agrees_with_float32(default_model_path):
+def test_default_model_int4_agrees_with_float32(default_model_path, fp32_greedy):
     """Teacher-forced over a fixed text (emulating the int4 path's arithmetic on HF's model;
     the kernel == reference test above links the two): perplexity within 3% and top-1 within
     90% of float32, the thresholds docs/cpu.md states; and greedy decoding through the executor
@@ -154,20 +194,11 @@ def test_default_model_int4_agrees_with_float32(default_model_path):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
     assert qq.perplexity(b, ids) / qq.perplexity(a, ids) <= 1.03
 
-    from executor_svc.config import default_cache_dir
-    from executor_svc.worker import load
-
-    def runner(quant: str):
-        cfg = ExecutorConfig(
-            dtype="float32", device="cpu", kv_cache_memory_gib=0.1, swap_space=0.0,
-            cache_dir=default_cache_dir(), quantization=quant,
-        )  # fmt: skip
-        return load(cfg).runner
-
     with torch.inference_mode():
-        fp32_runner, int4_runner = runner("none"), runner("int4")
-        prefixes = _depart_only_at_near_ties(qq, tok, int4_runner, fp32_runner, qq.PROMPTS, 16)
-    assert sum(prefixes) >= len(prefixes) * 16 // 2  # on average the first half of the tokens kept
+        int4 = _runner(dtype="float32", quantization="int4")
+        _serves_one_token_steps_reduced(int4)
+        prefixes = _depart_only_at_near_ties(qq, tok, int4, fp32_greedy)
+    assert sum(prefixes) >= len(prefixes) * GREEDY_TOKENS // 2  # on average the first half of the tokens kept
 
 
 def test_int4_is_refused_off_the_float32_cpu_path(tiny_model_path, tmp_path):
@@ -253,7 +284,7 @@ def test_cpu_16_bit_dtype_loads_float32_model_with_16_bit_copies(tiny_model_path
 
 
 @pytest.mark.slow  # the default model, three times
-def test_default_model_16_bit_modes_agree_with_float32(default_model_path):
+def test_default_model_16_bit_modes_agree_with_float32(default_model_path, fp32_greedy):
     """Teacher-forced over a fixed text with the 16-bit path's arithmetic on HF's model (the
     test above links it to HalfWeights): top-1 >= 0.92 (bf16) / 0.95 (fp16) and perplexity
     within 1% of float32, as docs/cpu.md states; greedy through the executor leaves float32's tokens
@@ -262,20 +293,10 @@ def test_default_model_16_bit_modes_agree_with_float32(default_model_path):
     import quantization_quality as qq
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from executor_svc.config import default_cache_dir
-    from executor_svc.worker import load
-
     tok = AutoTokenizer.from_pretrained(default_model_path)
     ids = tok(qq.TEXTS["english"] + " " + qq.TEXTS["russian"] + " " + qq.TEXTS["code"])["input_ids"]
     fp32 = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
     a = qq.teacher_forced(fp32, ids)
-
-    def runner(dtype: str):
-        cfg = ExecutorConfig(dtype=dtype, device="cpu", kv_cache_memory_gib=0.1, swap_space=0.0,
-                             cache_dir=default_cache_dir())  # fmt: skip
-        return load(cfg).runner
-
-    fp32_runner = runner("float32")
     for mode, top1 in (("bfloat16", 0.92), ("float16", 0.95)):
         qq.emulate_half(fp32, getattr(torch, mode))
         b = qq.teacher_forced(fp32, ids)
@@ -283,8 +304,10 @@ def test_default_model_16_bit_modes_agree_with_float32(default_model_path):
         assert qq.perplexity(b, ids) / qq.perplexity(a, ids) <= 1.01
         fp32 = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
         with torch.inference_mode():
-            prefixes = _depart_only_at_near_ties(qq, tok, runner(mode), fp32_runner, qq.PROMPTS, 16)
-        assert sum(prefixes) >= len(prefixes) * 16 // 2
+            reduced = _runner(dtype=mode)
+            _serves_one_token_steps_reduced(reduced)
+            prefixes = _depart_only_at_near_ties(qq, tok, reduced, fp32_greedy)
+        assert sum(prefixes) >= len(prefixes) * GREEDY_TOKENS // 2
 
 
 @pytest.mark.slow  # a real server pair
