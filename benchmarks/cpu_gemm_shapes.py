@@ -17,7 +17,7 @@ plus the 49152 x 576 head; random weights of the same shapes) applied once, medi
 - `gemv`: float32 through the native few-row product (`native_linear`, kernels/csrc/cpu_linear.cpp;
   the linear plan's "gemv", a candidate up to 4 rows; "-" where the native library does not build).
 
-    .venv/bin/python benchmarks/cpu_gemm_shapes.py [--rows 1 2 3 4 5 6 7 8 12 16 31 32] [--reps 5]
+    .venv/bin/python benchmarks/cpu_gemm_shapes.py [--rows 1 2 3 4 5 6 7 8 12 16 31 32] [--reps 5] [--layers 30]
 
 Run it on an otherwise idle machine; rows where `padded` is not the fastest float32 column, or
 where a reduced column's win or loss against `padded` disagrees with models/quant.ROW_RULES for
@@ -42,9 +42,9 @@ from executor_svc.models.quant import HalfWeights, Int4Weights
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152  # SmolLM2-135M
 
 
-def shapes() -> list[tuple[int, int]]:
+def shapes(layers: int = LAYERS) -> list[tuple[int, int]]:
     per_layer = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
-    return per_layer * LAYERS + [(VOCAB, HIDDEN)]
+    return per_layer * layers + [(VOCAB, HIDDEN)]
 
 
 def timed(fn, reps: int) -> float:
@@ -62,10 +62,13 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 31, 32])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--layers", type=int, default=LAYERS, help="decoder layers' linears (fewer: a quick smoke run, not the table)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    ws = [torch.randn(n, k) * 0.02 for n, k in shapes()]
+    ws = [torch.randn(n, k) * 0.02 for n, k in shapes(args.layers)]
     half = {dt: [HalfWeights(w, dt) for w in ws] for dt in (torch.bfloat16, torch.float16)}
     q4 = [Int4Weights(w) for w in ws[:-1]] + [half[torch.bfloat16][-1]]
     wb = [h.weight for h in half[torch.bfloat16]]
@@ -80,7 +83,7 @@ def main() -> None:
     )
     with torch.inference_mode():
         for m in args.rows:
-            xs = [torch.randn(m, k) for _, k in shapes()]
+            xs = [torch.randn(m, k) for _, k in shapes(args.layers)]
             xc = [x.t().contiguous().t() for x in xs]  # same values, column-major
             row = [
                 timed(lambda xs=xs: [torch.mm(w, x.t()) for x, w in zip(xs, ws)], args.reps),

@@ -61,11 +61,10 @@ def test_watch_steps_overhead_runs_and_every_subscriber_gets_the_trace():
 
 
 def test_cpu_gemm_shapes_prints_a_row_per_count_with_its_padding():
+    # one decoder layer's linears and the head: every column's code path, not the table's figures
+    args = ["--rows", "1", "3", "8", "--reps", "1", "--layers", "1"]
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "cpu_gemm_shapes.py"), "--rows", "1", "3", "8", "--reps", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, str(BENCHMARKS / "cpu_gemm_shapes.py"), *args], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines()[2:]]
