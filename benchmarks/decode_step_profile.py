@@ -227,6 +227,22 @@ def _us(fn, n: int = 200, blocks: int = 5) -> float:
     return best
 
 
+def _int4_casts(layer, batch: int, n_layers: int) -> dict[str, float]:
+    """ms per step of the int4 path's dtype casts: inputs cast to bfloat16 for every linear;
+    outputs back to float32 for all four (before) or only q/k/v and gate/up (o_proj and
+    down_proj results added as they are)."""
+    attn = layer.self_attn
+    folded = "same_dtype" in inspect.signature(type(attn.qkv_proj).forward).parameters
+    casts = 0.0
+    for lin in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        xin = torch.randn(batch, lin.weight.shape[1])
+        yb = torch.randn(batch, lin.weight.shape[0]).to(torch.bfloat16)
+        casts += _us(lambda xin=xin: xin.to(torch.bfloat16).contiguous())
+        if not (folded and lin in (attn.o_proj, layer.mlp.down_proj)):
+            casts += _us(lambda yb=yb: yb.to(torch.float32))
+    return {f"int4 dtype casts x {6 if folded else 8}L": casts * n_layers / 1000}
+
+
 def components(runner, ids: list[int], ctx: int) -> dict[str, float]:
     """ms per decode step of each non-GEMM piece, timed alone on the step's real shapes and
     metadata, times its count per step. Writes K/V at position `ctx` (the next decode's slot)."""
@@ -290,19 +306,8 @@ def components(runner, ids: list[int], ctx: int) -> dict[str, float]:
             return torch.nn.functional.silu(gate) * up
 
     out["silu(gate)*up x L"] = _us(lambda: act(gu)) * n_layers / 1000
-    lin = attn.qkv_proj
-    if lin.reduced is not None and lin.plan(x.shape[0]) == "reduced":  # the plan decides the kernel
-        # inputs are cast to bfloat16 for every linear; outputs back to float32 for all four
-        # (before) or only q/k/v and gate/up (o_proj and down_proj results added as they are)
-        folded = "same_dtype" in inspect.signature(type(lin).forward).parameters
-        casts = 0.0
-        for lin in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            xin = torch.randn(batch, lin.weight.shape[1])
-            yb = torch.randn(batch, lin.weight.shape[0]).to(torch.bfloat16)
-            casts += _us(lambda xin=xin: xin.to(torch.bfloat16).contiguous())
-            if not (folded and lin in (attn.o_proj, layer.mlp.down_proj)):
-                casts += _us(lambda yb=yb: yb.to(torch.float32))
-        out[f"int4 dtype casts x {6 if folded else 8}L"] = casts * n_layers / 1000
+    if attn.qkv_proj.reduced is not None and attn.qkv_proj.plan(batch) == "reduced":  # the plan decides
+        out.update(_int4_casts(layer, batch, n_layers))
     hid = torch.randn(batch, h.shape[1])
     logits = model.compute_logits(hid)
     specs = [st.sampling for st in states]
