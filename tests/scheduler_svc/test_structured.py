@@ -301,6 +301,12 @@ def run_constrained(
     return asyncio.run(main())
 
 
+def reference_run(fakes, tokenizer_dir, work, compiler):
+    """Per item (tokens, text, finish reason, error) of a run on a roomy pool with the default
+    settings: what every variant of a workload must reproduce."""
+    return run_constrained(fakes, tokenizer_dir, work, fake=masking_fake(fakes, 96, BLOCK), compiler=compiler)[1]
+
+
 def _matches(constraint: Constraint, text: str) -> bool:
     if constraint.kind == "choice":
         return text in json.loads(constraint.spec)
@@ -365,9 +371,7 @@ def test_constrained_greedy_tokens_do_not_depend_on_chunking_caching_or_async(fa
     or async scheduling, and every one valid; compiles were held back (gate closed) until
     every request was queued and its prefill under way."""
     work = _work()
-    _, reference = run_constrained(
-        fakes, byte_tokenizer_dir, work, fake=masking_fake(fakes, 96, BLOCK), compiler=compiler
-    )
+    reference = reference_run(fakes, byte_tokenizer_dir, work, compiler)
     _check_valid(work, reference)
     fake = masking_fake(fakes, 96, BLOCK)
 
@@ -418,9 +422,7 @@ def test_constrained_drafts_carry_a_mask_row_per_position_and_change_no_token(
     row, a draft is cut at its first forbidden token (the fake checks both), the matcher rolls
     back over rejected drafts, and the tokens equal a run without drafts."""
     work = _work()
-    _, reference = run_constrained(
-        fakes, byte_tokenizer_dir, work, fake=masking_fake(fakes, 96, BLOCK), compiler=compiler
-    )
+    reference = reference_run(fakes, byte_tokenizer_dir, work, compiler)
     outputs = {tuple(p): r[0] for (p, *_), r in zip(work, reference)}
     fake = masking_fake(fakes, 96, BLOCK)
     spec = '{"method": "ngram", "num_speculative_tokens": 5}'
@@ -447,9 +449,7 @@ def test_preemption_keeps_the_matcher_right(fakes, byte_tokenizer_dir, compiler,
     tokens already output, which the matcher has consumed; swap keeps them): the same tokens
     as an unpressed run, each output valid, nothing leaked."""
     work = _work(8)
-    _, reference = run_constrained(
-        fakes, byte_tokenizer_dir, work, fake=masking_fake(fakes, 96, BLOCK), compiler=compiler
-    )
+    reference = reference_run(fakes, byte_tokenizer_dir, work, compiler)
     for async_scheduling in (False, True):
         fake = masking_fake(fakes, 24, BLOCK, num_host_blocks=64)
         engine, results = run_constrained(
