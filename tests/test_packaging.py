@@ -97,7 +97,7 @@ def test_every_import_points_down():
         "chunkserve_contracts": {"chunkserve", "scheduler_svc", "executor_svc", "chunkserve_kernels"},
         "scheduler_svc": {"chunkserve", "executor_svc", "chunkserve_kernels"},
         "executor_svc": {"chunkserve", "scheduler_svc"},
-        "kernels": {"chunkserve", "scheduler_svc", "executor_svc"},
+        "chunkserve_kernels": {"chunkserve", "scheduler_svc", "executor_svc"},
     }
     bad = []
     for layer, forbidden in above.items():
@@ -153,7 +153,7 @@ PACKAGES = {  # source folder -> the package it installs as
     "chunkserve_contracts": "chunkserve_contracts",
     "scheduler_svc": "scheduler_svc",
     "executor_svc": "executor_svc",
-    "kernels": "chunkserve_kernels",
+    "chunkserve_kernels": "chunkserve_kernels",
 }
 
 

@@ -13,11 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {
     "scheduler_svc": "scheduler_svc",
     "executor_svc": "executor_svc",
-    "kernels": "chunkserve_kernels",
+    "chunkserve_kernels": "chunkserve_kernels",
     "chunkserve": "chunkserve",
     "chunkserve_contracts": "chunkserve_contracts",
 }
-CORE = ("scheduler_svc", "executor_svc", "kernels")
+CORE = ("scheduler_svc", "executor_svc", "chunkserve_kernels")
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
 

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
 from chunkserve_kernels.metadata import AttentionMetadata
 
 

@@ -9,6 +9,7 @@ math in float64 so its own rounding never hides a bug in the backend under test.
 from __future__ import annotations
 
 import torch
+
 from chunkserve_kernels.backend import AttentionBackend
 from chunkserve_kernels.metadata import AttentionMetadata
 

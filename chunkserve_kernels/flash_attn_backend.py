@@ -32,6 +32,7 @@ per layer, and no dependency on Triton.
 from __future__ import annotations
 
 import torch
+
 from chunkserve_kernels.backend import AttentionBackend
 from chunkserve_kernels.metadata import AttentionMetadata
 

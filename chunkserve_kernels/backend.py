@@ -15,9 +15,9 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
-from chunkserve_kernels.metadata import AttentionMetadata
 
 from chunkserve_contracts.registry import Registry
+from chunkserve_kernels.metadata import AttentionMetadata
 
 
 class AttentionBackend(ABC):

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from chunkserve_kernels.backend import AttentionBackend
 from chunkserve_kernels.metadata import AttentionMetadata
 
