@@ -88,6 +88,36 @@ class ReplicaLoad(_message.Message):
     num_free_device_blocks: int
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., num_decoding: _Optional[int] = ..., decode_context_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., step_cost: _Optional[_Iterable[float]] = ..., step_cost_fitted: _Optional[bool] = ..., num_free_device_blocks: _Optional[int] = ...) -> None: ...
 
+class MuxRequest(_message.Message):
+    __slots__ = ("call", "generate", "cancel")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    call: int
+    generate: bytes
+    cancel: bool
+    def __init__(self, call: _Optional[int] = ..., generate: _Optional[bytes] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class MuxResponse(_message.Message):
+    __slots__ = ("call", "message", "code", "details", "last")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    call: int
+    message: bytes
+    code: int
+    details: str
+    last: bool
+    def __init__(self, call: _Optional[int] = ..., message: _Optional[bytes] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class MuxResponses(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[MuxResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[MuxResponse, _Mapping]]] = ...) -> None: ...
+
 class ListReplicasRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -149,6 +149,139 @@ class Replica:
             _registered_method=True)
 
 
+class GenerationMuxStub:
+    """Many Generate calls on one stream, for a router (or any client that keeps many requests in
+    flight to one replica): served on the scheduler's PUBLIC port, with the same --api-key rule as
+    Generation (whoever may call Generate may call this). Each call is a GenerateRequest in and
+    exactly the GenerateResponse messages Generate would stream out, as bytes; the replica batches
+    the messages of every call that has output into one MuxResponses, about one per engine step,
+    instead of one gRPC message per call and token.
+
+    A call ends exactly once: at its message with last=true (its GenerateResponse has
+    finished=true) or at an entry with a status code (the call's error, what Generate would have
+    ended with: INVALID_ARGUMENT for a bad request or bad bytes, RESOURCE_EXHAUSTED for a full
+    queue, ...; CANCELLED after the client's cancel). Nothing of a call follows its end, and its
+    messages come in order. A call's error never ends the stream or another call.
+
+    Cancel ends a call (the replica aborts its request; a cancel for a call that is not open is
+    ignored). A `generate` naming a call that is still open is a client bug: that call ends with
+    INVALID_ARGUMENT and its request is aborted. The client half-closing its side lets the open
+    calls finish; the stream then ends once none is open. The stream ending or failing for any
+    other reason ends every open call: the replica aborts their requests, and the client treats
+    them as UNAVAILABLE. Client metadata applies to the stream, not per call. An older replica
+    answers UNIMPLEMENTED: use Generate.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Multiplex = channel.stream_stream(
+                '/chunkserve.v1.GenerationMux/Multiplex',
+                request_serializer=chunkserve_dot_v1_dot_replica__pb2.MuxRequest.SerializeToString,
+                response_deserializer=chunkserve_dot_v1_dot_replica__pb2.MuxResponses.FromString,
+                _registered_method=True)
+
+
+class GenerationMuxServicer:
+    """Many Generate calls on one stream, for a router (or any client that keeps many requests in
+    flight to one replica): served on the scheduler's PUBLIC port, with the same --api-key rule as
+    Generation (whoever may call Generate may call this). Each call is a GenerateRequest in and
+    exactly the GenerateResponse messages Generate would stream out, as bytes; the replica batches
+    the messages of every call that has output into one MuxResponses, about one per engine step,
+    instead of one gRPC message per call and token.
+
+    A call ends exactly once: at its message with last=true (its GenerateResponse has
+    finished=true) or at an entry with a status code (the call's error, what Generate would have
+    ended with: INVALID_ARGUMENT for a bad request or bad bytes, RESOURCE_EXHAUSTED for a full
+    queue, ...; CANCELLED after the client's cancel). Nothing of a call follows its end, and its
+    messages come in order. A call's error never ends the stream or another call.
+
+    Cancel ends a call (the replica aborts its request; a cancel for a call that is not open is
+    ignored). A `generate` naming a call that is still open is a client bug: that call ends with
+    INVALID_ARGUMENT and its request is aborted. The client half-closing its side lets the open
+    calls finish; the stream then ends once none is open. The stream ending or failing for any
+    other reason ends every open call: the replica aborts their requests, and the client treats
+    them as UNAVAILABLE. Client metadata applies to the stream, not per call. An older replica
+    answers UNIMPLEMENTED: use Generate.
+    """
+
+    def Multiplex(self, request_iterator, context):
+        """Calls in (one MuxRequest each: a start or a cancel), batches of their messages out.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_GenerationMuxServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Multiplex': grpc.stream_stream_rpc_method_handler(
+                    servicer.Multiplex,
+                    request_deserializer=chunkserve_dot_v1_dot_replica__pb2.MuxRequest.FromString,
+                    response_serializer=chunkserve_dot_v1_dot_replica__pb2.MuxResponses.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'chunkserve.v1.GenerationMux', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('chunkserve.v1.GenerationMux', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class GenerationMux:
+    """Many Generate calls on one stream, for a router (or any client that keeps many requests in
+    flight to one replica): served on the scheduler's PUBLIC port, with the same --api-key rule as
+    Generation (whoever may call Generate may call this). Each call is a GenerateRequest in and
+    exactly the GenerateResponse messages Generate would stream out, as bytes; the replica batches
+    the messages of every call that has output into one MuxResponses, about one per engine step,
+    instead of one gRPC message per call and token.
+
+    A call ends exactly once: at its message with last=true (its GenerateResponse has
+    finished=true) or at an entry with a status code (the call's error, what Generate would have
+    ended with: INVALID_ARGUMENT for a bad request or bad bytes, RESOURCE_EXHAUSTED for a full
+    queue, ...; CANCELLED after the client's cancel). Nothing of a call follows its end, and its
+    messages come in order. A call's error never ends the stream or another call.
+
+    Cancel ends a call (the replica aborts its request; a cancel for a call that is not open is
+    ignored). A `generate` naming a call that is still open is a client bug: that call ends with
+    INVALID_ARGUMENT and its request is aborted. The client half-closing its side lets the open
+    calls finish; the stream then ends once none is open. The stream ending or failing for any
+    other reason ends every open call: the replica aborts their requests, and the client treats
+    them as UNAVAILABLE. Client metadata applies to the stream, not per call. An older replica
+    answers UNIMPLEMENTED: use Generate.
+    """
+
+    @staticmethod
+    def Multiplex(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/chunkserve.v1.GenerationMux/Multiplex',
+            chunkserve_dot_v1_dot_replica__pb2.MuxRequest.SerializeToString,
+            chunkserve_dot_v1_dot_replica__pb2.MuxResponses.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class RouterStub:
     """The operator service of `chunkserve router` (its --admin-port).
     """
