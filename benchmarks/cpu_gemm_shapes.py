@@ -14,7 +14,7 @@ plus the 49152 x 576 head; random weights of the same shapes) applied once, medi
   `half_linear` improves on at one row and from 12 rows;
 - `int4`: the decoder linears' int4 copies (`Int4Weights.matmul`), the head's bfloat16 copy;
 - `packed`: float32 through oneDNN's packed copies (`packed_linear`, `--cpu-gemm-prepack`);
-- `gemv`: float32 through the native few-row product (`native_linear`, kernels/csrc/cpu_linear.cpp;
+- `gemv`: float32 through the native few-row product (`native_linear`, chunkserve_kernels/csrc/cpu_linear.cpp;
   the linear plan's "gemv", a candidate up to 4 rows; "-" where the native library does not build).
 
     .venv/bin/python benchmarks/cpu_gemm_shapes.py [--rows 1 2 3 4 5 6 7 8 12 16 31 32] [--reps 5] [--layers 30]
@@ -33,9 +33,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from chunkserve_kernels import cpu_native
 
 from chunkserve_contracts.cpu import cpu_info
+from chunkserve_kernels import cpu_native
 from executor_svc.models.layers import linear, native_linear, packed_linear, padded_rows, prepack_weight
 from executor_svc.models.quant import HalfWeights, Int4Weights
 

@@ -1,8 +1,8 @@
 """The native decode attention against an earlier version of itself, in one process.
 
 `torch.ops.chunkserve.paged_decode_attention` as built from the working tree, against the same
-op built from a git revision's kernels/csrc/cpu_attention.cpp (renamed `chunkserve_base`, so
-both load side by side): on the default model's shape (9 query / 3 KV heads of 64, blocks of
+op built from a git revision's cpu_attention.cpp and headers (chunkserve_kernels/csrc, kernels/csrc
+before 3150927; renamed `chunkserve_base`, so both load side by side): on the default model's shape (9 query / 3 KV heads of 64, blocks of
 16, shuffled block tables) at each context length, for one decoding sequence, a verify run of
 1 + k rows (one sequence and its drafts: one block table, consecutive context lengths ending
 at the context) and 32 separate sequences. Each timing is a layer stack's attention (30 layers,
@@ -27,21 +27,32 @@ import time
 from pathlib import Path
 
 import torch
+
 from chunkserve_kernels import cpu_native
 
 LAYERS, BLOCK, KV_HEADS, Q_HEADS, HEAD_DIM = 30, 16, 3, 9, 64
 CACHE_BUDGET = 512 * 1024 * 1024  # bytes of cache per timed stack at most
 
 
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout
+
+
+def base_sources(repo: Path, rev: str) -> dict[str, str]:
+    """cpu_attention.cpp and every header beside it at `rev`, by name: the folder is
+    chunkserve_kernels/csrc, or kernels/csrc in a revision from before the rename (3150927)."""
+    for folder in ("chunkserve_kernels/csrc", "kernels/csrc"):
+        paths = _git(repo, "ls-tree", "--name-only", rev, f"{folder}/").split()
+        names = [Path(p).name for p in paths if p.endswith(("/cpu_attention.cpp", ".h"))]
+        if "cpu_attention.cpp" in names:
+            return {name: _git(repo, "show", f"{rev}:{folder}/{name}") for name in names}
+    raise SystemExit(f"{rev} has no chunkserve_kernels/csrc/cpu_attention.cpp nor kernels/csrc/cpu_attention.cpp")
+
+
 def load_base(rev: str) -> None:
     """Builds (or reuses) the attention op of `rev` as torch.ops.chunkserve_base.*."""
     repo = Path(__file__).resolve().parent.parent
-    texts = {
-        name: subprocess.run(
-            ["git", "show", f"{rev}:kernels/csrc/{name}"], cwd=repo, capture_output=True, text=True, check=True
-        ).stdout.replace("chunkserve", "chunkserve_base")
-        for name in ("cpu_attention.cpp", "cpu_ops.h")
-    }
+    texts = {name: text.replace("chunkserve", "chunkserve_base") for name, text in base_sources(repo, rev).items()}
     key = hashlib.sha256("".join(texts.values()).encode() + " ".join(cpu_native.CFLAGS).encode()).hexdigest()[:12]
     folder = Path(tempfile.gettempdir()) / f"chunkserve_base_{key}"
     folder.mkdir(exist_ok=True)

@@ -22,6 +22,7 @@ import statistics
 import time
 
 import torch
+
 from chunkserve_kernels import cpu_native
 
 LAYERS, BLOCK, KV_HEADS, Q_HEADS, HEAD_DIM = 30, 16, 3, 9, 64

@@ -18,7 +18,7 @@ it) and batch size it prints:
   preallocated zero result, so what is left is all the rest of the step (validation,
   metadata, embedding, norms, rotary, attention, activations, dtype casts, sampling, reply,
   Python); its share of the real step is the second non-GEMM figure. The fused decode
-  layers (kernels/csrc/cpu_layer.cpp) call their products inside C++, out of a Python
+  layers (chunkserve_kernels/csrc/cpu_layer.cpp) call their products inside C++, out of a Python
   patch's reach, so this step runs the Python layers (said in the output);
 - per-component ms per step: each piece of the step timed alone on the step's real shapes
   and metadata (times its count per step), the rest = no-GEMM step - their sum (Python
@@ -36,8 +36,8 @@ layers on the same kernels.
 
 torch runs with 2 threads (this machine's cores; --threads to change). To measure another
 tree, put a folder with links named executor_svc, chunkserve_contracts and
-chunkserve_kernels (-> its kernels/) first on PYTHONPATH; the script prints which files it
-runs.
+chunkserve_kernels (-> its chunkserve_kernels/, or kernels/ in a tree from before 3150927)
+first on PYTHONPATH; the script prints which files it runs.
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ import time
 from collections import defaultdict
 
 import torch
-from chunkserve_kernels import __file__ as kernels_file
 
 import executor_svc.runner as R
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from chunkserve_kernels import __file__ as kernels_file
 from executor_svc.config import ExecutorConfig, default_cache_dir
 from executor_svc.models.layers import linear
 from executor_svc.models.quant import HalfWeights, half_linear
@@ -248,7 +248,6 @@ def components(runner, ids: list[int], ctx: int) -> dict[str, float]:
     metadata, times its count per step. Writes K/V at position `ctx` (the next decode's slot)."""
     from chunkserve_kernels.forward_context import set_forward_context
     from chunkserve_kernels.metadata import build_metadata
-
     from executor_svc.models.layers import apply_rotary
     from executor_svc.sampler import sample
 
@@ -469,7 +468,7 @@ def _take_turns(runner, ids, ctx: int, arms: dict, rounds: int, steps: int) -> d
 
 
 def ab_fused(runner, batch: int, rounds: int = 6, steps: int = 10, ctx: int = 128) -> None:
-    """Whole decode steps with the fused decode layers (kernels/csrc/cpu_layer.cpp) and with
+    """Whole decode steps with the fused decode layers (chunkserve_kernels/csrc/cpu_layer.cpp) and with
     the Python layers on the same native ops, taking turns."""
     model = runner.model
     if model.fused is None:

@@ -37,9 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from chunkserve_kernels import build_metadata, choose_backend, get_backend, set_forward_context  # noqa: E402
-
 from chunkserve.launch import TINY_LLAMA  # noqa: E402
+from chunkserve_kernels import build_metadata, choose_backend, get_backend, set_forward_context  # noqa: E402
 from executor_svc.cuda_graphs import DecodeGraphs  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12  # H200, measured device-to-device copy

@@ -10,9 +10,11 @@ tok/s after the first token are compared, with each request's tokens.
     .venv/bin/python benchmarks/revision_ab.py --old /tmp/old [--new .] [--rounds 3]
 
 The children must import each tree's packages: they start in a temporary directory with
-PYTHONPATH set to the tree, and the tree must hold a `chunkserve_kernels` link to its
-`kernels` folder (the editable install maps that name to the installed tree otherwise); the
-script makes the link in a tree that is not the installed one when it is missing.
+PYTHONPATH set to a folder of links to the tree's package folders (the editable install would
+map the names to the installed tree otherwise). A checkout from before 3150927 keeps its
+attention backends in `kernels/`: its `chunkserve_kernels` link points there, and the tree
+itself stays off the path, where that folder would shadow Hugging Face's `kernels`, which
+transformers >= 5.25 imports. Nothing is written into the trees.
 """
 
 from __future__ import annotations
@@ -30,6 +32,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from spec_decode import generate  # noqa: E402
 
+PACKAGES = ("chunkserve", "chunkserve_contracts", "scheduler_svc", "executor_svc", "chunkserve_kernels")
+
+
+def package_links(tree: Path, into: Path) -> Path:
+    """A folder `into` of links, one per package, to the tree's package folders (either layout)."""
+    into.mkdir(parents=True)
+    for name in PACKAGES:
+        folder = tree / name
+        if name == "chunkserve_kernels" and not folder.is_dir():
+            folder = tree / "kernels"  # the folder's name before 3150927
+        if not (folder / "__init__.py").is_file():
+            raise SystemExit(f"{tree} has no {name} package folder: not a chunkserve checkout?")
+        (into / name).symlink_to(folder, target_is_directory=True)
+    return into
+
+
 PROMPTS = {
     "1.2K-token prompt": [(i * 37) % 40000 + 100 for i in range(1200)],
     "60-token prompt": [(i * 53) % 30000 + 200 for i in range(60)],
@@ -46,19 +64,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=120)
     args = ap.parse_args()
     trees = {"old": Path(args.old).resolve(), "new": Path(args.new).resolve()}
-    import chunkserve_kernels
-
-    installed = Path(chunkserve_kernels.__file__).resolve().parent
-    for tree in trees.values():
-        link = tree / "chunkserve_kernels"
-        if installed != tree / "kernels" and not link.exists():
-            link.symlink_to(tree / "kernels")
     tmp = Path(tempfile.mkdtemp())
+    paths = {name: package_links(tree, tmp / f"{name}-packages") for name, tree in trees.items()}
     os.chdir(tmp)  # `python -m` puts the working directory first on the children's path
     servers = {}
     try:
-        for name, tree in trees.items():
-            os.environ["PYTHONPATH"] = str(tree)
+        for name in trees:
+            os.environ["PYTHONPATH"] = str(paths[name])
             servers[name] = start_server(tmp, ["--model", "default"], [])
         rates = {(n, p): [] for n in servers for p in PROMPTS}
         same = []

@@ -1,7 +1,8 @@
 """chunkserve_kernels: paged varlen attention for the executor.
 
-Import as `chunkserve_kernels` (the source folder is kernels/, but a top-level `kernels`
-package would collide with Hugging Face's own distribution of that name).
+The folder has the import name: a top-level `kernels` package (this folder's name until
+3150927) would collide with Hugging Face's own distribution of that name, which transformers
+imports; from the repository root the folder would shadow it (tests/test_packaging.py).
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ class AttentionBackend(ABC):
         kv_cache_layer[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
     def use_native(self, enabled: bool = True) -> None:
-        """Switches decode attention and K/V writes to the native CPU ops (kernels/csrc) or back;
+        """Switches decode attention and K/V writes to the native CPU ops (chunkserve_kernels/csrc) or back;
         a backend without such ops refuses to switch them on."""
         if enabled:
             raise ValueError(f"attention backend {self.name!r} has no native CPU ops")

@@ -1,4 +1,4 @@
-"""The native CPU kernels (kernels/csrc/*.cpp): built once per machine, loaded once per process,
+"""The native CPU kernels (chunkserve_kernels/csrc/*.cpp): built once per machine, loaded once per process,
 and used per --cpu-kernels for float32 decode attention and K/V writes (the torch backend), the
 decoder's residual add + RMSNorm (models/layers.RMSNorm), a few-row float32 product (the linear
 plan's "gemv" kernel, models/linear_plan.py) and, for small pure-decode steps, whole decoder

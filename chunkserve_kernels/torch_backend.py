@@ -145,7 +145,7 @@ class TorchBackend(AttentionBackend):
 
     def use_native(self, enabled: bool = True) -> None:
         """Switches this backend's float32 CPU decode attention and K/V writes to the native ops
-        (kernels/csrc/cpu_attention.cpp) or back; enabling needs `cpu_native.load()` to have
+        (chunkserve_kernels/csrc/cpu_attention.cpp) or back; enabling needs `cpu_native.load()` to have
         succeeded in this process (raises otherwise)."""
         from chunkserve_kernels import cpu_native
 

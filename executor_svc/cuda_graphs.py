@@ -29,6 +29,7 @@ import logging
 import time
 
 import torch
+
 from chunkserve_kernels.forward_context import set_forward_context
 from chunkserve_kernels.metadata import AttentionMetadata
 

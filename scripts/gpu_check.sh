@@ -16,9 +16,9 @@
 #   - Wheels in .whl/ are installed first, offline, into /tmp/site (e.g. protobuf and
 #     grpcio as new as chunkserve's generated code; see benchmarks/GPU.md).
 #   - GPU_CHECK_INSTALL=1 pip-installs missing pytest/transformers/triton from the index.
-# The repo is used in place (no pip install of chunkserve): kernels/ is made importable as
-# `chunkserve_kernels` through a symlink. Logs and gpu_bench.json go to $OUT (default
-# benchmarks/out/gpu). Exit status: the tests' (0 = passed), or 2 if no usable Python.
+# The repo is used in place (no pip install of chunkserve): its root goes first on PYTHONPATH.
+# Logs and gpu_bench.json go to $OUT (default benchmarks/out/gpu). Exit status: the tests'
+# (0 = passed), or 2 if no usable Python.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -57,11 +57,6 @@ if [ "${GPU_CHECK_INSTALL:-0}" = 1 ]; then
   for pkg in pytest transformers triton; do
     "$PY" -c "import $pkg" 2>/dev/null || timeout 180 "$PY" -m pip install -q "$pkg" || echo "could not install $pkg"
   done
-fi
-if ! "$PY" -c "import chunkserve_kernels" >/dev/null 2>&1; then
-  SHIM=$(mktemp -d)
-  ln -s "$ROOT/kernels" "$SHIM/chunkserve_kernels"
-  export PYTHONPATH=$SHIM${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from chunkserve_kernels import cpu_native
 
 pytestmark = pytest.mark.slow  # starts real server processes: the full tier only

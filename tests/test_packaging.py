@@ -15,21 +15,41 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def run_python(code: str) -> str:
-    """Runs code in a fresh interpreter from the repo root (where a stray `kernels` could shadow)."""
+    """Runs code in a fresh interpreter from the repo root (first on its sys.path, as for a
+    server started there)."""
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
 
-def test_our_kernels_do_not_shadow_huggingface_kernels():
-    """transformers probes for Hugging Face's `kernels` distribution; ours must not answer."""
-    out = run_python(
-        "import importlib.metadata as md, chunkserve_kernels\n"
-        "from transformers.utils.import_utils import is_kernels_available\n"
-        "print(is_kernels_available(), 'kernels' in md.packages_distributions(),"
-        " chunkserve_kernels.__name__)\n"
+def test_no_package_in_the_repository_root_shadows_an_installed_one():
+    """A process started in the repository root (`chunkserve serve`, scripts/quickstart.sh) has
+    the root first on sys.path, so a package folder there named like another distribution's
+    top-level module is imported in its place. Until 3150927 our attention backends' folder
+    was kernels/: transformers >= 5.25 imports Hugging Face's `kernels` and the executor failed
+    to start. The root's names are checked against every installed distribution's."""
+    ours = sorted(p.stem for p in ROOT.iterdir() if (p / "__init__.py").is_file() or p.suffix == ".py")
+    assert "chunkserve_kernels" in ours and "kernels" not in ours
+    owners = json.loads(
+        run_python("import importlib.metadata as md, json; print(json.dumps(md.packages_distributions()))")
     )
-    assert out.split() == ["False", "False", "chunkserve_kernels"]
+    clashes = {name: owners[name] for name in ours if set(owners.get(name, ["chunkserve"])) != {"chunkserve"}}
+    assert not clashes, f"repository folders named like other distributions' modules: {clashes}"
+
+
+def test_kernels_is_hugging_faces_or_absent_from_the_repository_root():
+    """What transformers finds as `kernels` from the root is a file of the installed `kernels`
+    distribution (transformers >= 5.25 requires it), or nothing (older ones), never ours."""
+    out = run_python(
+        "import importlib.metadata as md, importlib.util as u, json, pathlib\n"
+        "spec = u.find_spec('kernels')\n"
+        "dists = md.packages_distributions().get('kernels', [])\n"
+        "files = {pathlib.Path(f.locate()).resolve() for d in dists for f in md.distribution(d).files or []}\n"
+        "print(json.dumps([spec is not None, dists, spec is not None and pathlib.Path(spec.origin).resolve() in files]))\n"
+    )
+    found, dists, from_a_distribution = json.loads(out)
+    assert "chunkserve" not in dists
+    assert not found or from_a_distribution, out
 
 
 def test_transformers_model_runs_beside_our_kernels():
@@ -197,7 +217,7 @@ def test_the_wheel_installs_a_working_chunkserve_command(tmp_path):
     [wheel] = (tmp_path / "dist").glob("chunkserve-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
 
-    # Every module of every package (kernels/ as chunkserve_kernels), the data the code reads
+    # Every module of every package, the data the code reads
     # at run time, and nothing else at the top level. (What the copy holds: the tree may be
     # edited meanwhile.)
     expected = _source_files(src, "*.py", "*.pyi", "*.cpp", "*.h") + ["chunkserve/bench/corpus.txt"]

@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# source folder -> the name it is imported as (kernels/ installs as chunkserve_kernels)
+# source folder -> the name it is imported as
 PACKAGES = {
     "scheduler_svc": "scheduler_svc",
     "executor_svc": "executor_svc",

@@ -1,5 +1,5 @@
 """The fused decode path: a small pure-decode step runs every decoder layer in one native call
-(kernels/csrc/cpu_layer.cpp, `torch.classes.chunkserve.DecodeLayers`) instead of ~25 op calls
+(chunkserve_kernels/csrc/cpu_layer.cpp, `torch.classes.chunkserve.DecodeLayers`) instead of ~25 op calls
 per layer from Python.
 
 When a step takes it is decided in one place, `FusedDecode.forward`: a float32 CPU step whose
@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from chunkserve_kernels import get_forward_context
 
+from chunkserve_kernels import get_forward_context
 from executor_svc.models.kernel_plan import Plan
 from executor_svc.models.quant import GROUP_SIZE, Int4Weights
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 KERNELS = ("mm", "mm-pad", "packed", "gemv", "reduced", "half-onednn")
 MARGIN = 0.05
 INT4_MAX_ROWS = 32
-# the native few-row product (kernels/csrc/cpu_linear.cpp) is a candidate up to this many rows
+# the native few-row product (chunkserve_kernels/csrc/cpu_linear.cpp) is a candidate up to this many rows
 # (one pass over the weights for up to 8 rows of x: a verify step of 1 + 7 drafts); from ~4 on
 # oneDNN's packed product, which reuses each weight line across rows, mostly wins
 GEMV_MAX_ROWS = 8

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from chunkserve_kernels import AttentionBackend, get_forward_context
 from torch import nn
 
+from chunkserve_kernels import AttentionBackend, get_forward_context
 from executor_svc.collectives import NO_TP, TPInfo, all_reduce_, shard_rows
 from executor_svc.models.kernel_plan import DEFAULT_PLAN, Plan, padded_rows
 
@@ -71,7 +71,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ b) through the native few-row float32 product (kernels/csrc/cpu_linear.cpp:
+    """y = x W^T (+ b) through the native few-row float32 product (chunkserve_kernels/csrc/cpu_linear.cpp:
     each weight row streamed once, ~1.3-1.4x MKL's speed at one row on a 2-core Zen 5; the
     plan's "gemv" kernel). Needs `chunkserve_kernels.cpu_native.load()` to have succeeded."""
     return torch.ops.chunkserve.gemv(x, weight, bias)
@@ -177,7 +177,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), False)
         self.eps = eps
-        # float32 CPU: the native residual add + norm (kernels/csrc/cpu_attention.cpp), one op
+        # float32 CPU: the native residual add + norm (chunkserve_kernels/csrc/cpu_attention.cpp), one op
         # instead of the add and rms_norm's composite (~14 us a call at one row); set by the
         # executor with --cpu-kernels (LlamaForCausalLM.use_native_kernels)
         self.native = False

@@ -14,9 +14,9 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from chunkserve_kernels import AttentionBackend, get_backend
 from torch import nn
 
+from chunkserve_kernels import AttentionBackend, get_backend
 from executor_svc.collectives import NO_TP, TPInfo, all_gather_last, check_divisible, shard_rows
 from executor_svc.models.fused import FusedDecode
 from executor_svc.models.kernel_plan import DEFAULT_PLAN, Plan

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 import transformers
-from chunkserve_kernels import build_metadata, set_forward_context
 
 from chunkserve.launch import tiny_llama_config
+from chunkserve_kernels import build_metadata, set_forward_context
 from executor_svc.config import ExecutorConfig
 from executor_svc.worker import load
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from chunkserve_kernels.backend import get_backend
 
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from chunkserve_kernels.backend import get_backend
 from executor_svc.collectives import NO_TP
 from executor_svc.config import ExecutorConfig
 from executor_svc.cuda_graphs import DecodeGraphs, capture_sizes

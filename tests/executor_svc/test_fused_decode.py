@@ -1,4 +1,4 @@
-"""The fused decode layers (kernels/csrc/cpu_layer.cpp via models/fused.py): a pure-decode step
+"""The fused decode layers (chunkserve_kernels/csrc/cpu_layer.cpp via models/fused.py): a pure-decode step
 whose linears the plan gives to the native product or oneDNN's packed copies (float32) or to
 the int4 copies runs every
 decoder layer in one native call. It must compute exactly what the Python layers compute on
@@ -12,10 +12,10 @@ import shutil
 
 import pytest
 import torch
-from chunkserve_kernels import cpu_native
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from chunkserve_kernels import cpu_native
 from executor_svc.collectives import TPInfo
 from executor_svc.config import ExecutorConfig
 from executor_svc.models import fused as fused_mod

@@ -13,10 +13,10 @@ import json
 
 import pytest
 import torch
-from chunkserve_kernels import cpu_native
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from chunkserve_kernels import cpu_native
 from executor_svc.config import ExecutorConfig
 from executor_svc.models import get_model_class
 from executor_svc.models import kernel_plan as kp

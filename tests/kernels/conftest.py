@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from chunkserve_kernels import AttentionMetadata, build_metadata
 
 

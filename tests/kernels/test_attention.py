@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from chunkserve_kernels import build_metadata, get_backend, get_forward_context, set_forward_context
 
 MIXED = [(0, 7), (5, 1), (13, 1), (20, 6), (0, 1), (31, 1), (3, 2)]  # (context_before, query_len)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import sys
 import types
 
-import chunkserve_kernels.backend as backend_mod
 import pytest
 import torch
-from chunkserve_kernels import choose_backend, get_backend
 
+import chunkserve_kernels.backend as backend_mod
 from chunkserve.launch import tiny_llama_config
+from chunkserve_kernels import choose_backend, get_backend
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The native CPU kernels (kernels/csrc/*.cpp via chunkserve_kernels/cpu_native.py):
+"""The native CPU kernels (chunkserve_kernels/csrc/*.cpp via chunkserve_kernels/cpu_native.py):
 the torch backend with `use_native()` against the `torch_ref` oracle on random paged batches,
 the native K/V write against the aten one, the refusals, the build's failure path, and the
 executor's --cpu-kernels switch, and the few-row product (the linear plan's "gemv"). Skipped where
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from chunkserve_kernels import cpu_native, get_backend
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from chunkserve_kernels import cpu_native, get_backend
 from tests.kernels.conftest import make_paged_batch
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")

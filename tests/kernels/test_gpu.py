@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from chunkserve_kernels import build_metadata, get_backend
 
 DEVICE = "cuda"

@@ -18,6 +18,7 @@ import sys
 
 import pytest
 import torch
+
 from chunkserve_kernels import build_metadata, get_backend, set_forward_context
 
 pytest.importorskip("triton")
