@@ -13,10 +13,10 @@ import math
 import time
 
 import torch
-from chunkserve_kernels.forward_context import set_forward_context
-from chunkserve_kernels.metadata import build_metadata
 
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from chunkserve_kernels.forward_context import set_forward_context
+from chunkserve_kernels.metadata import build_metadata
 from executor_svc.collectives import NO_TP, PlanChannel, TPInfo
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.plan_check import CheckedPlan, SeqState, check_plan

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from chunkserve_kernels import cpu_native
-from chunkserve_kernels.backend import AttentionBackend, choose_backend, get_backend
 
 from chunkserve_contracts import __version__
 from chunkserve_contracts.cpu import cpu_budget
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from chunkserve_kernels import cpu_native
+from chunkserve_kernels.backend import AttentionBackend, choose_backend, get_backend
 from executor_svc.collectives import NO_TP, PlanChannel, TPInfo, init_group, local_device, min_over_group
 from executor_svc.config import ExecutorConfig
 from executor_svc.cuda_graphs import DecodeGraphs, capture_sizes
