@@ -36,6 +36,8 @@ from scheduler_svc.http_extras import generation_defaults, parse_origins
 from scheduler_svc.kv_events import KVEventLog
 from scheduler_svc.kv_events_zmq import parse_kv_events_config
 from scheduler_svc.metrics import Metrics
+from scheduler_svc.mux import SERVICE as MUX_SERVICE
+from scheduler_svc.mux import MuxServicer, add_mux_servicer
 from scheduler_svc.openai_protocol import Settings
 from scheduler_svc.policy import Policy, create_policy
 from scheduler_svc.reflection import enable_reflection
@@ -113,6 +115,7 @@ class SchedulerApp:
             lambda: None if self.ready is None else (self.ready.engine, self.ready.limits, self.ready.info)
         )
         add_generation_servicer(servicer, self.server)
+        add_mux_servicer(MuxServicer(servicer), self.server)  # a router's calls on one stream, same admission
         # The OpenAI-compatible HTTP API: the same servicer's admission path, engine and loop.
         self.http = None
         if config.http_port:
@@ -126,7 +129,9 @@ class SchedulerApp:
         self._stats: asyncio.Task[None] | None = None
         self.http_port = 0
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        enable_reflection(self.server, SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+        enable_reflection(
+            self.server, SERVICE_NAME, MUX_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        )
         self.port = 0
         self.metrics: Metrics | None = None
         self._grammars: tuple[tuple, LLGuidanceCompiler | None] | None = None  # kept across reconnects

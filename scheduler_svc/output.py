@@ -10,7 +10,7 @@ through the one folding rule `fold`, so they cannot disagree about what a reques
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from scheduler_svc.errors import ServingError
@@ -52,11 +52,16 @@ class RequestStream:
         self.num_prompt_tokens = num_prompt_tokens
         self.queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
         self.finished = False
+        # Called after each put: a reader of many streams (mux.py) is woken here instead of
+        # awaiting each queue in a task of its own.
+        self.on_put: Callable[[], None] | None = None
 
     def put(self, delta: StreamDelta) -> None:
         if delta.finished or delta.error is not None:
             self.finished = True
         self.queue.put_nowait(delta)
+        if self.on_put is not None:
+            self.on_put()
 
 
 @dataclass(slots=True)

@@ -161,7 +161,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return info
 
 
-class _Refused:
+class Refused:
     """What the guarded deserializer returns instead of raising: the reason."""
 
     __slots__ = ("reason",)
@@ -170,32 +170,36 @@ class _Refused:
         self.reason = reason
 
 
-def _deserializer(message_type: type[Message], max_bytes: Callable[[], int | None]) -> Callable[[bytes], Any]:
+def guarded_deserializer(message_type: type[Message], max_bytes: Callable[[], int | None]) -> Callable[[bytes], Any]:
+    """A gRPC request deserializer that never raises: bytes over `max_bytes()` or not a valid
+    `message_type` give a Refused with the reason (Generate's requests here, and each call's
+    GenerateRequest inside a Multiplex stream, mux.py, where one bad call must not end the
+    stream)."""
     name = message_type.DESCRIPTOR.full_name
 
-    def deserialize(data: bytes) -> Message | _Refused:
+    def deserialize(data: bytes) -> Message | Refused:
         limit = max_bytes()
         if limit is not None and len(data) > limit:
-            return _Refused(
+            return Refused(
                 f"the request has {len(data)} bytes; the largest valid {name} has {limit} "
                 "(the longest prompt max_model_len allows, plus 320 KiB for the other fields)"
             )
         try:
             return message_type.FromString(data)
         except DecodeError as exc:  # e.g. "String field had bad UTF-8"
-            return _Refused(f"the request is not a valid {name} ({exc}); string fields must be valid UTF-8")
+            return Refused(f"the request is not a valid {name} ({exc}); string fields must be valid UTF-8")
 
     return deserialize
 
 
-async def _refuse(method: str, refused: _Refused, context: grpc.aio.ServicerContext) -> None:
+async def _refuse(method: str, refused: Refused, context: grpc.aio.ServicerContext) -> None:
     log.warning("refused %s from %s: %s", method, context.peer(), refused.reason)
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused.reason)
 
 
 def _guard_unary(method: str, behaviour: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]):
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, _Refused):
+        if isinstance(request, Refused):
             await _refuse(method, request, context)
         return await behaviour(request, context)
 
@@ -204,7 +208,7 @@ def _guard_unary(method: str, behaviour: Callable[[Any, grpc.aio.ServicerContext
 
 def _guard_stream(method: str, behaviour: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]):
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        if isinstance(request, _Refused):
+        if isinstance(request, Refused):
             await _refuse(method, request, context)
         async with contextlib.aclosing(behaviour(request, context)) as stream:
             async for message in stream:
@@ -228,17 +232,17 @@ def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Serve
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             _guard_stream(f"/{service}/Generate", servicer.Generate),
-            request_deserializer=_deserializer(pb.GenerateRequest, servicer.max_request_bytes),
+            request_deserializer=guarded_deserializer(pb.GenerateRequest, servicer.max_request_bytes),
             response_serializer=pb.GenerateResponse.SerializeToString,
         ),
         "Abort": grpc.unary_unary_rpc_method_handler(
             _guard_unary(f"/{service}/Abort", servicer.Abort),
-            request_deserializer=_deserializer(pb.AbortRequest, lambda: None),
+            request_deserializer=guarded_deserializer(pb.AbortRequest, lambda: None),
             response_serializer=pb.AbortResponse.SerializeToString,
         ),
         "GetInfo": grpc.unary_unary_rpc_method_handler(
             _guard_unary(f"/{service}/GetInfo", servicer.GetInfo),
-            request_deserializer=_deserializer(pb.GetInfoRequest, lambda: None),
+            request_deserializer=guarded_deserializer(pb.GetInfoRequest, lambda: None),
             response_serializer=pb.GetInfoResponse.SerializeToString,
         ),
     }

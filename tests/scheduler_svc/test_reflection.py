@@ -29,7 +29,12 @@ REFLECTION = {"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.Se
 HEALTH = "grpc.health.v1.Health"
 # port -> (the services it lists, a service and a method of it that must resolve, streaming?)
 EXPECTED = {
-    "public": ({"chunkserve.v1.Generation", HEALTH} | REFLECTION, "chunkserve.v1.Generation", "Generate"),
+    # and GenerationMux, a router's calls on one stream
+    "public": (
+        {"chunkserve.v1.Generation", "chunkserve.v1.GenerationMux", HEALTH} | REFLECTION,
+        "chunkserve.v1.Generation",
+        "Generate",
+    ),
     # the admin port also serves the router's Replica service (KV events, load: issue 36)
     "admin": ({"chunkserve.v1.Admin", "chunkserve.v1.Replica"} | REFLECTION, "chunkserve.v1.Admin", "WatchSteps"),
 }
