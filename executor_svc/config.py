@@ -91,7 +91,8 @@ class ExecutorConfig:
     num_threads: int = field(
         default=0,
         metadata={
-            "help": "torch CPU threads per rank; 0 = the usable CPUs (affinity, cgroup quota) less one for the scheduler"
+            "help": "torch CPU threads per rank, fixed; 0 = start with the usable CPUs (affinity, cgroup quota) and "
+            "use fewer while steps run faster with fewer (CPU contention; executor_svc/threads.py)"
         },
     )
     quantization: str = field(

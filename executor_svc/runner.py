@@ -21,6 +21,7 @@ from executor_svc.collectives import NO_TP, PlanChannel, TPInfo
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.plan_check import CheckedPlan, SeqState, check_plan
 from executor_svc.sampler import SampleOutput, sample
+from executor_svc.threads import ThreadGovernor
 
 
 class ModelRunner:
@@ -37,11 +38,13 @@ class ModelRunner:
         tp: TPInfo = NO_TP,
         channel: PlanChannel | None = None,
         reserved_blocks: int = 0,
+        threads: ThreadGovernor | None = None,
     ) -> None:
         """Under tensor parallelism (`tp`, executor_svc/tp_group.py) every rank runs the same
         plans on its shard; rank 0 samples and shares the token ids over `channel`. The last
         `reserved_blocks` blocks of `kv_cache` are the executor's own (the CUDA graphs'
-        scratch block): no plan may name them."""
+        scratch block): no plan may name them. `threads` moves the torch thread count by the
+        steps' measured times (executor_svc/threads.py); None keeps it as it is."""
         self.model = model
         self.tp = tp
         self.channel = channel
@@ -58,13 +61,24 @@ class ModelRunner:
         self.holders = [0] * self.num_blocks
         # Decode-only steps of up to its largest bucket run through it (executor_svc/cuda_graphs.py).
         self.graphs: DecodeGraphs | None = None
+        self.threads = threads
 
     def reset(self) -> None:
         self.seqs.clear()
         self.holders = [0] * self.num_blocks
 
-    @torch.inference_mode()
     def execute(self, plan: epb.StepRequest) -> epb.StepResponse:
+        """Runs one plan; the thread governor sees its time and sets the next step's threads."""
+        governor = self.threads
+        threads = torch.get_num_threads() if governor is None else governor.running
+        response = self._execute(plan)
+        response.num_threads = threads
+        if governor is not None and response.num_tokens:
+            governor.observe(response.num_tokens, response.execute_ns / 1e9)
+        return response
+
+    @torch.inference_mode()
+    def _execute(self, plan: epb.StepRequest) -> epb.StepResponse:
         start, start_unix = time.perf_counter_ns(), time.time_ns()
         checked = self.validate(plan)
         self._apply(plan, checked)

@@ -38,6 +38,7 @@ from executor_svc.models.kernel_plan import Plan, table_plan
 from executor_svc.models.layers import prepack_measured
 from executor_svc.models.quant import default_rules, half_weights_model, quantize_model
 from executor_svc.runner import ModelRunner
+from executor_svc.threads import ThreadGovernor, choose_counts
 from executor_svc.tp_group import CMD_RESET, Leader
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class Placement:
     half: str | None  # --dtype bfloat16/float16 on CPU: float32 math plus 16-bit copies of this dtype
     reduced: str | None  # the reduced-precision copies' mode: "int4", `half`, or None
     backend: AttentionBackend
+    threads: tuple[int, ...] = (1,)  # torch thread counts, most first (one: fixed; executor_svc/threads.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,7 @@ def load(config: ExecutorConfig, tp: TPInfo = NO_TP) -> Loaded:
         tp,
         channel,
         reserved_blocks=int(kv.graphs),
+        threads=ThreadGovernor(place.threads, torch.set_num_threads) if len(place.threads) > 1 else None,
     )
     if kv.graphs:
         capture_cuda_graphs(runner, config, kv)
@@ -132,12 +135,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def init_device(config: ExecutorConfig, tp: TPInfo) -> Placement:
     """Threads, the tensor-parallel group, the device, the dtypes and the attention backend."""
-    if config.num_threads:
-        threads, why = config.num_threads, "set by --num-threads"
-    else:
-        threads, why = cpu_budget().torch_threads(tp.size)
-    torch.set_num_threads(threads)
-    log.info("%d torch CPU threads (%s; --num-threads overrides)", threads, why)
+    threads, why = choose_counts(config.num_threads, tp.size, cpu_budget())
+    torch.set_num_threads(threads[0])
+    log.info("%d torch CPU threads (%s; --num-threads overrides)", threads[0], why)
     device = resolve_device(config.device)
     if tp.enabled:
         init_group(tp, device, config.tensor_parallel_timeout_s)
@@ -157,7 +157,7 @@ def init_device(config: ExecutorConfig, tp: TPInfo) -> Placement:
     backend.check_dtype(dtype)
     backend.check_block_size(config.block_size)
     reduced = config.quantization if config.quantization != "none" else half
-    return Placement(device, dtype, half, reduced, backend)
+    return Placement(device, dtype, half, reduced, backend, threads if device.type == "cpu" else threads[:1])
 
 
 def load_weights(config: ExecutorConfig, place: Placement, tp: TPInfo) -> tuple[Any, Any, Path]:

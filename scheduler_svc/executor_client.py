@@ -73,6 +73,7 @@ def result_from_proto(msg: epb.StepResponse) -> StepResult:
         sample_ns=msg.sample_ns,
         swap_ns=msg.swap_ns,
         start_unix_ns=msg.start_unix_ns,
+        num_threads=msg.num_threads,
     )
 
 

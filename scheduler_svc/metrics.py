@@ -192,6 +192,11 @@ class Metrics(Observer):
             "shape (1 = as fast as it was; 3+ sustained: CPU contention or a CPU quota, scheduler_svc/slowdown.py).",
         )
         self.slowdown_ratio.set(1.0)
+        self.executor_threads = gauge(
+            "executor_cpu_threads",
+            "torch CPU threads the executor's last step ran with (it moves them by measured step times unless "
+            "--num-threads fixed them; fewer than the CPUs it started with: other work takes cores, docs/cpu.md).",
+        )
         self._spec_metrics(counter, labels)
 
     def _spec_metrics(self, counter: Callable[[str, str], Counter], labels: list[str]) -> None:
@@ -229,6 +234,8 @@ class Metrics(Observer):
         self.prefix_hits.inc(stats.prefix_hits)
         # A steady clock for its "sustained for 30 s" (planned_at is wall time, which can jump).
         self.slowdown_ratio.set(self.slowdown.observe(plan, record.result, time.monotonic()))
+        if record.result.num_threads:
+            self.executor_threads.set(record.result.num_threads)
         for drafted, accepted in accepted_counts(plan, record.result).values():
             self.spec_drafts.inc()
             self.spec_draft_tokens.inc(drafted)

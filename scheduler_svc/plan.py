@@ -121,6 +121,7 @@ class StepResult:
     sample_ns: int = 0
     swap_ns: int = 0
     start_unix_ns: int = 0  # the executor's wall clock when it began the step (0: unknown)
+    num_threads: int = 0  # torch CPU threads the step ran with (0: unknown)
 
 
 @dataclass(slots=True)

@@ -94,3 +94,18 @@ def test_the_gauge_follows_the_watch_through_the_steps_metrics_sees(fakes):
     assert gauge() == 5.0
     step(_plan(1, prefill=16), 1000.0)
     assert gauge() == 5.0
+
+
+def test_the_thread_gauge_shows_the_count_the_executor_reported(fakes):
+    """chunkserve_executor_cpu_threads follows StepResponse.num_threads (executor_svc/threads.py
+    moves it); a step that does not report one (0: an older executor) leaves it."""
+    from scheduler_svc.engine import StepRecord
+    from scheduler_svc.plan import StepStats
+
+    metrics = Metrics("m")
+    gauge = lambda: metrics.registry.get_sample_value("chunkserve_executor_cpu_threads", {"model_name": "m"})  # noqa: E731
+    state = fakes.make_scheduler().snapshot()
+    for threads, expected in [(2, 2.0), (1, 1.0), (0, 1.0), (2, 2.0)]:
+        result = StepResult(0, [], forward_ns=1_000_000, num_threads=threads)
+        metrics.on_step(StepRecord(_plan(1), StepStats(64, "fcfs"), result, 0.0, 0, state))
+        assert gauge() == expected

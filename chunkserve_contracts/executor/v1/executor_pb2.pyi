@@ -165,7 +165,7 @@ class SampledToken(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled", "execute_ns", "swap_ns", "forward_ns", "sample_ns", "num_tokens", "start_unix_ns")
+    __slots__ = ("step_id", "sampled", "execute_ns", "swap_ns", "forward_ns", "sample_ns", "num_tokens", "start_unix_ns", "num_threads")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_NS_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class StepResponse(_message.Message):
     SAMPLE_NS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     execute_ns: int
@@ -182,7 +183,8 @@ class StepResponse(_message.Message):
     sample_ns: int
     num_tokens: int
     start_unix_ns: int
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_ns: _Optional[int] = ..., swap_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., num_tokens: _Optional[int] = ..., start_unix_ns: _Optional[int] = ...) -> None: ...
+    num_threads: int
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_ns: _Optional[int] = ..., swap_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., num_tokens: _Optional[int] = ..., start_unix_ns: _Optional[int] = ..., num_threads: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()

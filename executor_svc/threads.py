@@ -1,0 +1,188 @@
+"""The executor's torch thread count, chosen step by step from what the steps actually take.
+
+Why not one number fixed at start-up: on a 2-core machine (benchmarks/shared_cpu.py,
+docs/cpu.md 'Threads on a shared CPU') two torch threads decode 1.3-1.8x faster than one while
+the machine is idle, and 3x slower than one as soon as another process takes a core: OpenMP's
+threads wait for each other at every parallel region (~200 per token), so a thread that lost
+its core stalls the step. A container quota the process cannot see does the same. No fixed
+count is right in both conditions, and the condition changes while a server runs.
+
+`ThreadGovernor` keeps a ladder of counts (all usable CPUs first, then fewer) and moves along
+it by measurement, never by guess:
+- it records each step's executor time under its key (the step's token count: steps of one
+  key cost about the same at one thread count);
+- now and then (every 16 steps at first, backing off to every `max_interval` while the count
+  stays right) it *probes*: the next `PROBE_STEPS` steps run at another rung (each in turn,
+  nearest first), and it moves there only when every probe step of the same key beat the
+  recent median of the current count by `margin`;
+- when steps of one key suddenly run `slow_ratio` times their recent best (another process
+  took a core), it probes one rung down at once instead of waiting for the next probe.
+
+Safe for the tokens: every kernel the executor runs computes a row's result in one fixed order
+whatever the thread count (tests/executor_svc/test_threads.py checks the logits bitwise with
+the count changed at every step), so moving along the ladder changes speed only.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from chunkserve_contracts.cpu import CpuBudget
+
+log = logging.getLogger(__name__)
+
+PROBE_STEPS = 2  # steps a probe runs at the other count; all of them must win
+WINDOW = 8  # recent steps per key at the current count
+
+
+def ladder(cpus: int) -> tuple[int, ...]:
+    """The counts a governor may use on `cpus` usable CPUs, most first: all of them, one left
+    to the scheduler process or another program, half, and one."""
+    return tuple(sorted({max(1, n) for n in (cpus, cpus - 1, cpus // 2, 1)}, reverse=True))
+
+
+def choose_counts(num_threads: int, ranks: int, budget: CpuBudget) -> tuple[tuple[int, ...], str]:
+    """The thread counts the executor may use, most first (one count: fixed), and why (the log).
+
+    `--num-threads N` fixes N. Otherwise a single executor moves along `ladder` from all its
+    usable CPUs; tensor-parallel ranks keep the fixed rule (CpuBudget.torch_threads: one CPU
+    left to the scheduler, the rest split), since each rank's step time includes waiting for
+    the others and cannot tell one rank's thread count from another's."""
+    if num_threads:
+        return (num_threads,), "set by --num-threads"
+    if ranks == 1 and budget.cpus >= 2:
+        counts = ladder(budget.cpus)
+        return counts, f"{budget.describe()}: {budget.cpus} usable; then {counts[1:]} if steps run faster with fewer"
+    threads, why = budget.torch_threads(ranks)
+    return (threads,), why
+
+
+@dataclass
+class _Probe:
+    target: int  # ladder index the probe runs at
+    key: int  # the step key it compares
+    reference: float  # the current count's recent median for that key, seconds
+    samples: list[float] = field(default_factory=list)
+    triggered: bool = False  # by a slowdown, not by the schedule
+
+
+class ThreadGovernor:
+    """Moves the torch thread count along `counts` by measured step times (module doc).
+
+    Call `observe` after every step with the step's key and executor seconds; it calls
+    `apply(n)` (torch.set_num_threads, on the thread that runs the steps) whenever the next
+    step should run with n threads. `running` is the count the next step runs with.
+    """
+
+    def __init__(
+        self,
+        counts: Sequence[int],
+        apply: Callable[[int], None],
+        *,
+        first_interval: int = 16,
+        max_interval: int = 128,
+        margin: float = 0.10,
+        slow_ratio: float = 1.5,
+    ) -> None:
+        if not counts:
+            raise ValueError("a thread governor needs at least one count")
+        self.counts = tuple(sorted(set(counts), reverse=True))
+        self.index = 0  # the current rung
+        self.first_interval = first_interval
+        self.max_interval = max_interval
+        self.margin = margin
+        self.slow_ratio = slow_ratio
+        self.switches = 0
+        self.probes = 0
+        self._apply = apply
+        self._recent: dict[int, deque[float]] = {}
+        self._interval = first_interval
+        self._since = 0  # steps at the current count since the last probe
+        self._turn = 0  # scheduled probes go round the other rungs
+        self._probe: _Probe | None = None
+        self.running = self.counts[0]
+        apply(self.running)
+
+    @property
+    def current(self) -> int:
+        """The count the governor settled on (a probe may be running another)."""
+        return self.counts[self.index]
+
+    def observe(self, key: int, seconds: float) -> None:
+        """Takes the step just run (at `running` threads) and sets the next step's count."""
+        if len(self.counts) < 2 or seconds <= 0:
+            return
+        if self._probe is not None:
+            self._probe_step(self._probe, key, seconds)
+            return
+        recent = self._recent.setdefault(key, deque(maxlen=WINDOW))
+        recent.append(seconds)
+        self._since += 1
+        if len(recent) >= 4 and self.index + 1 < len(self.counts):
+            last = statistics.median(list(recent)[-3:])
+            if last > self.slow_ratio * min(recent):  # a core was taken: look down now, against the slow steps
+                self._start(self.index + 1, key, last, triggered=True)
+                return
+        if self._since >= self._interval and len(recent) >= 3:
+            target = self._target()
+            if target is not None:
+                self._start(target, key, statistics.median(recent))
+
+    def _target(self) -> int | None:
+        """The next rung a scheduled probe tries: every other rung in turn, nearest first and up
+        before down (a count two rungs away can be the fastest while the neighbours tie, e.g.
+        16 threads under a 2-CPU quota the process cannot see: 16, 15 and 8 all stall)."""
+        others = sorted((i for i in range(len(self.counts)) if i != self.index), key=lambda i: (abs(i - self.index), i))
+        if not others:
+            return None
+        self._turn += 1
+        return others[(self._turn - 1) % len(others)]
+
+    def _start(self, target: int, key: int, reference: float, triggered: bool = False) -> None:
+        self.probes += 1
+        self._probe = _Probe(target, key, reference, triggered=triggered)
+        self._set(self.counts[target])
+
+    def _probe_step(self, probe: _Probe, key: int, seconds: float) -> None:
+        if key != probe.key:  # another kind of step: not comparable; back, and try again later
+            self._end(switched=False, keep_interval=True)
+            return
+        probe.samples.append(seconds)
+        won = max(probe.samples) < probe.reference * (1 - self.margin)
+        if won and len(probe.samples) < PROBE_STEPS:
+            return  # a lost step ends the probe at once: a collapsed count costs one step, not two
+        if won:
+            old = self.current
+            self.index = probe.target
+            self.switches += 1
+            log.info(
+                "torch threads %d -> %d: steps of %d tokens took %.1f ms at %d threads, %.1f ms at %d%s",
+                *(old, self.current, key, probe.reference * 1e3, old, max(probe.samples) * 1e3, self.current),
+                " (they had slowed down: CPU contention or a CPU quota)" if probe.triggered else "",
+            )
+        self._end(switched=won, keep_interval=False, triggered=probe.triggered, cost=seconds / probe.reference)
+
+    def _end(self, switched: bool, keep_interval: bool, triggered: bool = False, cost: float = 1.0) -> None:
+        self._probe = None
+        if switched:
+            self._recent.clear()  # times at the old count say nothing about the new one
+            self._interval = self.first_interval
+            self._turn = 0
+        elif not keep_interval:
+            if triggered:  # slow for everyone: start the key's baseline again from now
+                self._recent.clear()
+            # A probe step that cost k steps' time waits k times longer (at most 16x), so probing
+            # a count that collapses costs ~1/max_interval of the time, not k times that.
+            self._interval = min(self._interval * 2, self.max_interval)
+            self._interval = int(self._interval * min(max(cost, 1.0), 16.0))
+        self._since = self._interval if keep_interval else 0  # an interrupted probe: again soon
+        self._set(self.current)
+
+    def _set(self, n: int) -> None:
+        if n != self.running:
+            self.running = n
+            self._apply(n)

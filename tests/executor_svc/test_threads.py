@@ -1,0 +1,216 @@
+"""The executor's thread governor (executor_svc/threads.py): it moves to the count that runs the
+steps faster, comes back when the machine frees up, and changes speed only, never tokens.
+
+The governor is driven here by a simulated machine: a step's time is a function of its key,
+the thread count and the machine's condition (idle, a busy neighbour), with seeded noise. No
+test reads a clock."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chunkserve.launch import tiny_llama_config
+from chunkserve_contracts.cpu import CpuBudget
+from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from executor_svc.config import ExecutorConfig
+from executor_svc.threads import ThreadGovernor, choose_counts, ladder
+from executor_svc.worker import load
+
+IDLE = {2: 0.028, 1: 0.038}  # seconds per batch-1 step: the default model, measured on 2 cores
+BUSY = {2: 0.095, 1: 0.040}  # one other busy process: two threads stall at every barrier
+
+
+class Machine:
+    """Step times by thread count and condition, +-`noise` uniform, seeded."""
+
+    def __init__(self, seed: int = 0, noise: float = 0.05) -> None:
+        self.rng = random.Random(seed)
+        self.noise = noise
+        self.costs = IDLE
+
+    def step(self, threads: int, key: int = 1) -> float:
+        return self.costs[threads] * key * (1 + self.rng.uniform(-self.noise, self.noise))
+
+
+def run(governor: ThreadGovernor, machine: Machine, steps: int, key: int = 1) -> list[int]:
+    """The thread count each step ran with."""
+    used = []
+    for _ in range(steps):
+        used.append(governor.running)
+        governor.observe(key, machine.step(governor.running, key))
+    return used
+
+
+def make(applied: list[int] | None = None, counts=(2, 1)) -> ThreadGovernor:
+    sink = applied if applied is not None else []
+    return ThreadGovernor(counts, sink.append)
+
+
+def test_ladder_starts_with_every_usable_cpu() -> None:
+    assert ladder(1) == (1,)
+    assert ladder(2) == (2, 1)
+    assert ladder(4) == (4, 3, 2, 1)
+    assert ladder(16) == (16, 15, 8, 1)
+
+
+def test_counts_fixed_by_the_flag_or_tensor_parallel() -> None:
+    assert choose_counts(3, 1, CpuBudget(8, None, ""))[0] == (3,)
+    counts, why = choose_counts(0, 1, CpuBudget(2, None, ""))
+    assert counts == (2, 1) and "2 usable" in why
+    assert choose_counts(0, 1, CpuBudget(8, 1.5, "cpu.max"))[0] == (1,)  # a 1.5-CPU quota: one thread
+    assert len(choose_counts(0, 2, CpuBudget(8, None, ""))[0]) == 1  # tensor parallel: fixed rule
+
+
+def test_an_idle_machine_keeps_every_thread_and_probes_less_and_less() -> None:
+    applied: list[int] = []
+    governor = make(applied)
+    used = run(governor, Machine(), 1000)
+    assert governor.switches == 0
+    assert used.count(1) == governor.probes  # each probe: one step at one thread (it lost), then back
+    assert governor.probes <= 12  # intervals 16, 32, 64, 128, 128, ...
+    assert applied[0] == 2 and applied[-1] == 2
+
+
+def test_a_busy_neighbour_moves_it_down_within_a_few_steps_and_its_departure_back_up() -> None:
+    machine = Machine(seed=1)
+    governor = make()
+    run(governor, machine, 300)
+    assert governor.current == 2
+    machine.costs = BUSY
+    used = run(governor, machine, 400)
+    first_down = next(i for i in range(len(used) - 1) if used[i] == 1 and used[i + 1] == 1)
+    assert first_down <= 6  # the slowdown triggers a probe at once, not at the next scheduled one
+    assert used[first_down:].count(2) <= 2 * governor.probes  # only probes run at two threads now
+    assert governor.current == 1
+    machine.costs = IDLE
+    used = run(governor, machine, 2500)
+    back = used.index(2)  # the next scheduled probe: its interval grew with what the probes at 2 cost
+    assert back <= 16 * governor.max_interval + 1 and governor.current == 2
+
+
+def test_a_probe_interrupted_by_another_step_shape_changes_nothing() -> None:
+    governor = make()
+    machine = Machine(seed=2, noise=0.0)
+    run(governor, machine, 16)  # the 16th step starts a probe at one thread
+    assert governor.running == 1 and governor.probes == 1
+    governor.observe(7, machine.step(1, 7))  # a prefill chunk: not comparable
+    assert governor.running == 2 and governor.current == 2 and governor.switches == 0
+    run(governor, machine, 3)
+    assert governor.probes == 2  # tried again soon after, on the decode key
+
+
+def test_a_probe_that_collapses_backs_off_in_proportion() -> None:
+    """A count that makes steps 30x slower is probed rarely: in the long run its probes cost
+    30 / (128 x 16) = 1.5% of the time (the interval grows at most 16x with a probe's cost)."""
+    governor = make(counts=(2, 1))
+    machine = Machine(seed=3, noise=0.0)
+    machine.costs = {2: 0.030, 1: 0.0300}
+    run(governor, machine, 40)
+    machine.costs = {2: 0.030, 1: 0.900}  # one thread collapses (say, pinned to a busy core)
+    used = run(governor, machine, 12000)
+    probe_time = used.count(1) * 0.900
+    total = probe_time + used.count(2) * 0.030
+    assert governor.current == 2 and probe_time / total < 0.02
+
+
+def test_one_lucky_probe_step_is_not_enough() -> None:
+    governor = make()
+    for _ in range(16):
+        governor.observe(1, 0.030)
+    assert governor.running == 1
+    governor.observe(1, 0.010)  # fast
+    governor.observe(1, 0.035)  # not faster than 0.9 x the median of 0.030
+    assert governor.current == 2 and governor.switches == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    noise=st.floats(0.0, 0.15),
+    cost=st.dictionaries(st.sampled_from([4, 3, 2, 1]), st.floats(0.005, 0.2), min_size=4, max_size=4),
+)
+def test_settles_on_a_clearly_fastest_count(seed: int, noise: float, cost: dict[int, float]) -> None:
+    """Whatever the costs of four counts, the governor spends most steps on one within 30%
+    of the fastest, and never leaves the ladder."""
+    machine = Machine(seed, noise)
+    machine.costs = cost
+    governor = make(counts=(4, 3, 2, 1))
+    used = run(governor, machine, 1500)
+    assert set(used) <= {4, 3, 2, 1}
+    best = min(cost.values())
+    late = used[500:]
+    good = sum(1 for n in late if cost[n] <= best * 1.3 + 1e-12)
+    assert good >= 0.8 * len(late)
+
+
+GREEDY = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1)
+
+
+@pytest.fixture(scope="module")
+def tiny_runner(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    config = tiny_llama_config(vocab_size=128, max_position_embeddings=256, initializer_range=0.2)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
+    threads = torch.get_num_threads()
+    loaded = load(
+        ExecutorConfig(
+            model=str(path),
+            dtype="float32",
+            block_size=4,
+            num_gpu_blocks_override=64,
+            swap_space=0.001,
+            max_num_batched_tokens=64,
+            cache_dir=str(path / "cache"),
+            num_threads=2,
+        )
+    )
+    yield loaded.runner
+    torch.set_num_threads(threads)
+
+
+def _logits(runner, schedule) -> list[torch.Tensor]:
+    """Two sequences prefilled (30 and 22 tokens) then 12 decode steps, torch threads set by
+    `schedule(step)`; the logits of every step."""
+    runner.reset()
+    seen: list[torch.Tensor] = []
+    model = runner.model
+    original = model.compute_logits
+    model.compute_logits = lambda h: seen.append(original(h).clone()) or seen[-1]
+    try:
+        for step in range(14):
+            torch.set_num_threads(schedule(step))
+            plan = epb.StepRequest(step_id=step)
+            if step < 2:
+                n = 30 - 8 * step
+                plan.new_seqs.add(seq_id=step, sampling=GREEDY)
+                plan.seqs.add(
+                    seq_id=step,
+                    num_new_tokens=n,
+                    token_ids=[(7 * i + step) % 120 + 3 for i in range(n)],
+                    block_ids=list(range(step * 16, step * 16 + 16)),
+                    sample=True,
+                )
+            else:
+                for sid, prompt in ((0, 30), (1, 22)):
+                    plan.seqs.add(seq_id=sid, num_computed_tokens=prompt + step - 2, num_new_tokens=1, sample=True)
+            runner.execute(plan)
+    finally:
+        model.compute_logits = original
+    return seen
+
+
+def test_the_thread_count_never_changes_the_logits(tiny_runner) -> None:
+    """What makes the governor safe: every step's logits bitwise the same at 1 and 2 threads
+    and with the count changed at every step."""
+    base = _logits(tiny_runner, lambda step: 2)
+    for schedule in (lambda step: 1, lambda step: 1 + step % 2):
+        other = _logits(tiny_runner, schedule)
+        assert len(other) == len(base)
+        assert all(torch.equal(a, b) for a, b in zip(base, other))
