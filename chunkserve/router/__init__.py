@@ -10,6 +10,8 @@ No torch (it imports the scheduler's tokenizer, validation and block hash only).
   scoring.py    the decision itself, pure (cache_aware, round_robin, least_loaded)
   grpc_front.py chunkserve.v1.Generation proxied (router request ids, retry before the first
                 token), the chunkserve.v1.Router operator service
+  legs.py       the leg to a replica: one Multiplex stream per replica carrying every request
+                (--replica-transport mux), or a Generate call per request (call, and the fallback)
   wire.py       a streamed GenerateResponse's request id replaced in its bytes (no decode/encode)
   http_front.py the OpenAI HTTP API proxied
   metrics.py    Prometheus metrics of decisions and replicas

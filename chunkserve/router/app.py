@@ -39,6 +39,9 @@ class RouterConfig:
     balance_abs: int = 32
     balance_rel: float = 1.5
     intervals: Intervals = field(default_factory=Intervals)
+    # How requests travel to a replica (legs.py): "mux", all of them on one Multiplex stream per
+    # replica, or "call", one Generate call each (also the fallback for a replica without mux).
+    replica_transport: str = "mux"
     # The replicas' --api-key: required of the router's gRPC clients too (health stays open), and
     # sent on the router's own calls to the replicas. Clients' keys are forwarded as they are.
     api_key: str | None = field(default=None, repr=False)
@@ -71,6 +74,7 @@ class RouterApp:
             self._replica_changed,
             api_key=config.api_key,
             admin_token=config.replica_admin_token,
+            transport=config.replica_transport,
         )
         self.metrics = RouterMetrics(lambda: list(self.replicas.replicas.values()))
         self.router = Router(
@@ -117,12 +121,13 @@ class RouterApp:
             self.metrics.serve(c.metrics_host, c.metrics_port)
         self.replicas.start()
         log.info(
-            "router on %s:%d (HTTP %d, admin %d), policy %s, %d replicas%s",
+            "router on %s:%d (HTTP %d, admin %d), policy %s, replica transport %s, %d replicas%s",
             c.host,
             self.port,
             self.http_port,
             self.admin_port,
             c.policy,
+            c.replica_transport,
             len(c.replicas),
             f" + DNS {c.dns[0]}" if c.dns else "",
         )

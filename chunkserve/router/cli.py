@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 
+from chunkserve.router.legs import TRANSPORTS
 from chunkserve.router.scoring import POLICIES
 from chunkserve_contracts.auth import check_admin_bind
 
@@ -114,6 +115,14 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
         default=_env("replica_admin_token"),
         help=argparse.SUPPRESS,  # secret: CHUNKSERVE_ROUTER_REPLICA_ADMIN_TOKEN, the replicas' --admin-read-token
     )
+    p.add_argument(
+        "--replica-transport",
+        choices=TRANSPORTS,
+        default=_env("replica_transport", "mux"),
+        help="how requests travel to a replica: mux (default), all of them on one multiplexed stream per replica, "
+        "their messages batched per engine step; call, one Generate call each, the client's key forwarded on it "
+        "(also used for a replica that refuses the stream: an older chunkserve)",
+    )
     p.add_argument("--health-interval-s", type=float, default=float(_env("health_interval_s", "1.0")))
     p.add_argument("--load-interval-s", type=float, default=float(_env("load_interval_s", "0.1")))
 
@@ -152,6 +161,7 @@ def config_from(args: argparse.Namespace):
         admin_token=args.admin_token or None,
         admin_allow_unauthenticated=args.admin_allow_unauthenticated,
         replica_admin_token=args.replica_admin_token or None,
+        replica_transport=args.replica_transport,
     )
 
 

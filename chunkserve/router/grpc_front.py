@@ -22,6 +22,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from chunkserve.router.core import NoReplicaError, Router, Ticket
+from chunkserve.router.legs import LegError
 from chunkserve.router.wire import request_id_field, with_request_id
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import replica_pb2 as rpb
@@ -45,15 +46,12 @@ def _forwarded(context: grpc.aio.ServicerContext) -> tuple[tuple[str, str], ...]
     return tuple((k, v) for k, v in context.invocation_metadata() or () if k == "authorization")
 
 
-class _ReplicaLost(Exception):
-    """The replica's call was cancelled by the health check (the replica went down)."""
-
-
 class GenerationProxy:
     """chunkserve.v1.Generation on the router. Generate relays bytes: the request is parsed once
     (to route it) and forwarded as it came; the replica's messages are parsed only until the
     first token (admission, retries) and relayed with the router's request id spliced in
-    (wire.with_request_id), never decoded and encoded again per token."""
+    (wire.with_request_id), never decoded and encoded again per token. The replica is reached
+    through a leg (legs.py: its Multiplex stream, or a Generate call of its own)."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -82,7 +80,6 @@ class GenerationProxy:
         placed = self._placed[rid] = _Placed()
         tried: set[str] = set()
         admitted = streamed = False
-        watcher = asyncio.current_task()
         try:
             while True:
                 try:
@@ -90,19 +87,10 @@ class GenerationProxy:
                 except NoReplicaError as exc:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
                 replica = ticket.replica
-                call = replica.generate(data, metadata=_forwarded(context), timeout=context.time_remaining())
-                replica.calls.add(call)  # type: ignore[arg-type]
+                leg = replica.open_leg(data, _forwarded(context), context.time_remaining())
                 first = True
                 try:
-                    while True:
-                        try:
-                            chunk = await call.read()
-                        except asyncio.CancelledError:
-                            if watcher is not None and watcher.cancelling():
-                                raise  # the client went away
-                            raise _ReplicaLost() from None  # mark_down cancelled the call
-                        if chunk is grpc.aio.EOF:
-                            return
+                    async for chunk in leg:
                         if not streamed:  # admission and the first token: parsed (small, few)
                             msg = pb.GenerateResponse.FromString(chunk)
                             if first:  # the replica's admission message: its id for Abort
@@ -116,19 +104,17 @@ class GenerationProxy:
                                 ticket.got_first_token()
                                 streamed = True
                         yield with_request_id(chunk, rid_field)
-                except (grpc.aio.AioRpcError, _ReplicaLost) as exc:
-                    code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
-                    details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else "the replica went down"
-                    if not streamed and code in RETRYABLE:
+                    return
+                except LegError as exc:
+                    if not streamed and exc.code in RETRYABLE:
                         tried.add(replica.name)
-                        self.router.metrics.retries.labels(replica.name, code.name).inc()
-                        log.info("request %s moves off %s (%s) before any token", rid, replica.name, code.name)
+                        self.router.metrics.retries.labels(replica.name, exc.code.name).inc()
+                        log.info("request %s moves off %s (%s) before any token", rid, replica.name, exc.code.name)
                         continue
-                    self.router.metrics.failed.labels(replica.name, code.name).inc()
-                    await context.abort(code, f"{details} (replica {replica.name})")
+                    self.router.metrics.failed.labels(replica.name, exc.code.name).inc()
+                    await context.abort(exc.code, f"{exc.details} (replica {replica.name})")
                 finally:
-                    replica.calls.discard(call)  # type: ignore[arg-type]
-                    call.cancel()  # the client left, or the request moved: nothing runs for nobody
+                    leg.close()  # the client left, or the request moved: nothing runs for nobody
                     ticket.release()
         finally:
             self._placed.pop(rid, None)

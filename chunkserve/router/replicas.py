@@ -18,12 +18,14 @@ import asyncio
 import collections
 import logging
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from chunkserve.router.legs import REPLICA_DOWN, CallLeg, Leg, MuxStream
 from chunkserve_contracts.auth import bearer_metadata
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
@@ -84,7 +86,10 @@ class Replica:
     channel: grpc.aio.Channel = field(init=False)
     admin_channel: grpc.aio.Channel = field(init=False)
     generation: pb_grpc.GenerationStub = field(init=False)
-    generate: grpc.aio.UnaryStreamMultiCallable = field(init=False)  # Generate on raw bytes (grpc_front.py)
+    generate: grpc.aio.UnaryStreamMultiCallable = field(init=False)  # Generate on raw bytes (legs.CallLeg)
+    transport: str = "mux"  # --replica-transport: how requests travel to it (legs.py)
+    auth: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # the router's key, on its Multiplex stream
+    mux: MuxStream | None = None  # its Multiplex stream, opened by the first request
     healthy: bool = False
     events_connected: bool = False
     draining: bool = False
@@ -94,7 +99,7 @@ class Replica:
     info: pb.GetInfoResponse | None = None
     in_flight: int = 0
     pending_tokens: int = 0  # uncached prompt tokens of in-flight requests with no token yet
-    calls: set[asyncio.Task] = field(default_factory=set)  # in-flight proxied calls, cancelled on failure
+    calls: set[CallLeg] = field(default_factory=set)  # in-flight Generate calls, cancelled on failure
     tasks: list[asyncio.Task] = field(default_factory=list)
     watch_task: asyncio.Task | None = None
     last_seq: int | None = None
@@ -114,10 +119,29 @@ class Replica:
     def routable(self) -> bool:
         return self.healthy and not self.draining
 
+    def open_leg(self, data: bytes, metadata: tuple[tuple[str, str], ...], timeout: float | None) -> Leg:
+        """Sends a request (`data`, a serialized GenerateRequest) here: on the replica's
+        Multiplex stream (transport mux, unless it refused the stream) or as its own Generate
+        call with the client's `metadata` and `timeout` (transport call, or the fallback)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def per_call() -> CallLeg:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return CallLeg(self.generate, self.calls, data, metadata, remaining)
+
+        if self.transport == "mux":
+            if self.mux is None or (self.mux.closed and not self.mux.unsupported):
+                self.mux = MuxStream(self.channel, self.auth, self.name)
+            if not self.mux.unsupported:
+                return self.mux.open(data, per_call)
+        return per_call()
+
     def mark_down(self, why: str) -> None:
         """Out of routing now: the index is stale (the event stream is dropped with it and
         starts again from a replay once the replica is back), in-flight calls are cancelled
-        (they end UNAVAILABLE, or go elsewhere when nothing was streamed: grpc_front.py)."""
+        (they end UNAVAILABLE, or go elsewhere when nothing was streamed: grpc_front.py), its
+        Multiplex stream closed (the next one is tried afresh: a replica that refused it may have
+        been upgraded meanwhile)."""
         if self.healthy:
             log.warning("replica %s is down: %s", self.name, why)
         self.healthy = False
@@ -129,6 +153,9 @@ class Replica:
         self.last_seq = None
         for call in list(self.calls):
             call.cancel()
+        if self.mux is not None:
+            self.mux.close(REPLICA_DOWN)
+            self.mux = None
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -157,8 +184,10 @@ class ReplicaSet:
         on_change: Callable[[Replica], None] = lambda r: None,
         api_key: str | None = None,
         admin_token: str | None = None,
+        transport: str = "mux",
     ) -> None:
-        self._auth = bearer_metadata(api_key)  # public API calls (GetInfo)
+        self._auth = bearer_metadata(api_key)  # public API calls (GetInfo, Multiplex)
+        self.transport = transport
         self._admin_auth = bearer_metadata(admin_token)  # the Replica service on the admin port
         self.intervals = intervals or Intervals()
         self.replicas: dict[str, Replica] = {}
@@ -174,7 +203,7 @@ class ReplicaSet:
             self._dns_task = asyncio.get_running_loop().create_task(self._resolve_forever(), name="router-dns")
 
     def _add(self, address: ReplicaAddress) -> Replica:
-        replica = Replica(address)
+        replica = Replica(address, transport=self.transport, auth=self._auth)
         self.replicas[replica.name] = replica
         loop = asyncio.get_running_loop()
         replica.tasks = [
