@@ -15,7 +15,10 @@ output token) one at a time, alternating direct/router; the median latency diffe
 the router adds per request. Then tokens/s of 32 concurrent streams, direct and through the
 router. With --baseline-router-src (another checkout, e.g. `git worktree add /tmp/old <commit>`)
 that checkout's router is measured beside this one in the same run, interleaved, so a change
-to the router is judged by before/after ratios against the same direct baseline.
+to the router is judged by before/after ratios against the same direct baseline. With
+--compare-transports a second router of this tree runs with `--replica-transport call` (one
+Generate call per request to the replica) beside the default one (`mux`: one multiplexed stream
+per replica, messages batched per step), measured the same way.
 
 This machine is a 2-core CPU shared with other work and the model is tiny: the absolute times
 are this machine's, the ratios are the result (benchmarks/RESULTS.md).
@@ -23,6 +26,7 @@ are this machine's, the ratios are the result (benchmarks/RESULTS.md).
     .venv/bin/python benchmarks/router.py                      # defaults as recorded
     .venv/bin/python benchmarks/router.py --requests 64 --rate 4 --skip-overhead
     .venv/bin/python benchmarks/router.py --policies "" --baseline-router-src /tmp/old   # overhead, before/after
+    .venv/bin/python benchmarks/router.py --policies "" --compare-transports            # mux vs per-call legs
 """
 
 from __future__ import annotations
@@ -100,12 +104,14 @@ async def run_policy(address: str, prompts: list[list[int]], arrivals: list[floa
 
 
 def start_router(
-    servers: list[Server], policy: str, log_dir: Path, src: str | None = None
+    servers: list[Server], policy: str, log_dir: Path, src: str | None = None, transport: str | None = None
 ) -> tuple[subprocess.Popen, int, int]:
-    """`chunkserve router` in front of `servers`; `src`: run another checkout's router."""
+    """`chunkserve router` in front of `servers`; `src`: run another checkout's router;
+    `transport`: its --replica-transport (None: its default)."""
     port, admin = free_port(), free_port()
     cmd = [sys.executable, "-m", "chunkserve.cli", "router", "--port", str(port), "--admin-port", str(admin)]
     cmd += ["--http-port", "0", "--metrics-port", "0", "--policy", policy]
+    cmd += ["--replica-transport", transport] if transport else []
     for s in servers:
         cmd += ["--replica", f"127.0.0.1:{s.port},admin={s.admin_port}"]
     env = {**os.environ, "PYTHONPATH": src} if src else None
@@ -228,6 +234,8 @@ def router_overhead(args: argparse.Namespace, server: Server, log_dir: Path) -> 
     routers: dict[str, tuple[subprocess.Popen, int, int]] = {}
     try:
         routers["router"] = start_router([server], "cache_aware", log_dir)
+        if args.compare_transports:
+            routers["call"] = start_router([server], "cache_aware", log_dir, transport="call")
         if args.baseline_router_src:
             routers["baseline"] = start_router([server], "cache_aware", log_dir, src=args.baseline_router_src)
         if args.null_proxy:
@@ -297,6 +305,11 @@ def main() -> None:
         "--null-proxy",
         action="store_true",
         help="also measure a proxy that only relays Generate's bytes (the floor of a Python gRPC proxy)",
+    )
+    p.add_argument(
+        "--compare-transports",
+        action="store_true",
+        help="also measure this tree's router with --replica-transport call (`router` is the default, mux)",
     )
     p.add_argument("--serve-null-proxy", nargs=2, metavar=("PORT", "TARGET"), help=argparse.SUPPRESS)
     args = p.parse_args()
