@@ -11,10 +11,11 @@ count is right in both conditions, and the condition changes while a server runs
 it by measurement, never by guess:
 - it records each step's executor time under its key (the step's token count: steps of one
   key cost about the same at one thread count);
-- now and then (every 16 steps at first, backing off to every `max_interval` while the count
-  stays right) it *probes*: the next `PROBE_STEPS` steps run at another rung (each in turn,
-  nearest first), and it moves there only when every probe step of the same key beat the
-  recent median of the current count by `margin`;
+- now and then it *probes* another rung: the next `PROBE_STEPS` steps run there, and it moves
+  only when every probe step of the same key beat the current count's recent median by
+  `margin`. Each rung has its own schedule: due 16 steps after a move (nearer rungs first),
+  then twice as long after each lost probe up to `max_interval` steps, times what the lost
+  probe step cost in steps (at most 16x), so a count that collapses costs ~1% of the time;
 - when steps of one key suddenly run `slow_ratio` times their recent best (another process
   took a core), it probes one rung down at once instead of waiting for the next probe.
 
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 PROBE_STEPS = 2  # steps a probe runs at the other count; all of them must win
 WINDOW = 8  # recent steps per key at the current count
+STALE = 512  # steps after which a key's time says nothing about now (the machine may have changed)
 
 
 def ladder(cpus: int) -> tuple[int, ...]:
@@ -99,10 +101,11 @@ class ThreadGovernor:
         self.switches = 0
         self.probes = 0
         self._apply = apply
-        self._recent: dict[int, deque[float]] = {}
-        self._interval = first_interval
-        self._since = 0  # steps at the current count since the last probe
-        self._turn = 0  # scheduled probes go round the other rungs
+        self._recent: dict[int, deque[tuple[int, float]]] = {}  # key -> (step number, seconds)
+        self._step = 0
+        self._gap: dict[int, int] = {}  # rung -> steps between its scheduled probes
+        self._due: dict[int, int] = {}  # rung -> the step number its next scheduled probe waits for
+        self._reset_schedule()
         self._probe: _Probe | None = None
         self.running = self.counts[0]
         apply(self.running)
@@ -116,31 +119,33 @@ class ThreadGovernor:
         """Takes the step just run (at `running` threads) and sets the next step's count."""
         if len(self.counts) < 2 or seconds <= 0:
             return
+        self._step += 1
         if self._probe is not None:
             self._probe_step(self._probe, key, seconds)
             return
-        recent = self._recent.setdefault(key, deque(maxlen=WINDOW))
-        recent.append(seconds)
-        self._since += 1
+        entries = self._recent.setdefault(key, deque(maxlen=WINDOW))
+        entries.append((self._step, seconds))
+        while entries[0][0] < self._step - STALE:
+            entries.popleft()
+        recent = [t for _, t in entries]
         if len(recent) >= 4 and self.index + 1 < len(self.counts):
-            last = statistics.median(list(recent)[-3:])
+            last = statistics.median(recent[-3:])
             if last > self.slow_ratio * min(recent):  # a core was taken: look down now, against the slow steps
                 self._start(self.index + 1, key, last, triggered=True)
                 return
-        if self._since >= self._interval and len(recent) >= 3:
-            target = self._target()
-            if target is not None:
-                self._start(target, key, statistics.median(recent))
+        due = [r for r, step in self._due.items() if step <= self._step]
+        if due and len(recent) >= 3:
+            target = min(due, key=lambda r: (self._due[r], abs(r - self.index), r))
+            self._start(target, key, statistics.median(recent))
 
-    def _target(self) -> int | None:
-        """The next rung a scheduled probe tries: every other rung in turn, nearest first and up
-        before down (a count two rungs away can be the fastest while the neighbours tie, e.g.
-        16 threads under a 2-CPU quota the process cannot see: 16, 15 and 8 all stall)."""
-        others = sorted((i for i in range(len(self.counts)) if i != self.index), key=lambda i: (abs(i - self.index), i))
-        if not others:
-            return None
-        self._turn += 1
-        return others[(self._turn - 1) % len(others)]
+    def _reset_schedule(self) -> None:
+        """Every other rung due for a probe soon, nearer rungs first: each rung keeps its own
+        schedule, so a rung that collapsed is probed rarely while the others are still tried
+        (a count two rungs away can be the fastest while its neighbours tie, e.g. 16 threads
+        under a 2-CPU quota the process cannot see: 16, 15 and 8 all stall)."""
+        others = [r for r in range(len(self.counts)) if r != self.index]
+        self._gap = {r: self.first_interval for r in others}
+        self._due = {r: self._step + self.first_interval * abs(r - self.index) for r in others}
 
     def _start(self, target: int, key: int, reference: float, triggered: bool = False) -> None:
         self.probes += 1
@@ -149,7 +154,7 @@ class ThreadGovernor:
 
     def _probe_step(self, probe: _Probe, key: int, seconds: float) -> None:
         if key != probe.key:  # another kind of step: not comparable; back, and try again later
-            self._end(switched=False, keep_interval=True)
+            self._end(probe, switched=False, interrupted=True)
             return
         probe.samples.append(seconds)
         won = max(probe.samples) < probe.reference * (1 - self.margin)
@@ -164,22 +169,21 @@ class ThreadGovernor:
                 *(old, self.current, key, probe.reference * 1e3, old, max(probe.samples) * 1e3, self.current),
                 " (they had slowed down: CPU contention or a CPU quota)" if probe.triggered else "",
             )
-        self._end(switched=won, keep_interval=False, triggered=probe.triggered, cost=seconds / probe.reference)
+        self._end(probe, switched=won, cost=seconds / probe.reference)
 
-    def _end(self, switched: bool, keep_interval: bool, triggered: bool = False, cost: float = 1.0) -> None:
+    def _end(self, probe: _Probe, switched: bool, cost: float = 1.0, interrupted: bool = False) -> None:
         self._probe = None
         if switched:
             self._recent.clear()  # times at the old count say nothing about the new one
-            self._interval = self.first_interval
-            self._turn = 0
-        elif not keep_interval:
-            if triggered:  # slow for everyone: start the key's baseline again from now
+            self._reset_schedule()
+        elif not interrupted:  # an interrupted probe stays due: tried again at the next chance
+            if probe.triggered:  # slow for everyone: start the key's baseline again from now
                 self._recent.clear()
             # A probe step that cost k steps' time waits k times longer (at most 16x), so probing
             # a count that collapses costs ~1/max_interval of the time, not k times that.
-            self._interval = min(self._interval * 2, self.max_interval)
-            self._interval = int(self._interval * min(max(cost, 1.0), 16.0))
-        self._since = self._interval if keep_interval else 0  # an interrupted probe: again soon
+            gap = min(self._gap[probe.target] * 2, self.max_interval)
+            self._gap[probe.target] = gap
+            self._due[probe.target] = self._step + int(gap * min(max(cost, 1.0), 16.0))
         self._set(self.current)
 
     def _set(self, n: int) -> None:
