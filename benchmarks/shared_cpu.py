@@ -6,8 +6,9 @@ other work on the same machine, as ratios measured in one run (issue 32).
 
 Each config is a real two-process server on the default model (float32) started with the
 executor flags/environment the config names; "default" adds nothing (the executor's own thread
-rule). For each config, `--rounds` rounds alternate the conditions, so slow drift of the machine
-hits them alike:
+rule: executor_svc/threads.py moves the count by measured step times). All servers start first;
+then each of `--rounds` rounds takes each condition in turn and measures every config under it,
+so slow drift of the machine hits them alike (the first config is the "idle vs" baseline):
   idle    nothing else started by this script (the machine may still run other work: say so)
   busy    `--busy` processes spinning in pure Python (one = one core's worth of other work),
           not pinned, as a user's other services would be
@@ -112,51 +113,66 @@ class Quota:
                 pass
 
 
-def measure(config: str, args: argparse.Namespace, model: Path, quota: Quota) -> dict[str, dict[int, list[float]]]:
+def start(config: str, model: Path):
+    """A real two-process server started with the config's executor flags and environment."""
     from chunkserve.launch import start_server
 
     flags, env = CONFIGS[config]
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        server = start_server(Path(tempfile.mkdtemp()), ["--model", str(model), *flags], ["--max-num-seqs", "8"])
+        return start_server(Path(tempfile.mkdtemp()), ["--model", str(model), *flags], ["--max-num-seqs", "8"])
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def measure(servers: dict, args: argparse.Namespace, quota: Quota) -> dict[str, dict[str, dict[int, list[float]]]]:
+    """Every config under every condition, interleaved: round by round, condition by condition,
+    config by config (the busy processes run while each config in turn is measured)."""
     conditions = ["idle", "busy"] + (["quota"] if quota.path else [])
-    out: dict[str, dict[int, list[float]]] = {c: {b: [] for b in args.batch} for c in conditions}
-    try:
+    out = {c: {cond: {b: [] for b in args.batch} for cond in conditions} for c in servers}
+    for server in servers.values():
         asyncio.run(decode_rate(server.address, 1, 8))  # warm-up
-        for r in range(args.rounds):
-            for cond in conditions:
-                busy = []
-                if cond == "busy":
-                    busy = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.busy)]
-                    for p in busy:
-                        p.start()
-                if cond == "quota":
-                    quota.move([server.executor.pid, server.scheduler.pid], inside=True)
-                try:
-                    for b in args.batch:
-                        rate = asyncio.run(decode_rate(server.address, b, args.new_tokens))
-                        out[cond][b].append(rate)
-                        print(f"  {config:10s} round {r} {cond:5s} B{b}: {rate:6.1f} tok/s", flush=True)
-                finally:
-                    for p in busy:
-                        p.kill()
-                        p.join()
+    for r in range(args.rounds):
+        for cond in conditions:
+            busy = []
+            if cond == "busy":
+                busy = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.busy)]
+                for p in busy:
+                    p.start()
+            try:
+                for config, server in servers.items():
                     if cond == "quota":
-                        quota.move([server.executor.pid, server.scheduler.pid], inside=False)
-        log = server.log.read_text()
-        chosen = [line for line in log.splitlines() if "threads" in line and "executor:" in line]
-        if chosen:
-            print(f"  {config}: {chosen[0].split('executor: ', 1)[-1][:200]}")
-    finally:
-        server.stop()
+                        quota.move([server.executor.pid, server.scheduler.pid], inside=True)
+                    try:
+                        for b in args.batch:
+                            rate = asyncio.run(decode_rate(server.address, b, args.new_tokens))
+                            out[config][cond][b].append(rate)
+                            print(f"  {config:10s} round {r} {cond:5s} B{b}: {rate:6.1f} tok/s", flush=True)
+                    finally:
+                        if cond == "quota":
+                            quota.move([server.executor.pid, server.scheduler.pid], inside=False)
+            finally:
+                for p in busy:
+                    p.kill()
+                    p.join()
     return out
+
+
+def report_threads(config: str, server) -> None:
+    """The executor's thread choice, and the thread governor's moves (executor_svc/threads.py)."""
+    log = server.log.read_text()
+    chosen = [line.split("executor: ", 1)[-1] for line in log.splitlines() if "threads" in line and "executor:" in line]
+    if chosen:
+        print(f"  {config}: {chosen[0][:200]}")
+    moves = [line for line in chosen if line.startswith("torch threads")]
+    if moves:
+        shown = moves if len(moves) <= 5 else [*moves[:3], "...", *moves[-2:]]
+        print(f"  {config}: {len(moves)} thread-count moves: " + " | ".join(shown))
 
 
 def main() -> None:
@@ -177,21 +193,28 @@ def main() -> None:
     if args.quota <= 0:
         quota.path = None
     print(f"{os.cpu_count()} CPUs, {args.busy} busy process(es), quota {args.quota:g} CPUs, {args.rounds} rounds")
-    results = {}
+    servers = {}
     try:
         for config in args.configs:
-            results[config] = measure(config, args, model, quota)
+            servers[config] = start(config, model)
+        results = measure(servers, args, quota)
+        for config, server in servers.items():
+            report_threads(config, server)
     finally:
         quota.remove()
-    print("\n| config | batch | idle tok/s | busy tok/s | busy/idle | quota tok/s | quota/idle |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+        for server in servers.values():
+            server.stop()
+    base = args.configs[0]
+    print(f"\n| config | batch | idle tok/s | idle vs {base} | busy tok/s | busy/idle | quota tok/s | quota/idle |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for config, res in results.items():
         for b in args.batch:
             idle = statistics.median(res["idle"][b])
             busy = statistics.median(res["busy"][b])
+            vs = idle / statistics.median(results[base]["idle"][b])
             q = f"{statistics.median(res['quota'][b]):.1f}" if "quota" in res else "-"
             qr = f"{statistics.median(res['quota'][b]) / idle:.2f}" if "quota" in res else "-"
-            print(f"| {config} | {b} | {idle:.1f} | {busy:.1f} | {busy / idle:.2f} | {q} | {qr} |")
+            print(f"| {config} | {b} | {idle:.1f} | {vs:.2f} | {busy:.1f} | {busy / idle:.2f} | {q} | {qr} |")
 
 
 if __name__ == "__main__":

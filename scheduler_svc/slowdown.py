@@ -67,8 +67,9 @@ class SlowdownWatch:
                 log.warning(
                     "decode steps of %d sequences take %.1fx as long as this server's best for that shape, "
                     "for %.0f s: the CPU is likely taken by other processes on the same cores, or capped by a "
-                    "CPU quota (container limit). Give the server dedicated cores or a larger quota, or lower "
-                    "the executor's --num-threads (docs/cpu.md, 'Threads on a shared CPU')",
+                    "CPU quota (container limit). Give the server dedicated cores or a larger quota; the executor "
+                    "already runs the thread count that is fastest now unless --num-threads fixed one "
+                    "(gauge chunkserve_executor_cpu_threads; docs/cpu.md, 'Threads on a shared CPU')",
                     *(shape[0], self.ratio, now - self._slow_since),
                 )
         else:
