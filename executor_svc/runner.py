@@ -74,7 +74,7 @@ class ModelRunner:
         response = self._execute(plan)
         response.num_threads = threads
         if governor is not None and response.num_tokens:
-            governor.observe(response.num_tokens, response.execute_ns / 1e9)
+            governor.observe(response.num_tokens, response.execute_ns / 1e9, time.monotonic())
         return response
 
     @torch.inference_mode()

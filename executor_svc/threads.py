@@ -13,9 +13,10 @@ it by measurement, never by guess:
   key cost about the same at one thread count);
 - now and then it *probes* another rung: the next `PROBE_STEPS` steps run there, and it moves
   only when every probe step of the same key beat the current count's recent median by
-  `margin`. Each rung has its own schedule: due 16 steps after a move (nearer rungs first),
-  then twice as long after each lost probe up to `max_interval` steps, times what the lost
-  probe step cost in steps (at most 16x), so a count that collapses costs ~1% of the time;
+  `margin`. Each rung has its own schedule, in seconds: due 0.5 s after a move (nearer rungs
+  first), then twice as long after each lost probe up to `max_interval_s`, times what the
+  lost probe step cost in steps (at most 16x), so a count that collapses costs about one step
+  per 4 s; after a quiet spell (no step for 2 s) every rung is due again;
 - when steps of one key suddenly run `slow_ratio` times their recent best (another process
   took a core), it probes one rung down at once instead of waiting for the next probe.
 
@@ -38,7 +39,8 @@ log = logging.getLogger(__name__)
 
 PROBE_STEPS = 2  # steps a probe runs at the other count; all of them must win
 WINDOW = 8  # recent steps per key at the current count
-STALE = 512  # steps after which a key's time says nothing about now (the machine may have changed)
+STALE_S = 10.0  # seconds after which a key's time says nothing about now (the machine may have changed)
+QUIET_S = 2.0  # a gap between steps this long makes every rung due for a probe
 
 
 def ladder(cpus: int) -> tuple[int, ...]:
@@ -75,9 +77,12 @@ class _Probe:
 class ThreadGovernor:
     """Moves the torch thread count along `counts` by measured step times (module doc).
 
-    Call `observe` after every step with the step's key and executor seconds; it calls
-    `apply(n)` (torch.set_num_threads, on the thread that runs the steps) whenever the next
-    step should run with n threads. `running` is the count the next step runs with.
+    Call `observe` after every step with the step's key, its executor seconds and the time now
+    (any steady clock, seconds); it calls `apply(n)` (torch.set_num_threads, on the thread
+    that runs the steps) whenever the next step should run with n threads. `running` is the
+    count the next step runs with. Schedules are in seconds, not steps: a server that steps
+    rarely still probes about as often, and the first step after a quiet spell (the machine
+    may have changed meanwhile) makes every rung due.
     """
 
     def __init__(
@@ -85,8 +90,8 @@ class ThreadGovernor:
         counts: Sequence[int],
         apply: Callable[[int], None],
         *,
-        first_interval: int = 16,
-        max_interval: int = 128,
+        first_interval_s: float = 0.5,
+        max_interval_s: float = 4.0,
         margin: float = 0.10,
         slow_ratio: float = 1.5,
     ) -> None:
@@ -94,18 +99,17 @@ class ThreadGovernor:
             raise ValueError("a thread governor needs at least one count")
         self.counts = tuple(sorted(set(counts), reverse=True))
         self.index = 0  # the current rung
-        self.first_interval = first_interval
-        self.max_interval = max_interval
+        self.first_interval_s = first_interval_s
+        self.max_interval_s = max_interval_s
         self.margin = margin
         self.slow_ratio = slow_ratio
         self.switches = 0
         self.probes = 0
         self._apply = apply
-        self._recent: dict[int, deque[tuple[int, float]]] = {}  # key -> (step number, seconds)
-        self._step = 0
-        self._gap: dict[int, int] = {}  # rung -> steps between its scheduled probes
-        self._due: dict[int, int] = {}  # rung -> the step number its next scheduled probe waits for
-        self._reset_schedule()
+        self._recent: dict[int, deque[tuple[float, float]]] = {}  # key -> (when, seconds)
+        self._now: float | None = None  # when the last step was observed
+        self._gap: dict[int, float] = {}  # rung -> seconds between its scheduled probes
+        self._due: dict[int, float] = {}  # rung -> when its next scheduled probe may run
         self._probe: _Probe | None = None
         self.running = self.counts[0]
         apply(self.running)
@@ -115,17 +119,21 @@ class ThreadGovernor:
         """The count the governor settled on (a probe may be running another)."""
         return self.counts[self.index]
 
-    def observe(self, key: int, seconds: float) -> None:
+    def observe(self, key: int, seconds: float, now: float) -> None:
         """Takes the step just run (at `running` threads) and sets the next step's count."""
         if len(self.counts) < 2 or seconds <= 0:
             return
-        self._step += 1
+        if self._now is None:
+            self._reset_schedule(now)
+        elif now - self._now > QUIET_S:  # nothing ran for a while: what was true may not be now
+            self._due = dict.fromkeys(self._due, now)
+        self._now = now
         if self._probe is not None:
-            self._probe_step(self._probe, key, seconds)
+            self._probe_step(self._probe, key, seconds, now)
             return
         entries = self._recent.setdefault(key, deque(maxlen=WINDOW))
-        entries.append((self._step, seconds))
-        while entries[0][0] < self._step - STALE:
+        entries.append((now, seconds))
+        while entries[0][0] < now - STALE_S:
             entries.popleft()
         recent = [t for _, t in entries]
         if len(recent) >= 4 and self.index + 1 < len(self.counts):
@@ -133,28 +141,28 @@ class ThreadGovernor:
             if last > self.slow_ratio * min(recent):  # a core was taken: look down now, against the slow steps
                 self._start(self.index + 1, key, last, triggered=True)
                 return
-        due = [r for r, step in self._due.items() if step <= self._step]
+        due = [r for r, when in self._due.items() if when <= now]
         if due and len(recent) >= 3:
             target = min(due, key=lambda r: (self._due[r], abs(r - self.index), r))
             self._start(target, key, statistics.median(recent))
 
-    def _reset_schedule(self) -> None:
+    def _reset_schedule(self, now: float) -> None:
         """Every other rung due for a probe soon, nearer rungs first: each rung keeps its own
         schedule, so a rung that collapsed is probed rarely while the others are still tried
         (a count two rungs away can be the fastest while its neighbours tie, e.g. 16 threads
         under a 2-CPU quota the process cannot see: 16, 15 and 8 all stall)."""
         others = [r for r in range(len(self.counts)) if r != self.index]
-        self._gap = {r: self.first_interval for r in others}
-        self._due = {r: self._step + self.first_interval * abs(r - self.index) for r in others}
+        self._gap = dict.fromkeys(others, self.first_interval_s)
+        self._due = {r: now + self.first_interval_s * abs(r - self.index) for r in others}
 
     def _start(self, target: int, key: int, reference: float, triggered: bool = False) -> None:
         self.probes += 1
         self._probe = _Probe(target, key, reference, triggered=triggered)
         self._set(self.counts[target])
 
-    def _probe_step(self, probe: _Probe, key: int, seconds: float) -> None:
+    def _probe_step(self, probe: _Probe, key: int, seconds: float, now: float) -> None:
         if key != probe.key:  # another kind of step: not comparable; back, and try again later
-            self._end(probe, switched=False, interrupted=True)
+            self._end(probe, now, switched=False, interrupted=True)
             return
         probe.samples.append(seconds)
         won = max(probe.samples) < probe.reference * (1 - self.margin)
@@ -169,21 +177,21 @@ class ThreadGovernor:
                 *(old, self.current, key, probe.reference * 1e3, old, max(probe.samples) * 1e3, self.current),
                 " (they had slowed down: CPU contention or a CPU quota)" if probe.triggered else "",
             )
-        self._end(probe, switched=won, cost=seconds / probe.reference)
+        self._end(probe, now, switched=won, cost=seconds / probe.reference)
 
-    def _end(self, probe: _Probe, switched: bool, cost: float = 1.0, interrupted: bool = False) -> None:
+    def _end(self, probe: _Probe, now: float, switched: bool, cost: float = 1.0, interrupted: bool = False) -> None:
         self._probe = None
         if switched:
             self._recent.clear()  # times at the old count say nothing about the new one
-            self._reset_schedule()
+            self._reset_schedule(now)
         elif not interrupted:  # an interrupted probe stays due: tried again at the next chance
             if probe.triggered:  # slow for everyone: start the key's baseline again from now
                 self._recent.clear()
             # A probe step that cost k steps' time waits k times longer (at most 16x), so probing
-            # a count that collapses costs ~1/max_interval of the time, not k times that.
-            gap = min(self._gap[probe.target] * 2, self.max_interval)
+            # a count that collapses costs about a step per max_interval_s, not k of them.
+            gap = min(self._gap[probe.target] * 2, self.max_interval_s)
             self._gap[probe.target] = gap
-            self._due[probe.target] = self._step + int(gap * min(max(cost, 1.0), 16.0))
+            self._due[probe.target] = now + gap * min(max(cost, 1.0), 16.0)
         self._set(self.current)
 
     def _set(self, n: int) -> None:

@@ -27,15 +27,19 @@ BUSY = {2: 0.095, 1: 0.040}  # one other busy process: two threads stall at ever
 
 
 class Machine:
-    """Step times by thread count and condition, +-`noise` uniform, seeded."""
+    """Step times by thread count and condition, +-`noise` uniform, seeded; `now` is its clock
+    (steps back to back: each step moves it by the step's time)."""
 
     def __init__(self, seed: int = 0, noise: float = 0.05) -> None:
         self.rng = random.Random(seed)
         self.noise = noise
         self.costs = IDLE
+        self.now = 0.0
 
     def step(self, threads: int, key: int = 1) -> float:
-        return self.costs[threads] * key * (1 + self.rng.uniform(-self.noise, self.noise))
+        seconds = self.costs[threads] * key * (1 + self.rng.uniform(-self.noise, self.noise))
+        self.now += seconds
+        return seconds
 
 
 def run(governor: ThreadGovernor, machine: Machine, steps: int, key: int = 1) -> list[int]:
@@ -43,7 +47,8 @@ def run(governor: ThreadGovernor, machine: Machine, steps: int, key: int = 1) ->
     used = []
     for _ in range(steps):
         used.append(governor.running)
-        governor.observe(key, machine.step(governor.running, key))
+        seconds = machine.step(governor.running, key)
+        governor.observe(key, seconds, machine.now)
     return used
 
 
@@ -70,10 +75,10 @@ def test_counts_fixed_by_the_flag_or_tensor_parallel() -> None:
 def test_an_idle_machine_keeps_every_thread_and_probes_less_and_less() -> None:
     applied: list[int] = []
     governor = make(applied)
-    used = run(governor, Machine(), 1000)
+    used = run(governor, Machine(), 1000)  # 28 s
     assert governor.switches == 0
     assert used.count(1) == governor.probes  # each probe: one step at one thread (it lost), then back
-    assert governor.probes <= 12  # intervals 16, 32, 64, 128, 128, ...
+    assert governor.probes <= 10  # 0.5 s after the start, then 1, 2, 4, 4, 4, ... s apart
     assert applied[0] == 2 and applied[-1] == 2
 
 
@@ -89,25 +94,44 @@ def test_a_busy_neighbour_moves_it_down_within_a_few_steps_and_its_departure_bac
     assert used[first_down:].count(2) <= 2 * governor.probes  # only probes run at two threads now
     assert governor.current == 1
     machine.costs = IDLE
+    left_busy = machine.now
     used = run(governor, machine, 2500)
     back = used.index(2)  # the next scheduled probe: its interval grew with what the probes at 2 cost
-    assert back <= 16 * governor.max_interval + 1 and governor.current == 2
+    assert back * IDLE[1] <= 16 * governor.max_interval_s and governor.current == 2
+    assert machine.now > left_busy
+
+
+def test_a_quiet_spell_makes_every_count_due_again() -> None:
+    """After contention the governor sits at one thread with a long wait before its next probe
+    at two; if no step ran for a while (QUIET_S), the first steps after it probe at once."""
+    machine = Machine(seed=4)
+    governor = make()
+    machine.costs = BUSY
+    run(governor, machine, 600)
+    assert governor.current == 1
+    machine.costs = IDLE
+    machine.now += 60.0  # the server had nothing to do for a minute
+    used = run(governor, machine, 10)
+    assert governor.current == 2 and used.index(2) <= 4
 
 
 def test_a_probe_interrupted_by_another_step_shape_changes_nothing() -> None:
     governor = make()
     machine = Machine(seed=2, noise=0.0)
-    run(governor, machine, 16)  # the 16th step starts a probe at one thread
-    assert governor.running == 1 and governor.probes == 1
-    governor.observe(7, machine.step(1, 7))  # a prefill chunk: not comparable
+    steps = 0
+    while governor.running == 2 and steps < 100:  # 0.5 s in, a probe at one thread starts
+        run(governor, machine, 1)
+        steps += 1
+    assert governor.running == 1 and governor.probes == 1 and 17 <= steps <= 20
+    governor.observe(7, machine.step(1, 7), machine.now)  # a prefill chunk: not comparable
     assert governor.running == 2 and governor.current == 2 and governor.switches == 0
     run(governor, machine, 3)
     assert governor.probes == 2  # tried again soon after, on the decode key
 
 
 def test_a_probe_that_collapses_backs_off_in_proportion() -> None:
-    """A count that makes steps 30x slower is probed rarely: in the long run its probes cost
-    30 / (128 x 16) = 1.5% of the time (the interval grows at most 16x with a probe's cost)."""
+    """A count that makes steps 30x slower is probed rarely: in the long run one probe step
+    (0.9 s) per 16 x 4 s, 1.4% of the time (the interval grows at most 16x with a probe's cost)."""
     governor = make(counts=(2, 1))
     machine = Machine(seed=3, noise=0.0)
     machine.costs = {2: 0.030, 1: 0.0300}
@@ -121,11 +145,13 @@ def test_a_probe_that_collapses_backs_off_in_proportion() -> None:
 
 def test_one_lucky_probe_step_is_not_enough() -> None:
     governor = make()
-    for _ in range(16):
-        governor.observe(1, 0.030)
+    now = 0.0
+    while governor.running == 2:
+        now += 0.030
+        governor.observe(1, 0.030, now)
     assert governor.running == 1
-    governor.observe(1, 0.010)  # fast
-    governor.observe(1, 0.035)  # not faster than 0.9 x the median of 0.030
+    governor.observe(1, 0.010, now + 0.010)  # fast
+    governor.observe(1, 0.035, now + 0.045)  # not faster than 0.9 x the median of 0.030
     assert governor.current == 2 and governor.switches == 0
 
 
