@@ -95,6 +95,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+        # A client-streaming method is denied without reading a request: a client may wait for
+        # the stream's first answer before it writes (chunkserve/router/legs.py does).
+        self._deny_bidi = grpc.stream_stream_rpc_method_handler(deny)
 
     async def intercept_service(
         self,
@@ -106,6 +109,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:  # no such method here: UNIMPLEMENTED, so a client at the wrong port can say so
             return None
+        if handler.request_streaming:
+            return self._deny_bidi
         return self._deny_stream if handler.response_streaming else self._deny_unary
 
     def _allowed(self, details: grpc.HandlerCallDetails) -> bool:

@@ -227,6 +227,10 @@ class MuxServicer:
     async def Multiplex(
         self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[rpb.MuxResponses]:
+        # Headers at once: the client waits for them before its first request, so a server
+        # that refuses the stream (UNIMPLEMENTED, UNAUTHENTICATED) says so cleanly instead of
+        # failing a write in flight (gRPC then reports INTERNAL, not the refusal).
+        await context.send_initial_metadata(())
         session = MuxSession(self.servicer, self._parse, context.peer())
         reader = asyncio.get_running_loop().create_task(session.read(requests), name="multiplex-reader")
         try:

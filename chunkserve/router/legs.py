@@ -182,6 +182,12 @@ class MuxStream:
             self._outbox.put_nowait(rpb.MuxRequest(call=call_id, cancel=True))
 
     async def _requests(self) -> AsyncIterator[rpb.MuxRequest]:
+        # Nothing is written before the replica's headers: a replica that refuses the stream
+        # answers without them, and a write in flight then would turn its UNIMPLEMENTED or
+        # UNAUTHENTICATED into INTERNAL ("Internal error from Core"), hiding the refusal.
+        await self._rpc.initial_metadata()  # type: ignore[union-attr]
+        if self._rpc.done():  # type: ignore[union-attr]
+            return
         while (request := await self._outbox.get()) is not None:
             yield request
 

@@ -168,8 +168,10 @@ class GenerationMuxStub:
     INVALID_ARGUMENT and its request is aborted. The client half-closing its side lets the open
     calls finish; the stream then ends once none is open. The stream ending or failing for any
     other reason ends every open call: the replica aborts their requests, and the client treats
-    them as UNAVAILABLE. Client metadata applies to the stream, not per call. An older replica
-    answers UNIMPLEMENTED: use Generate.
+    them as UNAVAILABLE. Client metadata applies to the stream, not per call. The replica sends
+    its response headers as soon as it accepts the stream, before reading; a client waits for them
+    before its first MuxRequest, so that a refusal (UNIMPLEMENTED from an older replica: use
+    Generate; UNAUTHENTICATED) is seen as such and not as a failed write.
     """
 
     def __init__(self, channel):
@@ -204,8 +206,10 @@ class GenerationMuxServicer:
     INVALID_ARGUMENT and its request is aborted. The client half-closing its side lets the open
     calls finish; the stream then ends once none is open. The stream ending or failing for any
     other reason ends every open call: the replica aborts their requests, and the client treats
-    them as UNAVAILABLE. Client metadata applies to the stream, not per call. An older replica
-    answers UNIMPLEMENTED: use Generate.
+    them as UNAVAILABLE. Client metadata applies to the stream, not per call. The replica sends
+    its response headers as soon as it accepts the stream, before reading; a client waits for them
+    before its first MuxRequest, so that a refusal (UNIMPLEMENTED from an older replica: use
+    Generate; UNAUTHENTICATED) is seen as such and not as a failed write.
     """
 
     def Multiplex(self, request_iterator, context):
@@ -250,8 +254,10 @@ class GenerationMux:
     INVALID_ARGUMENT and its request is aborted. The client half-closing its side lets the open
     calls finish; the stream then ends once none is open. The stream ending or failing for any
     other reason ends every open call: the replica aborts their requests, and the client treats
-    them as UNAVAILABLE. Client metadata applies to the stream, not per call. An older replica
-    answers UNIMPLEMENTED: use Generate.
+    them as UNAVAILABLE. Client metadata applies to the stream, not per call. The replica sends
+    its response headers as soon as it accepts the stream, before reading; a client waits for them
+    before its first MuxRequest, so that a refusal (UNIMPLEMENTED from an older replica: use
+    Generate; UNAUTHENTICATED) is seen as such and not as a failed write.
     """
 
     @staticmethod

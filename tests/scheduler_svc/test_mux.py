@@ -293,6 +293,9 @@ class _Context:
     def peer(self) -> str:
         return "test"
 
+    async def send_initial_metadata(self, metadata) -> None:
+        pass
+
     async def abort(self, code, details):
         raise AssertionError(f"aborted: {code} {details}")
 

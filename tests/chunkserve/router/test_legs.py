@@ -21,6 +21,7 @@ from chunkserve.router.core import Router
 from chunkserve.router.grpc_front import GenerationProxy
 from chunkserve.router.metrics import RouterMetrics
 from chunkserve.router.replicas import Replica, ReplicaAddress, ReplicaSet
+from chunkserve_contracts.auth import BearerTokenInterceptor, bearer_metadata
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from chunkserve_contracts.v1 import replica_pb2 as rpb
@@ -38,8 +39,8 @@ def greedy(prompt, n=6) -> pb.GenerateRequest:
     return build_request(prompt, temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-async def start(*adders: Callable[[grpc.aio.Server], None]) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+async def start(*adders: Callable[[grpc.aio.Server], None], interceptors=()) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(interceptors=list(interceptors), options=[("grpc.so_reuseport", 0)])
     for add in adders:
         add(server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -47,24 +48,26 @@ async def start(*adders: Callable[[grpc.aio.Server], None]) -> tuple[grpc.aio.Se
     return server, port
 
 
-async def replica_server(engine, limits, mux: bool = True) -> tuple[grpc.aio.Server, int]:
-    """A replica's public port: Generation and (unless `mux` is False: an older chunkserve) GenerationMux."""
+async def replica_server(engine, limits, mux: bool = True, api_key: str = "") -> tuple[grpc.aio.Server, int]:
+    """A replica's public port: Generation and (unless `mux` is False: an older chunkserve)
+    GenerationMux, behind --api-key `api_key` when given."""
     servicer = GenerationServicer(lambda: (engine, limits, INFO))
     adders = [lambda s: add_generation_servicer(servicer, s)]
     if mux:
         adders.append(lambda s: add_mux_servicer(MuxServicer(servicer), s))
-    return await start(*adders)
+    return await start(*adders, interceptors=[BearerTokenInterceptor(api_key)] if api_key else [])
 
 
 class Front:
     """The router's gRPC front over replicas at `ports` (healthy unless listed in `down`),
-    without its health, event and load tasks: the test sets each replica's state."""
+    without its health, event and load tasks: the test sets each replica's state. `api_key`:
+    the router's --api-key, sent on its Multiplex streams."""
 
-    def __init__(self, ports: list[int], transport: str, down: tuple[int, ...] = ()) -> None:
-        self.set = ReplicaSet([], transport=transport)
+    def __init__(self, ports: list[int], transport: str, down: tuple[int, ...] = (), api_key: str = "") -> None:
+        self.set = ReplicaSet([], transport=transport, api_key=api_key)
         self.replicas = []
         for port in ports:
-            r = Replica(ReplicaAddress("127.0.0.1", port, 0), transport=transport)
+            r = Replica(ReplicaAddress("127.0.0.1", port, 0), transport=transport, auth=bearer_metadata(api_key))
             r.healthy = port not in down
             self.set.replicas[r.name] = r
             self.replicas.append(r)
@@ -155,6 +158,7 @@ class FakeMux(rpb_grpc.GenerationMuxServicer):
         self.started = asyncio.Event()
 
     async def Multiplex(self, requests, context):
+        await context.send_initial_metadata(())  # as the protocol asks: the router waits for it
         n = 0
         async for request in requests:
             if request.WhichOneof("kind") != "generate":
@@ -255,6 +259,43 @@ def test_a_replica_without_multiplex_gets_per_call_generate(tokenizer_dir, caplo
                 assert got.token_ids == direct.token_ids
             refusals = [r for r in caplog.records if "refused Multiplex" in r.getMessage()]
             assert len(refusals) == 1 and "UNIMPLEMENTED" in refusals[0].getMessage()
+            await idle(engine)
+        finally:
+            await engine.stop()
+            await server.stop(None)
+
+    with caplog.at_level(logging.WARNING, logger="chunkserve.router.legs"):
+        asyncio.run(main())
+
+
+@pytest.mark.parametrize("router_key", ["k3y", ""])
+def test_replicas_with_an_api_key(tokenizer_dir, caplog, router_key):
+    """Replicas behind --api-key: a router with the key streams on Multiplex with it; a router
+    without one is refused the stream (UNAUTHENTICATED, said once) and sends each request as
+    its own Generate call with the client's key, which the replica checks: a client without
+    the key is refused there."""
+
+    async def main():
+        engine, limits = make(FAKES, tokenizer_dir)
+        engine.start()
+        server, port = await replica_server(engine, limits, api_key="k3y")
+        request = greedy(list(range(60, 70)), n=5)
+        client_key = bearer_metadata("k3y")
+        try:
+            front = Front([port], "mux", api_key=router_key)
+            async with front as stub:
+                got = Completion()
+                async for msg in stub.Generate(request, metadata=client_key, timeout=60):
+                    got.add(msg)
+                assert got.usage.completion_tokens == 5
+                assert front.replicas[0].mux.unsupported == (not router_key)
+                if not router_key:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        async for _ in stub.Generate(request, timeout=60):
+                            pass
+                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            refusals = [r for r in caplog.records if "refused Multiplex" in r.getMessage()]
+            assert len(refusals) == (0 if router_key else 1)
             await idle(engine)
         finally:
             await engine.stop()
