@@ -125,20 +125,29 @@ def test_tokens_through_the_router_equal_the_replicas(tokenizer_dir, transport):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
 @pytest.mark.parametrize("transport", ["mux", "call"])
-def test_a_client_that_leaves_aborts_its_request_on_the_replica(tokenizer_dir, transport):
+def test_a_client_that_leaves_aborts_its_request_on_the_replica(tokenizer_dir, transport, how):
+    """The client cancels its call, or its deadline passes: the router's handler ends and the
+    replica aborts the request (a cancel on the stream, or the Generate call cancelled)."""
+
     async def main():
         engine, limits = make(FAKES, tokenizer_dir)
         engine.start()
         server, port = await replica_server(engine, limits)
         try:
             async with Front([port], transport) as stub:
-                call = stub.Generate(greedy([9] * 10, n=80), timeout=60)
-                while not (await call.read()).token_ids:  # decoding on the replica
-                    pass
+                call = stub.Generate(greedy([9] * 10, n=80), timeout=60 if how == "cancel" else 3)
+                await call.read()  # the admission message: the request is on the replica
                 engine.executor.gate.clear()  # held: the request cannot finish by itself
                 assert engine.scheduler.requests
-                call.cancel()
+                if how == "cancel":
+                    call.cancel()
+                else:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        while True:
+                            await call.read()
+                    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 await idle(engine)  # aborted there: no request, every block free
         finally:
             engine.executor.gate.set()
