@@ -18,6 +18,10 @@ A leg is an async iterator of message bytes that ends after the last one, or rai
 check marks the replica down, or when the stream breaks); `close()` cancels what is still
 running there (the client left, or the request moved). The front (grpc_front.py) does the
 rest the same way for both: retries before the first token, the request id splice, Abort.
+
+On the stream, a client that reads slowly holds up no other call: its messages wait in its
+MuxCall (at most its request's tokens), where on its own Generate call gRPC's flow control would
+have held them at the replica.
 """
 
 from __future__ import annotations
