@@ -8,7 +8,10 @@ Each config is a real two-process server on the default model (float32) started 
 executor flags/environment the config names; "default" adds nothing (the executor's own thread
 rule: executor_svc/threads.py moves the count by measured step times). All servers start first;
 then each of `--rounds` rounds takes each condition in turn and measures every config under it,
-so slow drift of the machine hits them alike (the first config is the "idle vs" baseline):
+so slow drift of the machine hits them alike (the first config is the "idle vs" baseline).
+Servers wait for work without using the CPU, except with OpenMP's ACTIVE wait policy
+(t2-spin), whose idle threads spin forever: measure t2-spin in a run of its own, or it is a busy
+neighbour of every other config:
   idle    nothing else started by this script (the machine may still run other work: say so)
   busy    `--busy` processes spinning in pure Python (one = one core's worth of other work),
           not pinned, as a user's other services would be
@@ -33,6 +36,7 @@ from pathlib import Path
 
 CONFIGS = {
     "default": ([], {}),
+    "t2": (["--num-threads", "2"], {}),  # the rule before issue 32: every CPU, OpenMP's default wait
     "t2-spin": (["--num-threads", "2"], {"OMP_WAIT_POLICY": "ACTIVE"}),
     "t2-passive": (["--num-threads", "2"], {"OMP_WAIT_POLICY": "PASSIVE"}),
     "t2-spin10k": (["--num-threads", "2"], {"GOMP_SPINCOUNT": "10000"}),

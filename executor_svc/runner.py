@@ -68,13 +68,11 @@ class ModelRunner:
         self.holders = [0] * self.num_blocks
 
     def execute(self, plan: epb.StepRequest) -> epb.StepResponse:
-        """Runs one plan; the thread governor sees its time and sets the next step's threads."""
-        governor = self.threads
-        threads = torch.get_num_threads() if governor is None else governor.running
+        """Runs one plan, with the thread count the governor gives its size (threads.py)."""
         response = self._execute(plan)
-        response.num_threads = threads
-        if governor is not None and response.num_tokens:
-            governor.observe(response.num_tokens, response.execute_ns / 1e9, time.monotonic())
+        response.num_threads = torch.get_num_threads()
+        if self.threads is not None and response.num_tokens:
+            self.threads.observe(response.num_tokens, response.execute_ns / 1e9, time.monotonic())
         return response
 
     @torch.inference_mode()
@@ -90,6 +88,8 @@ class ModelRunner:
             response.execute_ns = time.perf_counter_ns() - start
             return response
 
+        if self.threads is not None:  # this step's size decides its thread count
+            self.threads.prepare(len(checked.token_ids), time.monotonic())
         states = [self.seqs[s.seq_id] for s in plan.seqs]
         query_lens, computed, tables = checked.query_lens, checked.computed, [st.block_table for st in states]
         if checked.drafts:

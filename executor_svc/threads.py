@@ -8,7 +8,8 @@ its core stalls the step. A container quota the process cannot see does the same
 count is right in both conditions, and the condition changes while a server runs.
 
 `ThreadGovernor` keeps a ladder of counts (all usable CPUs first, then fewer) and moves along
-it by measurement, never by guess:
+it by measurement, never by guess, separately for each size class of steps (token counts of
+one bit length: 1, 2-3, 4-7, ...), since the fastest count depends on the step's size too:
 - it records each step's executor time under its key (the step's token count: steps of one
   key cost about the same at one thread count);
 - now and then it *probes* another rung: the next `PROBE_STEPS` steps run there, and it moves
@@ -74,15 +75,30 @@ class _Probe:
     triggered: bool = False  # by a slowdown, not by the schedule
 
 
+@dataclass
+class _Shape:
+    """One size class of steps (token counts of one bit length): its own rung and schedule.
+    The fastest count depends on the step's size as well as on the machine: a one-token
+    decode step gains least from a second thread and is the first to lose it to the
+    scheduler process working beside it, a prefill chunk gains most."""
+
+    index: int
+    recent: dict[int, deque[tuple[float, float]]] = field(default_factory=dict)  # key -> (when, seconds)
+    gap: dict[int, float] = field(default_factory=dict)  # rung -> seconds between its scheduled probes
+    due: dict[int, float] = field(default_factory=dict)  # rung -> when its next scheduled probe may run
+    probe: _Probe | None = None
+    look_down: float | None = None  # the slow steps' median when a slowdown asked for a probe down
+
+
 class ThreadGovernor:
     """Moves the torch thread count along `counts` by measured step times (module doc).
 
-    Call `observe` after every step with the step's key, its executor seconds and the time now
-    (any steady clock, seconds); it calls `apply(n)` (torch.set_num_threads, on the thread
-    that runs the steps) whenever the next step should run with n threads. `running` is the
-    count the next step runs with. Schedules are in seconds, not steps: a server that steps
-    rarely still probes about as often, and the first step after a quiet spell (the machine
-    may have changed meanwhile) makes every rung due.
+    Before each step, `prepare(key, now)` gives the count it runs with (and applies it with
+    `apply(n)`, torch.set_num_threads on the thread that runs the steps); after it,
+    `observe(key, seconds, now)` takes its executor time. `key` is the step's token count,
+    `now` any steady clock in seconds. Each size class of steps keeps its own rung. Schedules
+    are in seconds, not steps: a server that steps rarely still probes about as often, and the
+    first step after a quiet spell (the machine may have changed meanwhile) makes every rung due.
     """
 
     def __init__(
@@ -98,7 +114,6 @@ class ThreadGovernor:
         if not counts:
             raise ValueError("a thread governor needs at least one count")
         self.counts = tuple(sorted(set(counts), reverse=True))
-        self.index = 0  # the current rung
         self.first_interval_s = first_interval_s
         self.max_interval_s = max_interval_s
         self.margin = margin
@@ -106,93 +121,111 @@ class ThreadGovernor:
         self.switches = 0
         self.probes = 0
         self._apply = apply
-        self._recent: dict[int, deque[tuple[float, float]]] = {}  # key -> (when, seconds)
+        self._shapes: dict[int, _Shape] = {}
         self._now: float | None = None  # when the last step was observed
-        self._gap: dict[int, float] = {}  # rung -> seconds between its scheduled probes
-        self._due: dict[int, float] = {}  # rung -> when its next scheduled probe may run
-        self._probe: _Probe | None = None
+        self._last_index = 0  # the rung of the shape stepped last: where a new shape starts
         self.running = self.counts[0]
         apply(self.running)
 
-    @property
-    def current(self) -> int:
-        """The count the governor settled on (a probe may be running another)."""
-        return self.counts[self.index]
+    def current(self, key: int = 1) -> int:
+        """The count the governor settled on for steps of `key` tokens (a probe may run another)."""
+        shape = self._shapes.get(key.bit_length())
+        return self.counts[shape.index if shape is not None else self._last_index]
+
+    def prepare(self, key: int, now: float) -> int:
+        """The count the next step (of `key` tokens) runs with, applied; starts a probe when one is due."""
+        if len(self.counts) < 2:
+            return self.running
+        shape = self._shape(key, now)
+        if self._now is not None and now - self._now > QUIET_S:  # idle a while: the machine may have changed
+            shape.due = dict.fromkeys(shape.due, now)
+        if shape.probe is None:
+            recent = [t for _, t in shape.recent.get(key, ())]
+            if shape.look_down is not None:
+                self._start(shape, shape.index + 1, key, shape.look_down, triggered=True)
+            elif len(recent) >= 3 and (due := [r for r, when in shape.due.items() if when <= now]):
+                target = min(due, key=lambda r: (shape.due[r], abs(r - shape.index), r))
+                self._start(shape, target, key, statistics.median(recent))
+        probe = shape.probe
+        self._set(self.counts[probe.target if probe is not None and probe.key == key else shape.index])
+        return self.running
 
     def observe(self, key: int, seconds: float, now: float) -> None:
-        """Takes the step just run (at `running` threads) and sets the next step's count."""
+        """Takes the step just run (at `running` threads, after `prepare` with the same key)."""
         if len(self.counts) < 2 or seconds <= 0:
             return
-        if self._now is None:
-            self._reset_schedule(now)
-        elif now - self._now > QUIET_S:  # nothing ran for a while: what was true may not be now
-            self._due = dict.fromkeys(self._due, now)
         self._now = now
-        if self._probe is not None:
-            self._probe_step(self._probe, key, seconds, now)
-            return
-        entries = self._recent.setdefault(key, deque(maxlen=WINDOW))
+        shape = self._shape(key, now)
+        self._last_index = shape.index
+        probe = shape.probe
+        if probe is not None and self.running == self.counts[probe.target]:
+            if probe.key == key:
+                self._probe_step(shape, probe, key, seconds, now)
+            return  # another key ran at the probe's count (prepare's caller skipped a step): not comparable
+        entries = shape.recent.setdefault(key, deque(maxlen=WINDOW))
         entries.append((now, seconds))
         while entries[0][0] < now - STALE_S:
             entries.popleft()
         recent = [t for _, t in entries]
-        if len(recent) >= 4 and self.index + 1 < len(self.counts):
+        if len(recent) >= 4 and shape.index + 1 < len(self.counts) and probe is None:
             last = statistics.median(recent[-3:])
-            if last > self.slow_ratio * min(recent):  # a core was taken: look down now, against the slow steps
-                self._start(self.index + 1, key, last, triggered=True)
-                return
-        due = [r for r, when in self._due.items() if when <= now]
-        if due and len(recent) >= 3:
-            target = min(due, key=lambda r: (self._due[r], abs(r - self.index), r))
-            self._start(target, key, statistics.median(recent))
+            if last > self.slow_ratio * min(recent):  # a core was taken: look down at the next step
+                shape.look_down = last
 
-    def _reset_schedule(self, now: float) -> None:
+    def _shape(self, key: int, now: float) -> _Shape:
+        size = key.bit_length()
+        shape = self._shapes.get(size)
+        if shape is None:
+            shape = self._shapes[size] = _Shape(self._last_index)
+            self._reset_schedule(shape, now)
+        return shape
+
+    def _reset_schedule(self, shape: _Shape, now: float) -> None:
         """Every other rung due for a probe soon, nearer rungs first: each rung keeps its own
         schedule, so a rung that collapsed is probed rarely while the others are still tried
         (a count two rungs away can be the fastest while its neighbours tie, e.g. 16 threads
         under a 2-CPU quota the process cannot see: 16, 15 and 8 all stall)."""
-        others = [r for r in range(len(self.counts)) if r != self.index]
-        self._gap = dict.fromkeys(others, self.first_interval_s)
-        self._due = {r: now + self.first_interval_s * abs(r - self.index) for r in others}
+        others = [r for r in range(len(self.counts)) if r != shape.index]
+        shape.gap = dict.fromkeys(others, self.first_interval_s)
+        shape.due = {r: now + self.first_interval_s * abs(r - shape.index) for r in others}
 
-    def _start(self, target: int, key: int, reference: float, triggered: bool = False) -> None:
+    def _start(self, shape: _Shape, target: int, key: int, reference: float, triggered: bool = False) -> None:
         self.probes += 1
-        self._probe = _Probe(target, key, reference, triggered=triggered)
-        self._set(self.counts[target])
+        shape.look_down = None
+        shape.probe = _Probe(target, key, reference, triggered=triggered)
 
-    def _probe_step(self, probe: _Probe, key: int, seconds: float, now: float) -> None:
-        if key != probe.key:  # another kind of step: not comparable; back, and try again later
-            self._end(probe, now, switched=False, interrupted=True)
-            return
+    def _probe_step(self, shape: _Shape, probe: _Probe, key: int, seconds: float, now: float) -> None:
         probe.samples.append(seconds)
         won = max(probe.samples) < probe.reference * (1 - self.margin)
         if won and len(probe.samples) < PROBE_STEPS:
             return  # a lost step ends the probe at once: a collapsed count costs one step, not two
+        old = self.counts[shape.index]
         if won:
-            old = self.current
-            self.index = probe.target
+            shape.index = probe.target
             self.switches += 1
             log.info(
-                "torch threads %d -> %d: steps of %d tokens took %.1f ms at %d threads, %.1f ms at %d%s",
-                *(old, self.current, key, probe.reference * 1e3, old, max(probe.samples) * 1e3, self.current),
+                "torch threads %d -> %d for steps of %d-%d tokens: %d took %.1f ms at %d threads, %.1f ms at %d%s",
+                *(old, self.counts[shape.index], 1 << (key.bit_length() - 1), (1 << key.bit_length()) - 1, key),
+                *(probe.reference * 1e3, old, max(probe.samples) * 1e3, self.counts[shape.index]),
                 " (they had slowed down: CPU contention or a CPU quota)" if probe.triggered else "",
             )
-        self._end(probe, now, switched=won, cost=seconds / probe.reference)
-
-    def _end(self, probe: _Probe, now: float, switched: bool, cost: float = 1.0, interrupted: bool = False) -> None:
-        self._probe = None
-        if switched:
-            self._recent.clear()  # times at the old count say nothing about the new one
-            self._reset_schedule(now)
-        elif not interrupted:  # an interrupted probe stays due: tried again at the next chance
-            if probe.triggered:  # slow for everyone: start the key's baseline again from now
-                self._recent.clear()
-            # A probe step that cost k steps' time waits k times longer (at most 16x), so probing
-            # a count that collapses costs about a step per max_interval_s, not k of them.
-            gap = min(self._gap[probe.target] * 2, self.max_interval_s)
-            self._gap[probe.target] = gap
-            self._due[probe.target] = now + gap * min(max(cost, 1.0), 16.0)
-        self._set(self.current)
+        else:
+            log.debug(
+                "torch threads: %d kept; a step of %d tokens took %.1f ms at %d threads against %.1f ms at %d",
+                *(old, key, seconds * 1e3, self.counts[probe.target], probe.reference * 1e3, old),
+            )
+        shape.probe = None
+        if won:
+            shape.recent.clear()  # times at the old count say nothing about the new one
+            self._reset_schedule(shape, now)
+            return
+        if probe.triggered:  # slow for everyone: start the baseline again from now
+            shape.recent.clear()
+        # A probe step that cost k steps' time waits k times longer (at most 16x), so probing a
+        # count that collapses costs about a step per max_interval_s, not k of them.
+        gap = min(shape.gap[probe.target] * 2, self.max_interval_s)
+        shape.gap[probe.target] = gap
+        shape.due[probe.target] = now + gap * min(max(seconds / probe.reference, 1.0), 16.0)
 
     def _set(self, n: int) -> None:
         if n != self.running:

@@ -46,7 +46,7 @@ def run(governor: ThreadGovernor, machine: Machine, steps: int, key: int = 1) ->
     """The thread count each step ran with."""
     used = []
     for _ in range(steps):
-        used.append(governor.running)
+        used.append(governor.prepare(key, machine.now))
         seconds = machine.step(governor.running, key)
         governor.observe(key, seconds, machine.now)
     return used
@@ -86,18 +86,18 @@ def test_a_busy_neighbour_moves_it_down_within_a_few_steps_and_its_departure_bac
     machine = Machine(seed=1)
     governor = make()
     run(governor, machine, 300)
-    assert governor.current == 2
+    assert governor.current() == 2
     machine.costs = BUSY
     used = run(governor, machine, 400)
     first_down = next(i for i in range(len(used) - 1) if used[i] == 1 and used[i + 1] == 1)
     assert first_down <= 6  # the slowdown triggers a probe at once, not at the next scheduled one
     assert used[first_down:].count(2) <= 2 * governor.probes  # only probes run at two threads now
-    assert governor.current == 1
+    assert governor.current() == 1
     machine.costs = IDLE
     left_busy = machine.now
     used = run(governor, machine, 2500)
     back = used.index(2)  # the next scheduled probe: its interval grew with what the probes at 2 cost
-    assert back * IDLE[1] <= 16 * governor.max_interval_s and governor.current == 2
+    assert back * IDLE[1] <= 16 * governor.max_interval_s and governor.current() == 2
     assert machine.now > left_busy
 
 
@@ -108,25 +108,42 @@ def test_a_quiet_spell_makes_every_count_due_again() -> None:
     governor = make()
     machine.costs = BUSY
     run(governor, machine, 600)
-    assert governor.current == 1
+    assert governor.current() == 1
     machine.costs = IDLE
     machine.now += 60.0  # the server had nothing to do for a minute
     used = run(governor, machine, 10)
-    assert governor.current == 2 and used.index(2) <= 4
+    assert governor.current() == 2 and used.index(2) <= 4
 
 
-def test_a_probe_interrupted_by_another_step_shape_changes_nothing() -> None:
+def test_steps_of_another_size_keep_their_own_count_while_a_probe_waits() -> None:
     governor = make()
     machine = Machine(seed=2, noise=0.0)
     steps = 0
-    while governor.running == 2 and steps < 100:  # 0.5 s in, a probe at one thread starts
-        run(governor, machine, 1)
+    while governor.prepare(1, machine.now) == 2 and steps < 100:  # 0.5 s in, a probe at one thread starts
+        governor.observe(1, machine.step(2), machine.now)
         steps += 1
     assert governor.running == 1 and governor.probes == 1 and 17 <= steps <= 20
-    governor.observe(7, machine.step(1, 7), machine.now)  # a prefill chunk: not comparable
-    assert governor.running == 2 and governor.current == 2 and governor.switches == 0
-    run(governor, machine, 3)
-    assert governor.probes == 2  # tried again soon after, on the decode key
+    assert governor.prepare(7, machine.now) == 2  # a prefill chunk: its own size class, at its own count
+    governor.observe(7, machine.step(2, 7), machine.now)
+    assert governor.prepare(1, machine.now) == 1  # the decode probe goes on
+    assert governor.switches == 0 and governor.current(1) == 2 and governor.current(7) == 2
+
+
+def test_each_step_size_settles_on_its_own_fastest_count() -> None:
+    """One-token steps lose the second thread to the scheduler working beside them, eight-token
+    steps still gain from it: each size class ends at its own count."""
+    machine = Machine(seed=5)
+    costs = {1: {2: 0.040, 1: 0.030}, 8: {2: 0.050, 1: 0.080}}
+    governor = make()
+    used: dict[int, list[int]] = {1: [], 8: []}
+    for step in range(3000):
+        key = 8 if (step // 50) % 2 else 1
+        used[key].append(governor.prepare(key, machine.now))
+        seconds = costs[key][governor.running] * (1 + machine.rng.uniform(-0.05, 0.05))
+        machine.now += seconds
+        governor.observe(key, seconds, machine.now)
+    assert governor.current(1) == 1 and governor.current(8) == 2
+    assert used[1][-500:].count(1) > 450 and used[8][-500:].count(2) > 450
 
 
 def test_a_probe_that_collapses_backs_off_in_proportion() -> None:
@@ -140,19 +157,19 @@ def test_a_probe_that_collapses_backs_off_in_proportion() -> None:
     used = run(governor, machine, 12000)
     probe_time = used.count(1) * 0.900
     total = probe_time + used.count(2) * 0.030
-    assert governor.current == 2 and probe_time / total < 0.02
+    assert governor.current() == 2 and probe_time / total < 0.02
 
 
 def test_one_lucky_probe_step_is_not_enough() -> None:
     governor = make()
     now = 0.0
-    while governor.running == 2:
+    while governor.prepare(1, now) == 2:
         now += 0.030
         governor.observe(1, 0.030, now)
-    assert governor.running == 1
     governor.observe(1, 0.010, now + 0.010)  # fast
+    assert governor.prepare(1, now + 0.010) == 1
     governor.observe(1, 0.035, now + 0.045)  # not faster than 0.9 x the median of 0.030
-    assert governor.current == 2 and governor.switches == 0
+    assert governor.current() == 2 and governor.switches == 0
 
 
 @settings(max_examples=60, deadline=None)
@@ -240,3 +257,34 @@ def test_the_thread_count_never_changes_the_logits(tiny_runner) -> None:
         other = _logits(tiny_runner, schedule)
         assert len(other) == len(base)
         assert all(torch.equal(a, b) for a, b in zip(base, other))
+
+
+def test_the_runner_asks_the_governor_before_each_step_and_reports_the_count(tiny_runner) -> None:
+    """Each step runs at the count `prepare` gave its size, reports it in num_threads, and
+    the governor sees every step with tokens."""
+    seen: list[tuple[str, int]] = []
+
+    class Recording(ThreadGovernor):
+        def prepare(self, key: int, now: float) -> int:
+            seen.append(("prepare", key))
+            return super().prepare(key, now)
+
+        def observe(self, key: int, seconds: float, now: float) -> None:
+            seen.append(("observe", key))
+            super().observe(key, seconds, now)
+
+    tiny_runner.threads = Recording((2, 1), torch.set_num_threads)
+    try:
+        tiny_runner.reset()
+        plan = epb.StepRequest(step_id=0)
+        plan.new_seqs.add(seq_id=0, sampling=GREEDY)
+        plan.seqs.add(seq_id=0, num_new_tokens=9, token_ids=list(range(3, 12)), block_ids=list(range(8)), sample=True)
+        first = tiny_runner.execute(plan)
+        second = tiny_runner.execute(
+            epb.StepRequest(step_id=1, seqs=[epb.ScheduledSequence(seq_id=0, num_computed_tokens=9, num_new_tokens=1)])
+        )
+        assert seen == [("prepare", 9), ("observe", 9), ("prepare", 1), ("observe", 1)]
+        assert first.num_threads == second.num_threads == 2
+    finally:
+        tiny_runner.threads = None
+        torch.set_num_threads(2)
