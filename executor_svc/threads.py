@@ -17,7 +17,8 @@ one bit length: 1, 2-3, 4-7, ...), since the fastest count depends on the step's
   `margin`. Each rung has its own schedule, in seconds: due 0.5 s after a move (nearer rungs
   first), then twice as long after each lost probe up to `max_interval_s`, times what the
   lost probe step cost in steps (at most 16x), so a count that collapses costs about one step
-  per 4 s; after a quiet spell (no step for 2 s) every rung is due again;
+  per 4 s; after a quiet spell (no step for 2 s) the times are forgotten and every rung is due
+  again once three fresh steps give a reference;
 - when steps of one key suddenly run `slow_ratio` times their recent best (another process
   took a core), it probes one rung down at once instead of waiting for the next probe.
 
@@ -136,9 +137,9 @@ class ThreadGovernor:
         """The count the next step (of `key` tokens) runs with, applied; starts a probe when one is due."""
         if len(self.counts) < 2:
             return self.running
+        if self._now is not None and now - self._now > QUIET_S:
+            self._after_quiet(now)
         shape = self._shape(key, now)
-        if self._now is not None and now - self._now > QUIET_S:  # idle a while: the machine may have changed
-            shape.due = dict.fromkeys(shape.due, now)
         if shape.probe is None:
             recent = [t for _, t in shape.recent.get(key, ())]
             if shape.look_down is not None:
@@ -171,6 +172,17 @@ class ThreadGovernor:
             last = statistics.median(recent[-3:])
             if last > self.slow_ratio * min(recent):  # a core was taken: look down at the next step
                 shape.look_down = last
+
+    def _after_quiet(self, now: float) -> None:
+        """No step ran for QUIET_S: the machine may have changed meanwhile (a neighbour came or
+        left), so every shape forgets its times and schedules, and probes every other rung as
+        soon as it has three fresh steps to compare with."""
+        self._now = now
+        for shape in self._shapes.values():
+            shape.recent.clear()
+            shape.look_down = None
+            shape.gap = dict.fromkeys(shape.gap, self.first_interval_s)
+            shape.due = dict.fromkeys(shape.due, now)
 
     def _shape(self, key: int, now: float) -> _Shape:
         size = key.bit_length()
