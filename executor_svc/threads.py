@@ -81,7 +81,7 @@ class _Shape:
     """One size class of steps (token counts of one bit length): its own rung and schedule.
     The fastest count depends on the step's size as well as on the machine: a one-token
     decode step gains least from a second thread and is the first to lose it to the
-    scheduler process working beside it, a prefill chunk gains most."""
+    scheduler process working beside it, a prefill chunk (compute-bound) gains more."""
 
     index: int
     recent: dict[int, deque[tuple[float, float]]] = field(default_factory=dict)  # key -> (when, seconds)
