@@ -71,7 +71,8 @@ class CpuBudget:
         return f"{self.affinity} CPUs in the affinity mask, {quota}"
 
     def torch_threads(self, ranks: int = 1) -> tuple[int, str]:
-        """The executor's default torch thread count per tensor-parallel rank, and why.
+        """The fixed torch thread count per tensor-parallel rank, and why (a single executor
+        starts with every usable CPU and moves by measurement instead: executor_svc/threads.py).
 
         One CPU is left to the scheduler process (its event loop, gRPC and the tokenizer run
         beside every step) wherever there are two or more: torch's OpenMP threads spin-wait for
@@ -79,7 +80,9 @@ class CpuBudget:
         scheduler or with anyone else's work stalls all of them. Measured on a 2-core machine
         (benchmarks/shared_cpu.py, docs/cpu.md 'Threads on a shared CPU'): with one other busy
         process, 2 threads fell to 0.43x of their idle batch-1 speed and 0.25x at batch 8,
-        1 thread kept 0.96x and 0.94x, at 0.93x / 0.95x of 2 threads' idle speed."""
+        1 thread kept 0.96x and 0.94x; its idle speed, 0.93x / 0.95x of 2 threads in that run,
+        was 0.80-0.84x / 0.62-0.67x in a quieter A/B (benchmarks/RESULTS.md, 'The thread
+        governor'), which is why a single executor no longer uses this rule."""
         cpus = self.cpus
         spare = cpus - 1 if cpus >= 2 else cpus
         threads = max(1, spare // max(1, ranks))
