@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 PROBE_STEPS = 2  # steps a probe runs at the other count; all of them must win
 WINDOW = 8  # recent steps per key at the current count
 STALE_S = 10.0  # seconds after which a key's time says nothing about now (the machine may have changed)
+MAX_KEYS = 64  # keys remembered per size class (a prefill chunk's size varies step to step)
 QUIET_S = 2.0  # a gap between steps this long makes every rung due for a probe
 
 
@@ -163,6 +164,8 @@ class ThreadGovernor:
             if probe.key == key:
                 self._probe_step(shape, probe, key, seconds, now)
             return  # another key ran at the probe's count (prepare's caller skipped a step): not comparable
+        if key not in shape.recent and len(shape.recent) >= MAX_KEYS:  # prefill chunks: many sizes
+            del shape.recent[next(iter(shape.recent))]  # the key seen first goes
         entries = shape.recent.setdefault(key, deque(maxlen=WINDOW))
         entries.append((now, seconds))
         while entries[0][0] < now - STALE_S:

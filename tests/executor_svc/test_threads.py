@@ -288,3 +288,15 @@ def test_the_runner_asks_the_governor_before_each_step_and_reports_the_count(tin
     finally:
         tiny_runner.threads = None
         torch.set_num_threads(2)
+
+
+def test_many_step_sizes_keep_a_bounded_memory() -> None:
+    """Prefill chunks of every size: each size class remembers at most MAX_KEYS of them."""
+    from executor_svc.threads import MAX_KEYS
+
+    governor = make()
+    machine = Machine(seed=6, noise=0.0)
+    for key in range(1, 5000):
+        governor.prepare(key, machine.now)
+        governor.observe(key, machine.step(governor.running, 1), machine.now)
+    assert all(len(shape.recent) <= MAX_KEYS for shape in governor._shapes.values())
