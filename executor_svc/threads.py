@@ -19,8 +19,8 @@ one bit length: 1, 2-3, 4-7, ...), since the fastest count depends on the step's
   lost probe step cost in steps (at most 16x), so a count that collapses costs about one step
   per 4 s; after a quiet spell (no step for 2 s) the times are forgotten and every rung is due
   again once three fresh steps give a reference;
-- when steps of one key suddenly run `slow_ratio` times their recent best (another process
-  took a core), it probes one rung down at once instead of waiting for the next probe.
+- when three steps of one key in a row run `slow_ratio` times their recent best (another
+  process took a core), it probes one rung down at once instead of waiting for the next probe.
 
 Safe for the tokens: every kernel the executor runs computes a row's result in one fixed order
 whatever the thread count (tests/executor_svc/test_threads.py checks the logits bitwise with
@@ -172,9 +172,10 @@ class ThreadGovernor:
             entries.popleft()
         recent = [t for _, t in entries]
         if len(recent) >= 4 and shape.index + 1 < len(self.counts) and probe is None:
-            last = statistics.median(recent[-3:])
-            if last > self.slow_ratio * min(recent):  # a core was taken: look down at the next step
-                shape.look_down = last
+            # A core was taken: the last three steps all slow (one or two slow steps are noise:
+            # the scheduler's own work beside a step, a page fault), so look down at the next step.
+            if min(recent[-3:]) > self.slow_ratio * min(recent):
+                shape.look_down = statistics.median(recent[-3:])
 
     def _after_quiet(self, now: float) -> None:
         """No step ran for QUIET_S: the machine may have changed meanwhile (a neighbour came or

@@ -300,3 +300,19 @@ def test_many_step_sizes_keep_a_bounded_memory() -> None:
         governor.prepare(key, machine.now)
         governor.observe(key, machine.step(governor.running, 1), machine.now)
     assert all(len(shape.recent) <= MAX_KEYS for shape in governor._shapes.values())
+
+
+def test_two_slow_steps_are_noise_three_are_a_slowdown() -> None:
+    """A step or two slowed by the scheduler's work beside it does not send the governor down;
+    three in a row ask for a probe one rung down at the next step (no scheduled probe here)."""
+    governor = ThreadGovernor((2, 1), lambda n: None, first_interval_s=100.0)
+    now = 0.0
+    for seconds in [0.028] * 6 + [0.060, 0.060, 0.028] + [0.028] * 3:
+        assert governor.prepare(1, now) == 2
+        now += seconds
+        governor.observe(1, seconds, now)
+    for _ in range(3):
+        assert governor.prepare(1, now) == 2
+        now += 0.060
+        governor.observe(1, 0.060, now)
+    assert governor.prepare(1, now) == 1 and governor.probes == 1  # the probe down starts
