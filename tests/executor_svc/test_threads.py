@@ -11,16 +11,12 @@ import random
 
 import pytest
 import torch
-import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkserve.launch import tiny_llama_config
 from chunkserve_contracts.cpu import CpuBudget
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
-from executor_svc.config import ExecutorConfig
 from executor_svc.threads import ThreadGovernor, choose_counts, ladder
-from executor_svc.worker import load
 
 IDLE = {2: 0.028, 1: 0.038}  # seconds per batch-1 step: the default model, measured on 2 cores
 BUSY = {2: 0.095, 1: 0.040}  # one other busy process: two threads stall at every barrier
@@ -195,26 +191,15 @@ def test_settles_on_a_clearly_fastest_count(seed: int, noise: float, cost: dict[
 GREEDY = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1)
 
 
-@pytest.fixture(scope="module")
-def tiny_runner(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    torch.manual_seed(0)
-    config = tiny_llama_config(vocab_size=128, max_position_embeddings=256, initializer_range=0.2)
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
-    threads = torch.get_num_threads()
-    loaded = load(
-        ExecutorConfig(
-            model=str(path),
-            dtype="float32",
-            block_size=4,
-            num_gpu_blocks_override=64,
-            swap_space=0.001,
-            max_num_batched_tokens=64,
-            cache_dir=str(path / "cache"),
-            num_threads=2,
-        )
-    )
-    yield loaded.runner
+@pytest.fixture
+def tiny_runner(tiny):
+    """The runner tests' tiny executor (conftest.py), its governor set aside: these tests set
+    the thread count themselves."""
+    runner = tiny[1].runner
+    governor, threads = runner.threads, torch.get_num_threads()
+    runner.threads = None
+    yield runner
+    runner.threads = governor
     torch.set_num_threads(threads)
 
 
@@ -287,7 +272,6 @@ def test_the_runner_asks_the_governor_before_each_step_and_reports_the_count(tin
         assert first.num_threads == second.num_threads == 2
     finally:
         tiny_runner.threads = None
-        torch.set_num_threads(2)
 
 
 def test_many_step_sizes_keep_a_bounded_memory() -> None:
