@@ -242,6 +242,11 @@ class TorchBackend(AttentionBackend):
             k = k_rows.index_select(0, chunk.rows).view(1, num_kv_heads, chunk.ctx, head_dim)
             v = v_rows.index_select(0, chunk.rows).view(1, num_kv_heads, chunk.ctx, head_dim)
             qc = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
+            if qc.stride(-1) != 1:
+                # q from a linear's transposed view ((W @ x^T)^T): SDPA's CPU flash kernel needs
+                # each head's values adjacent, and without them torch takes its math path
+                # (a 2K-token chunk's attention 5.8x slower: benchmarks/RESULTS.md, issue 31)
+                qc = qc.contiguous()
             o = F.scaled_dot_product_attention(
                 qc, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True
             )

@@ -143,3 +143,26 @@ def test_forward_context_rules(paged_batch):
             pass
     with pytest.raises(RuntimeError, match="no forward context"):
         get_forward_context()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_chunks_of_a_transposed_q_take_sdpa_flash_kernel(paged_batch, dtype):
+    """A linear's output is often a transposed view ((W @ x^T)^T: models/layers.linear, the
+    16-bit copies from 12 rows), so q's head dimension is not unit-stride. SDPA's CPU flash
+    kernel refuses that layout and torch falls back to its math path, 5.8x slower for a
+    2K-token chunk (issue 31): the backend must hand SDPA a q it takes, whatever its layout."""
+    from torch.profiler import profile
+
+    batch = paged_batch(PREFILL_ONLY, 4, dtype=dtype, seed=5)
+    t, h, d = batch.q.shape
+    transposed = batch.q.reshape(t, h * d).t().contiguous().t().view(t, h, d)  # same values, column-major
+    assert transposed.stride(-1) != 1 and torch.equal(transposed, batch.q)
+    backend = get_backend("torch")
+    backend.write_kv(batch.cache, batch.k_new, batch.v_new, batch.meta.slot_mapping)
+    expected = backend.forward(batch.q, batch.cache, batch.meta, 0.25)
+    with profile() as prof:
+        got = backend.forward(transposed, batch.cache, batch.meta, 0.25)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
