@@ -149,3 +149,24 @@ def test_decode_attention_threads_times_both_thresholds_and_finds_them_equal():
     assert [r[:2] for r in rows] == [["16", "48"], ["600", "1800"]]
     assert all(float(r[2]) > 0 and float(r[3]) > 0 and float(r[4]) > 0 and r[-2] == "True" for r in rows)
     assert float(rows[0][-1]) == 0.0 and float(rows[1][-1]) < 1e-5  # 600 tokens: two pieces, float32 rounding
+
+
+def test_batch1_floor_prints_each_figure_against_the_floor_it_measured():
+    """The batch-1 floor benchmark (issue 31, item 7) on the default model: one short round."""
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "batch1_floor.py"), "--rounds", "1", "--steps", "2", "--max-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = {}
+    for line in out.stdout.splitlines():
+        parts = line.split()
+        if line.startswith(("in-process step", "server token")):
+            figures[line[:15].strip()] = (float(parts[2]), float(parts[4].rstrip("x")))
+        elif line.startswith("weight-read floor"):
+            figures["floor"] = float(parts[2])
+    assert set(figures) == {"floor", "in-process step", "server token"}, out.stdout
+    for ms, ratio in (figures["in-process step"], figures["server token"]):
+        assert ms > 0 and abs(ms / figures["floor"] - ratio) < 0.01  # each ratio is its figure over the floor

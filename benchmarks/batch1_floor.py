@@ -1,0 +1,144 @@
+"""Batch-1 float32 decode against this machine's weight-read floor, in-process and through the
+server, in one run (issue 31, item 7).
+
+Why: a batch-1 decode step of a float32 model is a stream of weight reads, so the floor is
+(weight bytes one step reads) / (read bandwidth), and on a shared VM whose bandwidth moves
+1.5x within minutes only a floor measured beside each figure means anything. What a user sees
+is the server's token, not the executor's step: the server hop (the result's way back,
+streaming, planning the next step) and the scheduler and client sharing the cores with the
+executor's threads all count. So each round measures, in turn:
+
+- the read bandwidth (a sum over a 1 GiB float32 tensor, best of 3), before and after;
+- the executor's step in this process (`ModelRunner.execute`, the server's own start-up path
+  and kernel plan, one sequence at context ~128, the median of `--steps` decode steps);
+- one greedy request through a real two-process server (default flags plus `--server-args`):
+  its decode ms per token after the first, from the stream's arrival times;
+
+and prints each round and the medians, each figure as a multiple of the floor.
+
+    .venv/bin/python benchmarks/batch1_floor.py [--rounds 3] [--max-tokens 128] [--scheduler-args "--async-scheduling"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from executor_modes import _decode_plan, _prefill, decode_bytes  # noqa: E402
+from spec_decode import generate  # noqa: E402
+
+PROMPT = [(i * 53) % 30000 + 200 for i in range(128)]
+
+
+def bandwidth_gbs(x: torch.Tensor, passes: int = 3) -> float:
+    """GB/s of the best of `passes` sums over x (1 GiB of float32)."""
+    best = float("inf")
+    for _ in range(passes):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def step_ms(runner, steps: int) -> float:
+    """Median ms of `steps` batch-1 decode steps after a 128-token prefill."""
+    from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+
+    greedy = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1)
+    ids = _prefill(runner, 1, len(PROMPT), steps, greedy)
+    times = []
+    for k in range(steps):
+        t = time.perf_counter()
+        runner.execute(_decode_plan(ids, len(PROMPT), k))
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+def load_runner(threads: int):
+    """The float32 default model as the server loads it, with the kernel plan it keeps."""
+    from executor_svc.config import ExecutorConfig, default_cache_dir
+    from executor_svc.worker import load
+
+    config = ExecutorConfig(
+        model="default",
+        dtype="float32",
+        device="cpu",
+        kv_cache_memory_gib=0.25,
+        swap_space=0.0,
+        max_num_batched_tokens=2048,
+        cache_dir=default_cache_dir(),
+        num_threads=threads,
+    )
+    runner = load(config).runner
+    runner.threads = None  # a fixed count: the governor would probe other counts mid-measurement
+    return runner
+
+
+def main() -> None:
+    from chunkserve.launch import start_server
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=40, help="in-process decode steps per round")
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens of the request through the server")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="in-process torch threads")
+    ap.add_argument("--executor-args", default="", help="extra flags of the server's executor, e.g. '--num-threads 1'")
+    ap.add_argument("--scheduler-args", default="", help="extra flags of its scheduler, e.g. '--async-scheduling'")
+    args = ap.parse_args()
+
+    runner = load_runner(args.threads)
+    weight_bytes = decode_bytes(runner.model)
+    x = torch.ones(256 * 1024 * 1024)
+    server = start_server(
+        Path(tempfile.mkdtemp()),
+        ["--model", "default", "--dtype", "float32", *shlex.split(args.executor_args)],
+        shlex.split(args.scheduler_args),
+    )
+    rows = []
+    try:
+        asyncio.run(generate(server.address, PROMPT, 8))  # warm both processes
+        for rnd in range(args.rounds):
+            bw = [bandwidth_gbs(x)]
+            order = ("in-process", "server") if rnd % 2 == 0 else ("server", "in-process")
+            got = {}
+            for what in order:
+                if what == "in-process":
+                    got[what] = step_ms(runner, args.steps)
+                else:
+                    _, rate = asyncio.run(generate(server.address, PROMPT, args.max_tokens))
+                    got[what] = 1000 / rate
+            bw.append(bandwidth_gbs(x))
+            floor = weight_bytes / (statistics.median(bw) * 1e9) * 1000
+            rows.append((floor, got["in-process"], got["server"], bw))
+            print(
+                f"round {rnd + 1}: read {bw[0]:.1f} / {bw[1]:.1f} GB/s -> floor {floor:.1f} ms; "
+                f"in-process step {got['in-process']:.1f} ms ({got['in-process'] / floor:.2f}x), "
+                f"server token {got['server']:.1f} ms ({got['server'] / floor:.2f}x)",
+                flush=True,
+            )
+    finally:
+        server.stop()
+    floor, inproc, served = (statistics.median(r[i] for r in rows) for i in range(3))
+    print(
+        f"\nfloat32 batch 1, {weight_bytes / 1e6:.0f} MB read per step, {args.threads} in-process threads, "
+        f"server flags: {' '.join([args.executor_args, args.scheduler_args]).strip() or 'defaults'}; "
+        f"medians of {args.rounds} rounds"
+    )
+    print(f"weight-read floor     {floor:6.1f} ms")
+    print(f"in-process step       {inproc:6.1f} ms   {inproc / floor:.2f}x the floor")
+    print(f"server token          {served:6.1f} ms   {served / floor:.2f}x the floor")
+    print(f"median of per-round server/floor: {statistics.median(r[2] / r[0] for r in rows):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
