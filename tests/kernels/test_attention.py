@@ -21,12 +21,21 @@ def _run(backend_name, batch, scale=0.25):
     return backend.forward(batch.q, batch.cache, batch.meta, scale)
 
 
+def _column_major(q: torch.Tensor) -> torch.Tensor:
+    """q with the same values laid out as a linear's transposed view ((W @ x^T)^T) leaves it."""
+    t, h, d = q.shape
+    return q.reshape(t, h * d).t().contiguous().t().view(t, h, d)
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("seqs", [MIXED, DECODE_ONLY_RAGGED, DECODE_ONLY_EQUAL, PREFILL_ONLY])
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_torch_backend_matches_reference(paged_batch, block_size, seqs, dtype, atol):
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_torch_backend_matches_reference(paged_batch, block_size, seqs, dtype, atol, layout):
     batch = paged_batch(seqs, block_size, dtype=dtype, seed=block_size)
     ref_batch = paged_batch(seqs, block_size, dtype=dtype, seed=block_size)
+    if layout == "column-major":
+        batch.q = _column_major(batch.q)
     out = _run("torch", batch)
     ref = _run("torch_ref", ref_batch)
     assert out.shape == batch.q.shape and out.dtype == dtype
@@ -154,8 +163,7 @@ def test_prefill_chunks_of_a_transposed_q_take_sdpa_flash_kernel(paged_batch, dt
     from torch.profiler import profile
 
     batch = paged_batch(PREFILL_ONLY, 4, dtype=dtype, seed=5)
-    t, h, d = batch.q.shape
-    transposed = batch.q.reshape(t, h * d).t().contiguous().t().view(t, h, d)  # same values, column-major
+    transposed = _column_major(batch.q)
     assert transposed.stride(-1) != 1 and torch.equal(transposed, batch.q)
     backend = get_backend("torch")
     backend.write_kv(batch.cache, batch.k_new, batch.v_new, batch.meta.slot_mapping)
