@@ -10,6 +10,10 @@ plus the OpenAI fields with a behaviour vLLM does not implement (`functions`, `s
 - accepted, with no effect to honour here (say why): NO_EFFECT;
 - refused whenever set (not null, not empty): REFUSED, with the reason.
 
+OpenAI's own Chat Completions fields that vLLM's request lacks (`store`, `audio`,
+`web_search_options`, ...) are classified the same way, so a client asking OpenAI's API for
+web search or audio gets a 400 rather than a plain text answer.
+
 A field in none of these is unknown. vLLM accepts unknown fields and logs that it ignored
 them; so does chunkserve (one warning per field name, not per request).
 """
@@ -49,12 +53,21 @@ NEUTRAL: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1,
     "bad_words": [],
+    # OpenAI's own fields (its API reference, Chat Completions) that vLLM's request omits:
+    "store": False,  # store the completion for OpenAI's evals and distillation: nothing is stored here
+    "modalities": ["text"],  # audio output
+    "verbosity": "medium",  # a shorter or longer answer than the model's own
 }
 NO_EFFECT = {
     "user": "an end-user label for the client's own records; vLLM does not use it either",
     "spaces_between_special_tokens": "the fast tokenizer never inserts spaces between special tokens "
     "(as vLLM's fast detokenizer)",
     "include_reasoning": "no reasoning parser runs, so there is no reasoning content to include or drop",
+    "safety_identifier": "an end-user label for OpenAI's abuse monitoring, like `user`",
+    "metadata": "tags for OpenAI's stored completions; nothing is stored here, and tags change no output",
+    "service_tier": "a billing and latency tier at OpenAI; one tier here, and it changes no output",
+    "prompt_cache_key": "a hint for OpenAI's prompt cache; the prefix cache here matches prompts by their tokens",
+    "prediction": "predicted output is a speed hint at OpenAI (the output is the same without it)",
 }
 REFUSED = {
     "prompt_logprobs": "prompt logprobs are not computed",
@@ -69,6 +82,8 @@ REFUSED = {
     "suffix": "suffix is not supported (as vLLM)",
     "functions": "the legacy `functions` parameter is not supported; use `tools`",
     "function_call": "the legacy `function_call` parameter is not supported; use `tool_choice`",
+    "audio": "audio output is not supported",
+    "web_search_options": "web search is not supported",
 }
 _WARNED: set[str] = set()
 _MAX_WARNED = 256  # unknown names are logged once each; this bounds the set

@@ -195,6 +195,12 @@ REFUSED = [  # (endpoint, extra fields, param)
     ("chat/completions", {"skip_special_tokens": "no"}, "skip_special_tokens"),
     ("chat/completions", {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
     ("chat/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    # OpenAI's own fields outside vLLM's request
+    ("chat/completions", {"web_search_options": {"search_context_size": "low"}}, "web_search_options"),
+    ("chat/completions", {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
+    ("chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("chat/completions", {"store": True}, "store"),
+    ("chat/completions", {"verbosity": "low"}, "verbosity"),
 ]
 
 
@@ -215,6 +221,22 @@ def test_known_fields_chunkserve_cannot_honour_are_refused_by_name(fakes, byte_t
                     for _ in range(2):
                         assert (await http.post(base + "/v1/completions", json=ok)).status_code == 200
                 assert sum("frobnicate" in r.getMessage() for r in caplog.records) == 1
+                chat_ok = {
+                    "messages": HI,
+                    "max_tokens": 1,
+                    "store": False,
+                    "modalities": ["text"],
+                    "verbosity": "medium",
+                    "metadata": {"team": "a"},
+                    "service_tier": "auto",
+                    "prompt_cache_key": "k",
+                    "safety_identifier": "s",
+                    "prediction": {"type": "content", "content": "hi"},
+                }
+                caplog.clear()
+                with caplog.at_level(logging.WARNING, logger="scheduler_svc.openai_fields"):
+                    assert (await http.post(base + "/v1/chat/completions", json=chat_ok)).status_code == 200
+                assert not caplog.records  # each is known: none is taken for an unknown field
 
     asyncio.run(main())
 
