@@ -169,4 +169,5 @@ def test_batch1_floor_prints_each_figure_against_the_floor_it_measured():
             figures["floor"] = float(parts[2])
     assert set(figures) == {"floor", "in-process step", "server token"}, out.stdout
     for ms, ratio in (figures["in-process step"], figures["server token"]):
-        assert ms > 0 and abs(ms / figures["floor"] - ratio) < 0.01  # each ratio is its figure over the floor
+        # each ratio is its figure over the floor (all three printed rounded: 3% covers that)
+        assert ms > 0 and abs(ms / figures["floor"] - ratio) <= 0.03 * ratio + 0.005
