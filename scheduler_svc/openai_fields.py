@@ -8,7 +8,8 @@ plus the OpenAI fields with a behaviour vLLM does not implement (`functions`, `s
 - read by openai_protocol.build_request / openai_prompt / openai_tools: HANDLED;
 - accepted only at their neutral value (the one that changes nothing): NEUTRAL;
 - accepted, with no effect to honour here (say why): NO_EFFECT;
-- refused whenever set (not null, not empty): REFUSED, with the reason.
+- refused whenever set (not null, not empty; `audio` and `web_search_options` even empty):
+  REFUSED, with the reason.
 
 OpenAI's own Chat Completions fields that vLLM's request lacks (`store`, `audio`,
 `web_search_options`, ...) are classified the same way, so a client asking OpenAI's API for
@@ -85,6 +86,8 @@ REFUSED = {
     "audio": "audio output is not supported",
     "web_search_options": "web search is not supported",
 }
+# Refused even empty: OpenAI reads `web_search_options: {}` as "search, with the defaults".
+_PRESENCE_ASKS = {"audio", "web_search_options"}
 _WARNED: set[str] = set()
 _MAX_WARNED = 256  # unknown names are logged once each; this bounds the set
 
@@ -114,7 +117,7 @@ def check_fields(body: dict[str, Any], chat: bool) -> None:
             if value != neutral or isinstance(value, bool) != isinstance(neutral, bool):
                 raise bad(name, f"{name} is not supported (only {json.dumps(neutral)})")
         elif name in REFUSED:
-            if value not in ([], {}, ""):
+            if value not in ([], {}, "") or name in _PRESENCE_ASKS:
                 raise bad(name, f"{name}: {REFUSED[name]}")
         elif name not in _WARNED and len(_WARNED) < _MAX_WARNED:
             _WARNED.add(name)

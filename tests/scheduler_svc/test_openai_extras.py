@@ -197,6 +197,7 @@ REFUSED = [  # (endpoint, extra fields, param)
     ("chat/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     # OpenAI's own fields outside vLLM's request
     ("chat/completions", {"web_search_options": {"search_context_size": "low"}}, "web_search_options"),
+    ("chat/completions", {"web_search_options": {}}, "web_search_options"),  # OpenAI: search, default options
     ("chat/completions", {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
     ("chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ("chat/completions", {"store": True}, "store"),
