@@ -1,7 +1,8 @@
 """The router in front of two real tiny-model replicas: same greedy tokens as a replica served
 directly, a follow-up sharing a prefix goes where the prefix is cached, the OpenAI API goes
 through, Abort reaches the replica, and killing a replica loses no request that had not
-streamed a token yet. (Two replica pairs and a router process: slow.)"""
+streamed a token yet, through the multiplexed replica leg and the per-call one. (Two replica
+pairs and a router process: slow.)"""
 
 from __future__ import annotations
 
@@ -137,10 +138,32 @@ def test_abort_reaches_the_replica(router):
     assert info.num_device_blocks == 2 * 128  # summed over the replicas
 
 
-def test_killing_a_replica_moves_its_queued_requests(tiny_model_path, tmp_path):
+def test_the_per_call_leg_gives_the_same_tokens_and_aborts(replicas, tiny_model_path, tmp_path):
+    """`--replica-transport call` (one Generate call per request, the fallback for a replica
+    without Multiplex) in a real router process: the tokens a replica gives directly, and
+    Abort by the router's id ends the replica's request."""
+    proc, port, _, _ = start_router(tmp_path, replicas, tiny_model_path, "--replica-transport", "call")
+    try:
+        assert "replica transport call" in (tmp_path / f"router-{port}.log").read_text()
+        for prompt in ([5, 6, 7], [(i * 13) % 100 + 3 for i in range(3 * BLOCK + 5)]):
+            direct, _ = run(replicas[0].address, greedy(prompt))
+            through, msgs = run(f"127.0.0.1:{port}", greedy(prompt))
+            assert through.token_ids == direct.token_ids and msgs[0].request_id.startswith("rt-")
+        stub = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        stream = stub.Generate(greedy([4] * 40, n=2000), timeout=120)
+        first = next(stream)
+        assert stub.Abort(pb.AbortRequest(request_id=first.request_id), timeout=10).found
+        assert list(stream)[-1].finish_reason == pb.FINISH_REASON_ABORTED
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+@pytest.mark.parametrize("transport", ["mux", "call"])
+def test_killing_a_replica_moves_its_queued_requests(tiny_model_path, tmp_path, transport):
     """A replica with one sequence slot holds one request running and the rest queued; it is
     killed: every request that had not streamed a token finishes on the other replica, with
-    the tokens a replica gives it directly."""
+    the tokens a replica gives it directly. Through either replica leg."""
     from concurrent.futures import ThreadPoolExecutor
 
     executor, scheduler = replica_args(tiny_model_path)
@@ -149,7 +172,9 @@ def test_killing_a_replica_moves_its_queued_requests(tiny_model_path, tmp_path):
     slow = start_server(tmp_path / "a", executor, [*scheduler, "--max-num-seqs", "1"])
     spare = start_server(tmp_path / "b", executor, scheduler)
     try:
-        proc, port, _, admin = start_router(tmp_path, [slow, spare], tiny_model_path, "--policy", "round_robin")
+        proc, port, _, admin = start_router(
+            tmp_path, [slow, spare], tiny_model_path, "--policy", "round_robin", "--replica-transport", transport
+        )
         try:
             stub = rpb_grpc.RouterStub(grpc.insecure_channel(f"127.0.0.1:{admin}"))
             stub.DrainReplica(rpb.DrainReplicaRequest(address=f"127.0.0.1:{spare.port}", drain=True), timeout=5)
