@@ -272,6 +272,8 @@ def main() -> None:
     )
     ap.add_argument("--repeat", type=int, default=1, help="run the A..Z, Z..A block this many times (2 passes each)")
     args = ap.parse_args()
+    if 1 not in args.batch:  # found failing at the end of a run without it
+        ap.error("--batch needs 1: the floor ratio and the top-1 agreement are batch-1 figures")
     torch.set_num_threads(args.threads)
     bw, peak = read_bandwidth_gbs(), gemm_peak_gflops()
     print(f"read bandwidth {bw:.1f} GB/s, float32 GEMM peak {peak:.0f} GFLOP/s ({args.threads} threads)", flush=True)
