@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from executor_modes import _decode_plan, _prefill, decode_bytes  # noqa: E402
+from executor_modes import _decode_plan, _prefill, build, decode_bytes  # noqa: E402
 from spec_decode import generate  # noqa: E402
 
 PROMPT = [(i * 53) % 30000 + 200 for i in range(128)]
@@ -66,20 +66,7 @@ def step_ms(runner, steps: int) -> float:
 
 def load_runner(threads: int):
     """The float32 default model as the server loads it, with the kernel plan it keeps."""
-    from executor_svc.config import ExecutorConfig, default_cache_dir
-    from executor_svc.worker import load
-
-    config = ExecutorConfig(
-        model="default",
-        dtype="float32",
-        device="cpu",
-        kv_cache_memory_gib=0.25,
-        swap_space=0.0,
-        max_num_batched_tokens=2048,
-        cache_dir=default_cache_dir(),
-        num_threads=threads,
-    )
-    runner = load(config).runner
+    runner = build("float32", threads, plan="measure")
     runner.threads = None  # a fixed count: the governor would probe other counts mid-measurement
     return runner
 

@@ -113,7 +113,10 @@ BASE_MODES = (
 MODES = BASE_MODES + tuple(m + "-table" for m in BASE_MODES)
 
 
-def build(mode: str, threads: int):
+def build(mode: str, threads: int, plan: str = "remeasure"):
+    """The default model loaded as the server loads it in `mode` (MODES). A "-table" mode uses
+    the tables; otherwise `plan` is --cpu-linear-plan ("remeasure": a plan measured now;
+    "measure": the one a server on this machine keeps)."""
     table = mode.endswith("-table")
     mode = mode.removesuffix("-table")
     aten = mode.endswith("-aten")
@@ -124,7 +127,7 @@ def build(mode: str, threads: int):
             dtype=mode if mode in ("bfloat16", "float16") else "float32",
             cpu_gemm_row_padding=mode != "float32-nopad",
             cpu_gemm_prepack=mode != "float32-noprepack",
-            cpu_linear_plan="table" if table else "remeasure",
+            cpu_linear_plan="table" if table else plan,
             device="cpu",
             kv_cache_memory_gib=1.0,
             swap_space=0.0,
@@ -258,7 +261,7 @@ def _plan_text(model) -> str:
     return f" (plan: linears {model.model.plan}; head {model.lm_head.plan})"
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--modes", nargs="+", default=["float32", "int4"], choices=MODES)
@@ -274,6 +277,11 @@ def main() -> None:
     args = ap.parse_args()
     if 1 not in args.batch:  # found failing at the end of a run without it
         ap.error("--batch needs 1: the floor ratio and the top-1 agreement are batch-1 figures")
+    return args
+
+
+def main() -> None:
+    args = _parse_args()
     torch.set_num_threads(args.threads)
     bw, peak = read_bandwidth_gbs(), gemm_peak_gflops()
     print(f"read bandwidth {bw:.1f} GB/s, float32 GEMM peak {peak:.0f} GFLOP/s ({args.threads} threads)", flush=True)
