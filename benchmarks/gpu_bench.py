@@ -190,6 +190,10 @@ def run(args: argparse.Namespace) -> dict:
             graph_seconds = None
             if graphs is not None:
                 graph_seconds = timed(graph_step(model, graphs, tables, args.context), args.warmup, args.iters, device)
+            if args.profile:
+                profile_step(step, f"{name} eager", batch)
+                if graphs is not None:
+                    profile_step(graph_step(model, graphs, tables, args.context), f"{name} graph", batch)
             floor = weight_bytes / HBM_BYTES_PER_S
             floor_kv = (weight_bytes + batch * (args.context + 1) * kv_bytes_per_token) / HBM_BYTES_PER_S
             result["decode"].append(
@@ -228,6 +232,29 @@ def run(args: argparse.Namespace) -> dict:
         )
         del kv_cache
     return result
+
+
+def profile_step(fn, name: str, batch: int, steps: int = 3) -> None:
+    """--profile: the kernels one decode step runs (through the graphs where captured), by
+    device time, and their sum per step: with the step's time it splits the gap to the floor
+    into slow kernels and time between them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total: dict[str, list[float]] = {}
+    for e in kernels:
+        total.setdefault(e.name[:90], []).append(e.device_time)
+    busy = sum(sum(v) for v in total.values()) / steps / 1e3
+    print(f"\nprofile {name} batch {batch}: {len(kernels) / steps:.0f} kernels, {busy:.3f} ms of kernel time per step")
+    for kname, times in sorted(total.items(), key=lambda kv: -sum(kv[1]))[:14]:
+        print(f"  {sum(times) / steps / 1e3:8.3f} ms  {len(times) // steps:5d} x  {kname}")
 
 
 def unusable(name: str, dtype: torch.dtype, block_size: int, head_dim: int) -> str | None:
@@ -288,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=None, help="decode context per sequence (1024)")
     p.add_argument("--prefill-seqs", type=int, default=None)
     p.add_argument("--prefill-len", type=int, default=None)
+    p.add_argument("--profile", action="store_true", help="also list each decode step's kernels by device time")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default=None, help="default: $OUT/gpu_bench.json when OUT is set")

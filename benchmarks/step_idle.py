@@ -85,10 +85,14 @@ def main() -> None:
     traces = {name: work / f"trace-{name}.jsonl" for name in settings}
     for name in settings:
         (work / name).mkdir()
+    # The servers run side by side: on a GPU each would otherwise size its KV cache from the
+    # memory the ones before it left (--gpu-memory-utilization is of the whole card), so every
+    # one gets a fixed cache, twice what the streams can hold at once.
+    blocks = 2 * args.streams * -(-(args.input_len + args.output_len) // 16) + 64
     servers = {
         name: start_server(
             work / name,
-            ["--model", str(model), "--dtype", args.dtype],
+            ["--model", str(model), "--dtype", args.dtype, "--num-gpu-blocks-override", str(blocks)],
             ["--step-trace-file", str(traces[name]), *flags],
         )
         for name, flags in settings.items()

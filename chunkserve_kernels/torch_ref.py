@@ -35,8 +35,8 @@ class TorchRefBackend(AttentionBackend):
             v = v.repeat_interleave(group, dim=1)
             qi = q[start : start + q_len].double()
             scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
-            query_pos = torch.arange(ctx_len - q_len, ctx_len)  # aligned to the end
-            allowed = torch.arange(ctx_len)[None, :] <= query_pos[:, None]
+            query_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)  # aligned to the end
+            allowed = torch.arange(ctx_len, device=q.device)[None, :] <= query_pos[:, None]
             scores = scores.masked_fill(~allowed, float("-inf"))
             probs = scores.softmax(dim=-1)
             out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)

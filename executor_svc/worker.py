@@ -258,7 +258,7 @@ def table_plans(model: Any, config: ExecutorConfig, place: Placement) -> tuple[P
     pack = config.cpu_gemm_prepack and cpu_fp32 and prepack_measured() and not (rows and rows.max_rows is None)
     if pack and model.lm_head.packed is None:
         model.prepack()
-    upto, pad = config.max_num_batched_tokens, config.cpu_gemm_row_padding
+    upto, pad = config.max_num_batched_tokens, config.cpu_gemm_row_padding and cpu_fp32  # MKL's remedy: not GPUs'
     body = table_plan(rows, packed=pack, padding=pad, upto=upto)
     return body, table_plan(head_rows, packed=pack, padding=pad, upto=upto)
 
