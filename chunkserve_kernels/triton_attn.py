@@ -16,12 +16,14 @@ sequence with q new tokens and ctx keys sits at position ctx - q + j), the key l
 at the tile's last query position, softmax is online (running max and sum, base 2), and
 everything accumulates in float32 whatever the input dtype.
 
-This module imports triton at the top on purpose: the backend registry imports it only
-when "triton" is asked for (or chosen by `choose_backend`, which checks that triton is
-installed without importing it), so a CPU machine never pays for it.
+This module imports triton at the top on purpose: the registry imports it only when
+"triton" is asked for or chosen, so a CPU machine never pays for it.
 
-Known limit: no split over the context (flash-decoding); a batch-1 decode keeps only
-`num_kv_heads` programs busy. Measure before adding one (benchmarks/gpu_bench.py).
+Decode-only steps of few sequences split the keys (flash-decoding; unsplit, a batch-1 decode
+kept 8 programs busy on an H200: 35 us a layer for 1K keys, benchmarks/GPU.md): axis 1 counts
+shares instead of query tiles, each cut at BLOCK_N multiples from the length on the device (so
+a CUDA graph replays it for any context); a second kernel merges them. The number of shares
+depends on the batch size (`decode_splits`), as cuBLAS's choice of kernel already does.
 """
 
 from __future__ import annotations
@@ -51,35 +53,22 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _paged_attention_kernel(
-    Q,
-    K,
-    V,
-    O,  # noqa: E741 (the kernel's tensor names)
-    BLOCK_TABLE,
-    CU_SEQLENS_Q,
-    SEQUSED_K,
-    scale_log2,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_bt,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
+def _paged_attention_kernel(  # one line per group of arguments
+    Q, K, V, O, PART_O, PART_M, PART_L,  # noqa: E741 (the kernel's tensor names)
+    BLOCK_TABLE, CU_SEQLENS_Q, SEQUSED_K, scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
     seq = tl.program_id(0)
-    tile = tl.program_id(1)
     kv_head = tl.program_id(2)
+    if SPLIT:  # decode-only: axis 1 is this program's share of the keys
+        tile = 0
+        split = tl.program_id(1)
+    else:
+        tile = tl.program_id(1)
+        split = 0
     TILE_Q: tl.constexpr = BLOCK_M // GROUP  # query tokens per tile
     q_start = tl.load(CU_SEQLENS_Q + seq)
     q_len = tl.load(CU_SEQLENS_Q + seq + 1) - q_start
@@ -105,8 +94,14 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Keys after the tile's last query position are masked for every row: never load them.
     kv_end = tl.minimum(ctx, ctx - q_len + first + TILE_Q)
+    kv_begin = 0
+    if SPLIT:
+        num_splits = tl.num_programs(1)
+        share = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+        kv_begin = split * share
+        kv_end = tl.minimum(kv_end, kv_begin + share)
     table = BLOCK_TABLE + seq.to(tl.int64) * stride_bt
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_begin, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_end
         block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
@@ -124,9 +119,46 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_off = (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(O + o_off, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if SPLIT:  # unnormalised: _merge_splits_kernel weighs the shares by their maxima
+        part = ((q_start + token).to(tl.int64) * tl.num_programs(1) + split) * NUM_Q_HEADS + head
+        tl.store(PART_O + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(PART_M + part, m_i, mask=row_ok)
+        tl.store(PART_L + part, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_off = (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(O + o_off, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    PART_O,
+    PART_M,
+    PART_L,
+    O,  # noqa: E741
+    stride_ot,
+    stride_oh,
+    NUM_SPLITS,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """One (token, query head): sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), M the
+    largest m_s. A share with no keys has l = 0 and m = -1e30: weight 0."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < NUM_SPLITS
+    part = (token * NUM_SPLITS + s) * NUM_Q_HEADS + head
+    m = tl.load(PART_M + part, mask=s_ok, other=-1.0e30)
+    w = tl.exp2(m - tl.max(m, 0))
+    l_sum = tl.sum(tl.load(PART_L + part, mask=s_ok, other=0.0) * w, 0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    acc = tl.load(PART_O + part[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(l_sum > 0, l_sum, 1.0)
+    tl.store(O + token * stride_ot + head * stride_oh + d, out.to(O.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
@@ -212,6 +244,22 @@ def tile_config(max_seqlen_q: int, group: int, head_dim: int, elem_bytes: int = 
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 8 if block_m >= 128 else 4}
 
 
+MAX_SPLITS = 16
+_SM_COUNT: dict[int, int] = {}  # multiprocessors per CUDA device index
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Key shares per (sequence, KV head) for a decode-only step: enough programs for about
+    two per multiprocessor, at most MAX_SPLITS; 1 (no split) where the batch fills the GPU
+    alone, and on CPU (the interpreter; tests ask for splits through `config`)."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return max(1, min(MAX_SPLITS, -(-2 * _SM_COUNT[index] // (num_seqs * num_kv_heads))))
+
+
 def paged_attention(
     q: torch.Tensor,
     kv_cache_layer: torch.Tensor,
@@ -222,7 +270,8 @@ def paged_attention(
     """Causal attention of q `[T, Hq, D]` over the paged cache; returns a new `[T, Hq, D]`.
 
     `config` overrides `tile_config` (the CPU tests use small tiles to keep the
-    interpreter fast and to make several key tiles per sequence).
+    interpreter fast and to make several key tiles per sequence), and its "SPLITS" the
+    number of key shares of a decode-only step (`decode_splits`).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache_layer[0], kv_cache_layer[1]
@@ -237,13 +286,25 @@ def paged_attention(
         raise ValueError(f"BLOCK_M {cfg['BLOCK_M']} cannot hold a GQA group of {group}")
     q = _last_dim_contiguous(q)
     out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
-    tile_q = cfg["BLOCK_M"] // group
-    grid = (meta.num_seqs, triton.cdiv(meta.max_seqlen_q, tile_q), num_kv_heads)
+    splits = 1
+    if meta.max_seqlen_q == 1:
+        splits = cfg.get("SPLITS") or decode_splits(meta.num_seqs, num_kv_heads, q.device)
+    if splits > 1:
+        part_o = torch.empty(num_tokens, splits, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(num_tokens, splits, num_q_heads, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        grid = (meta.num_seqs, splits, num_kv_heads)
+    else:
+        part_o = part_m = part_l = out  # not read: SPLIT is off
+        grid = (meta.num_seqs, triton.cdiv(meta.max_seqlen_q, cfg["BLOCK_M"] // group), num_kv_heads)
     _paged_attention_kernel[grid](
         q,
         k_cache,
         v_cache,
         out,
+        part_o,
+        part_m,
+        part_l,
         meta.block_table,
         meta.cu_seqlens_q,
         meta.seqused_k,
@@ -256,24 +317,45 @@ def paged_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         meta.block_table.stride(0),
+        NUM_Q_HEADS=num_q_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim),
         GROUP=group,
         BLOCK_SIZE=block_size,
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
+        SPLIT=splits > 1,
         # float32 must not silently drop to TF32 (10-bit mantissa) on tensor cores.
         PRECISION="ieee" if q.dtype == torch.float32 else None,
         UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,  # interpreter only, see _dot
         num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 2),
     )
+    if splits > 1:
+        _merge_splits(part_o, part_m, part_l, out)
     return out
 
 
+def _merge_splits(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor) -> None:
+    """Writes `out` [T, Hq, D] from the key shares' partial sums `part_o` [T, S, Hq, D]."""
+    num_tokens, splits, num_q_heads, head_dim = part_o.shape
+    _merge_splits_kernel[(num_tokens, num_q_heads)](
+        part_o,
+        part_m,
+        part_l,
+        out,
+        out.stride(0),
+        out.stride(1),
+        splits,
+        NUM_Q_HEADS=num_q_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_S=triton.next_power_of_2(splits),
+    )
+
+
 class TritonBackend(AttentionBackend):
-    """Any block size, head sizes up to 256, float32/bfloat16/float16; CUDA tensors
-    (or CPU tensors under TRITON_INTERPRET=1, which is how CI tests it)."""
+    """Any block size, head sizes up to 256, float32/bfloat16/float16; CUDA tensors (CPU under TRITON_INTERPRET=1)."""
 
     name = "triton"
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)

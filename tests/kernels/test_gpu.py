@@ -33,6 +33,7 @@ if importlib.util.find_spec("flash_attn") is not None:
 BATCHES = {
     "mixed": [(0, 512), (1000, 1), (37, 1), (2000, 64), (255, 1), (0, 1), (4090, 1), (700, 300)],
     "decode": [(c, 1) for c in (1, 15, 16, 17, 255, 256, 1023, 2047, 4000, 100)] * 4,
+    "decode_few": [(4000, 1), (16, 1), (1023, 1)],  # triton splits the keys (flash-decoding)
     "prefill": [(0, 2048), (512, 1024)],
 }
 
@@ -90,9 +91,13 @@ def _executor():
     return worker
 
 
-def _greedy_via_runner(runner, prompts, new_tokens, chunk=256):
+def _greedy_via_runner(runner, prompts, new_tokens, chunk=256, drafts=None, mask=None):
     """Plays the scheduler: prefills in chunks while earlier sequences decode, so steps mix
-    both; blocks come from a shuffled pool. Returns each prompt's sampled tokens."""
+    both; blocks come from a shuffled pool. Returns each prompt's sampled tokens.
+
+    `drafts(i, out_i)`, when given, proposes draft tokens for sequence i's decode (a verify
+    entry: its cursor moves by 1 + the accepted drafts, as the scheduler's would); `mask(i)`
+    gives the packed allowed-token row put at every sampling position of sequence i."""
     from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 
     runner.reset()
@@ -113,20 +118,28 @@ def _greedy_via_runner(runner, prompts, new_tokens, chunk=256):
                 plan.new_seqs.add(seq_id=i, sampling=greedy)
             n = min(chunk, len(prompt) - done[i]) if done[i] < len(prompt) else 1
             tokens = prompt[done[i] : done[i] + n] if done[i] < len(prompt) else []
-            need = math.ceil((done[i] + n) / bs) - blocks[i]
-            new_blocks = [free.pop() for _ in range(need)]
-            blocks[i] += need
-            plan.seqs.add(
+            guess = list(drafts(i, out[i]))[: new_tokens - len(out[i]) - 1] if drafts and not tokens else []
+            need = math.ceil((done[i] + n + len(guess)) / bs) - blocks[i]
+            new_blocks = [free.pop() for _ in range(max(need, 0))]
+            blocks[i] += max(need, 0)
+            s = plan.seqs.add(
                 seq_id=i,
                 num_computed_tokens=done[i],
-                num_new_tokens=n,
+                num_new_tokens=n + len(guess),
                 token_ids=tokens,
                 block_ids=new_blocks,
                 sample=done[i] + n >= len(prompt),
+                draft_token_ids=guess,
             )
+            if mask is not None and s.sample:
+                for position in range(n - 1, n + len(guess)):
+                    s.token_masks.add(position=position, bits=mask(i))
             done[i] += n
         for s in runner.execute(plan).sampled:
             out[s.seq_id].append(s.token_id)
+        for i in range(len(prompts)):  # a verify entry's cursor: 1 + its accepted drafts
+            if done[i] > len(prompts[i]):
+                done[i] = len(prompts[i]) + len(out[i]) - 1
     return out
 
 
@@ -272,3 +285,66 @@ def test_cuda_graphs_replay_decode_steps(random_checkpoint, dtype, tmp_path):
     else:
         hf = transformers.AutoModelForCausalLM.from_pretrained(random_checkpoint, dtype=torch.bfloat16).to(DEVICE)
         _assert_near_greedy(hf.eval(), prompts, got[True], 0.5)
+
+
+@pytest.mark.parametrize("name", [n for n, b in BACKENDS if b == 16])
+def test_verify_steps_and_token_masks_on_the_gpu(random_checkpoint, name, tmp_path):
+    """What the scheduler's speculative decoding and structured output send, run on the GPU in
+    float32: verify entries (a decode plus drafts, most right, every third one wrong at its
+    end) keep plain greedy's tokens and accept drafts; mask rows keep every token inside its
+    sequence's allowed set, each the best allowed one by HF's logits."""
+    import transformers
+
+    from executor_svc.config import ExecutorConfig
+
+    worker = _executor()
+    loaded = worker.load(
+        ExecutorConfig(
+            model=str(random_checkpoint),
+            device=DEVICE,
+            dtype="float32",
+            block_size=16,
+            attention_backend=name,
+            num_gpu_blocks_override=1024,
+            swap_space=0.0,
+            max_num_batched_tokens=2048,
+            cache_dir=str(tmp_path),
+        )
+    )
+    runner = loaded.runner
+    plain = _greedy_via_runner(runner, RANDOM_PROMPTS, new_tokens=24)
+    calls = []
+
+    def drafts(i, out_i):
+        calls.append(i)
+        guess = plain[i][len(out_i) : len(out_i) + 3]  # the tokens after out_i[-1]
+        return guess[:-1] + [(guess[-1] + 1) % 500] if guess and len(calls) % 3 == 0 else guess
+
+    spec = _greedy_via_runner(runner, RANDOM_PROMPTS, new_tokens=24, drafts=drafts)
+    assert spec == plain
+    decodes = sum(len(o) for o in plain) - len(plain)
+    assert len(calls) < decodes  # drafts were accepted: fewer decode entries than tokens
+
+    vocab = 512
+
+    def allowed(i):
+        return {t for t in range(vocab) if t % 3 == i % 3}
+
+    def row(i):
+        words = [0] * (vocab // 32)
+        for t in allowed(i):
+            words[t // 32] |= 1 << (t % 32)
+        return b"".join(w.to_bytes(4, "little") for w in words)
+
+    masked = _greedy_via_runner(runner, RANDOM_PROMPTS, new_tokens=24, mask=row)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(random_checkpoint, dtype=torch.float32).to(DEVICE).eval()
+    for i, (prompt, tokens) in enumerate(zip(RANDOM_PROMPTS, masked)):
+        assert set(tokens) <= allowed(i)
+        ids = torch.tensor([prompt + tokens[:-1]], device=DEVICE)
+        with torch.inference_mode():
+            logits = hf(ids).logits[0, len(prompt) - 1 :].float()
+        keep = torch.tensor(sorted(allowed(i)), device=DEVICE)
+        best = logits[:, keep].max(1).values
+        chosen = logits.gather(1, torch.tensor(tokens, device=DEVICE)[:, None])[:, 0]
+        assert (best - chosen).max().item() <= 1e-3
+    assert masked != plain

@@ -89,6 +89,28 @@ class _InterpretedCases:
     def test_batch_shapes(self, paged_batch, seqs, config):
         _check(paged_batch(seqs, 8, 4, 2, 16, torch.float32, seed=len(seqs)), config=config)
 
+    @pytest.mark.parametrize("splits", [2, 3, 7])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_decode_split_over_the_context_matches_reference(self, paged_batch, splits, dtype):
+        """Flash-decoding: each (sequence, KV head) runs `splits` shares of its keys, merged
+        by a second kernel. Contexts from 1 key (every share but one empty) to several key
+        tiles per share, blocks of 3, GQA 8/2."""
+        seqs = [(0, 1), (4, 1), (17, 1), (95, 1), (33, 1), (63, 1)]
+        _check(paged_batch(seqs, 3, 8, 2, 16, dtype, seed=splits), config={**SMALL_TILES, "SPLITS": splits})
+
+    def test_decode_split_with_a_group_wider_than_the_tile(self, paged_batch):
+        """MQA 32/1 (two 16-row tiles' worth of heads in one program) split in 4."""
+        seqs = [(40, 1), (2, 1)]
+        _check(
+            paged_batch(seqs, 4, 32, 1, 16, torch.float32, seed=3), config={"BLOCK_M": 32, "BLOCK_N": 16, "SPLITS": 4}
+        )
+
+    def test_decode_splits_only_on_cuda_and_only_where_the_batch_leaves_room(self, monkeypatch):
+        assert ta.decode_splits(1, 8, torch.device("cpu")) == 1
+        monkeypatch.setitem(ta._SM_COUNT, 0, 132)  # an H200's multiprocessors
+        cuda = torch.device("cuda", 0)
+        assert [ta.decode_splits(n, 8, cuda) for n in (1, 2, 4, 16, 32, 33, 128)] == [16, 16, 9, 3, 2, 1, 1]
+
     @pytest.mark.parametrize("head_dim", [8, 24])
     def test_head_dims_below_and_off_power_of_two(self, paged_batch, head_dim):
         """The head axis is padded to a power of two >= 16 inside the kernel and masked."""
