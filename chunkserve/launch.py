@@ -25,11 +25,33 @@ if TYPE_CHECKING:
     import transformers
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports that were free a moment ago, none handed out before by this
+    process: the sockets stay bound until all n are found, since a port closed and asked for
+    again can come back (two of a server's ports once did, and its second listener failed)."""
+    socks: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                ports.append(port)
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
 def free_port() -> int:
-    """A loopback port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that was free a moment ago (see free_ports)."""
+    return free_ports(1)[0]
 
 
 @dataclass
@@ -101,11 +123,26 @@ def start_server(tmp_dir: Path, executor_args: list[str], scheduler_args: list[s
     """Starts `python -m executor_svc` and `python -m scheduler_svc` as separate processes.
 
     Like `chunkserve serve`: a fresh executor token shared by the two through their
-    environment (never on a command line), and two children that exit when this process dies."""
-    eport, port, mport, aport = free_port(), free_port(), free_port(), free_port()
+    environment (never on a command line), and two children that exit when this process dies.
+    A start that fails because another process took one of the free ports first is retried
+    on new ports (twice at most)."""
+    for _ in range(2):
+        try:
+            return _start_once(tmp_dir, executor_args, scheduler_args, timeout)
+        except PortTaken:
+            continue
+    return _start_once(tmp_dir, executor_args, scheduler_args, timeout)
+
+
+class PortTaken(RuntimeError):
+    """A server process could not listen: a port that was free was taken before it bound."""
+
+
+def _start_once(tmp_dir: Path, executor_args: list[str], scheduler_args: list[str], timeout: float) -> Server:
+    eport, port, mport, aport, hport = free_ports(5)
     # The HTTP front gets a free port too, unless the caller chose one (0 = off).
     given = [scheduler_args[i + 1] for i, a in enumerate(scheduler_args[:-1]) if a == "--http-port"]
-    hport = int(given[-1]) if given else free_port()
+    hport = int(given[-1]) if given else hport
     log = tmp_dir / f"server-{port}.log"
     out = open(log, "w")
     token = new_token()
@@ -146,7 +183,10 @@ def start_server(tmp_dir: Path, executor_args: list[str], scheduler_args: list[s
         for proc in (scheduler, executor):
             if proc.poll() is not None:
                 server.stop()
-                raise RuntimeError(f"server process exited during start-up:\n{log.read_text()[-4000:]}")
+                text = log.read_text()
+                taken = ("cannot listen on", "cannot serve /metrics on", "already in use")
+                error = PortTaken if any(t in text for t in taken) else RuntimeError
+                raise error(f"server process exited during start-up:\n{text[-4000:]}")
         try:  # the admin port answers GetConfig once the executor handshake is done (TLS or not)
             pb_grpc.AdminStub(grpc.insecure_channel(server.admin_address)).GetConfig(pb.GetConfigRequest(), timeout=5)
             return server
