@@ -122,7 +122,10 @@ class SchedulerApp:
             self.http = HttpFront(
                 servicer,
                 config.api_key,
-                Settings(trust_request_chat_template=config.trust_request_chat_template),
+                Settings(
+                    trust_request_chat_template=config.trust_request_chat_template,
+                    reject_unknown_fields=config.openai_unknown_fields == "reject",
+                ),
                 parse_origins(config.allowed_origins),
                 access_log=not config.disable_uvicorn_access_log,
             )

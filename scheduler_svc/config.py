@@ -136,6 +136,14 @@ class SchedulerConfig:
         default=False,
         metadata={"help": "run a `chat_template` sent in a request (vLLM's flag); off: such a request gets 400"},
     )
+    openai_unknown_fields: str = field(
+        default="reject",
+        metadata={
+            "help": "an HTTP request field chunkserve does not know: reject = 400 naming it; warn = accepted and "
+            "logged once per name (vLLM's behaviour)",
+            "choices": ("reject", "warn"),
+        },
+    )
     generation_config: str = field(
         default="auto",
         metadata={

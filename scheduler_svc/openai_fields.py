@@ -15,8 +15,10 @@ OpenAI's own Chat Completions fields that vLLM's request lacks (`store`, `audio`
 `web_search_options`, ...) are classified the same way, so a client asking OpenAI's API for
 web search or audio gets a 400 rather than a plain text answer.
 
-A field in none of these is unknown. vLLM accepts unknown fields and logs that it ignored
-them; so does chunkserve (one warning per field name, not per request).
+A field in none of these is unknown: refused with a 400 naming it (a client's typo, or a
+feature of another server, would otherwise be ignored without a word). vLLM accepts unknown
+fields and logs that it ignored them; `--openai-unknown-fields warn` does that (one warning per
+field name, not per request), for clients or gateways that add fields of their own.
 """
 
 from __future__ import annotations
@@ -106,8 +108,9 @@ def bad(param: str, message: str) -> HttpError:
     return HttpError(message, 400, "invalid_request_error", param)
 
 
-def check_fields(body: dict[str, Any], chat: bool) -> None:
-    """Refuses a field chunkserve cannot honour (a 400 naming it); logs unknown ones once."""
+def check_fields(body: dict[str, Any], chat: bool, reject_unknown: bool = True) -> None:
+    """Refuses a field chunkserve cannot honour (a 400 naming it), and an unknown one unless
+    `reject_unknown` is off (then it is logged once per name)."""
     handled = CHAT_HANDLED if chat else COMPLETION_HANDLED
     for name, value in body.items():
         if name in handled or name in NO_EFFECT or value is None:
@@ -119,6 +122,12 @@ def check_fields(body: dict[str, Any], chat: bool) -> None:
         elif name in REFUSED:
             if value not in ([], {}, "") or name in _PRESENCE_ASKS:
                 raise bad(name, f"{name}: {REFUSED[name]}")
+        elif reject_unknown:
+            raise bad(
+                name,
+                f"{name} is not a request field chunkserve knows, so it cannot honour it "
+                "(the server's --openai-unknown-fields warn accepts and logs such fields, as vLLM does)",
+            )
         elif name not in _WARNED and len(_WARNED) < _MAX_WARNED:
             _WARNED.add(name)
             log.warning("request field %r is not one chunkserve knows; ignored (as vLLM ignores unknown fields)", name)

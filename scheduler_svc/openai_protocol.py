@@ -62,6 +62,7 @@ class Settings:
 
     defaults: dict[str, Any] = field(default_factory=dict)  # GENERATION_DEFAULTS keys -> values
     trust_request_chat_template: bool = False
+    reject_unknown_fields: bool = True  # --openai-unknown-fields reject
 
 
 @dataclass
@@ -127,7 +128,7 @@ def build_request(body: dict[str, Any], chat: bool, settings: Settings | None = 
     (openai_fields) are checked here, ranges and limits by validation.py (via
     GenerationServicer.submit)."""
     settings = settings or Settings()
-    check_fields(body, chat)
+    check_fields(body, chat, settings.reject_unknown_fields)
     n = get(body, "n", (int,), "an integer")
     if n not in (None, 1):
         raise bad("n", f"n must be 1 (one choice per request), got {n}")

@@ -215,13 +215,15 @@ def test_known_fields_chunkserve_cannot_honour_are_refused_by_name(fakes, byte_t
                     assert response.status_code == 400, (extra, response.text)
                     assert response.json()["error"]["param"] == param, (extra, response.json())
                 assert not app.ready.engine.scheduler.requests
-                # neutral values and no-effect fields are fine; unknown ones are logged once
-                openai_fields._WARNED.discard("frobnicate")
-                ok = {"prompt": "hi", "max_tokens": 1, "echo": False, "best_of": 1, "user": "u", "frobnicate": 1}
-                with caplog.at_level(logging.WARNING, logger="scheduler_svc.openai_fields"):
-                    for _ in range(2):
-                        assert (await http.post(base + "/v1/completions", json=ok)).status_code == 200
-                assert sum("frobnicate" in r.getMessage() for r in caplog.records) == 1
+                # an unknown field (a typo of `max_tokens`, another server's feature) is refused by name
+                for endpoint, body in (("completions", {"prompt": "hi"}), ("chat/completions", {"messages": HI})):
+                    response = await http.post(f"{base}/v1/{endpoint}", json={**body, "max_token": 1})
+                    assert response.status_code == 400 and response.json()["error"]["param"] == "max_token"
+                    assert "--openai-unknown-fields warn" in response.json()["error"]["message"]
+                assert not app.ready.engine.scheduler.requests
+                # neutral values and no-effect fields are fine
+                ok = {"prompt": "hi", "max_tokens": 1, "echo": False, "best_of": 1, "user": "u"}
+                assert (await http.post(base + "/v1/completions", json=ok)).status_code == 200
                 chat_ok = {
                     "messages": HI,
                     "max_tokens": 1,
@@ -238,6 +240,25 @@ def test_known_fields_chunkserve_cannot_honour_are_refused_by_name(fakes, byte_t
                 with caplog.at_level(logging.WARNING, logger="scheduler_svc.openai_fields"):
                     assert (await http.post(base + "/v1/chat/completions", json=chat_ok)).status_code == 200
                 assert not caplog.records  # each is known: none is taken for an unknown field
+
+    asyncio.run(main())
+
+
+def test_unknown_fields_under_warn_are_accepted_and_logged_once(fakes, byte_tokenizer_dir, monkeypatch, caplog):
+    """--openai-unknown-fields warn: vLLM's behaviour, one warning per field name."""
+
+    async def main():
+        cfg = {"openai_unknown_fields": "warn"}
+        async with running(fakes, byte_tokenizer_dir, monkeypatch, **cfg) as (app, _, base):
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                openai_fields._WARNED.discard("frobnicate")
+                ok = {"prompt": "hi", "max_tokens": 1, "frobnicate": 1}
+                with caplog.at_level(logging.WARNING, logger="scheduler_svc.openai_fields"):
+                    for _ in range(2):
+                        assert (await http.post(base + "/v1/completions", json=ok)).status_code == 200
+                assert sum("frobnicate" in r.getMessage() for r in caplog.records) == 1
+                bad = {"prompt": "hi", "echo": True}  # known and not honoured: refused under warn too
+                assert (await http.post(base + "/v1/completions", json=bad)).status_code == 400
 
     asyncio.run(main())
 
