@@ -32,6 +32,7 @@ from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.validation import (
     Limits,
     check_client_request_id,
+    check_known_fields,
     needs_tokenizer,
     sampling_params,
     structured_constraint,
@@ -101,6 +102,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         in place of tokenize_prompt, on the same worker.
         """
         engine, limits, _ = self.ready_state()
+        check_known_fields(request)
         check_client_request_id(request)
         engine.grammars.prefetch(structured_constraint(request.sampling))  # compiles while the prompt is tokenized
         if needs_tokenizer(request):

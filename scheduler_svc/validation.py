@@ -17,6 +17,9 @@ import json
 import math
 from dataclasses import dataclass
 
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from scheduler_svc.errors import InvalidRequestError
 from scheduler_svc.request import SamplingParams
@@ -86,6 +89,28 @@ def check_client_request_id(request: pb.GenerateRequest) -> None:
         label = getattr(request, name)
         if len(label) > MAX_CLIENT_REQUEST_ID_BYTES or len(label.encode()) > MAX_CLIENT_REQUEST_ID_BYTES:
             _fail(f"{name} has {len(label.encode())} UTF-8 bytes; at most {MAX_CLIENT_REQUEST_ID_BYTES}")
+
+
+def check_known_fields(message: Message, path: str = "") -> None:
+    """Refuses a field this server's proto does not have (a client built from a newer
+    chunkserve.proto sends it; protobuf would keep it aside, unread), naming its number and
+    the message it was sent in, nested messages included."""
+    numbers = sorted({f.field_number for f in UnknownFieldSet(message)})
+    if numbers:
+        name = message.DESCRIPTOR.full_name
+        _fail(
+            f"{path or 'request'} has field number {', '.join(map(str, numbers))} that {name} does not have on this "
+            "server, which cannot honour it (a client built from a newer chunkserve.proto?)"
+        )
+    for field, value in message.ListFields():
+        if field.message_type is None:
+            continue
+        if field.message_type.GetOptions().map_entry:
+            values = value.values() if field.message_type.fields_by_name["value"].message_type else []
+        else:
+            values = value if field.is_repeated else [value]
+        for item in values:
+            check_known_fields(item, f"{path}{field.name}" if not path else f"{path}.{field.name}")
 
 
 def needs_tokenizer(request: pb.GenerateRequest) -> bool:
