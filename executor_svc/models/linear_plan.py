@@ -32,6 +32,14 @@ already did between row counts); the reduced kernels are the mode's measured agr
 float32 (int4 capped to steps of `INT4_MAX_ROWS`: prefilling through int4 loses too much,
 see models/quant.py).
 
+A reduced mode's plan (int4, bfloat16, float16) starts from float32's: the plan a float32
+server on this machine keeps (measured first where there is none), and only the reduced copies
+are timed, against that plan's kernel per bucket. Where none wins by MARGIN the mode runs
+float32's very kernels, so it is not slower than float32 through two measurements' noise (two
+independent ones gave bfloat16 "mm" and float32 "packed" at 13-16 rows, and "mm" also takes a
+decode step off the fused path: bfloat16's 16-sequence decode step 1.15x float32's on a 2-core
+AVX2 EPYC, benchmarks/RESULTS.md).
+
 The plan is kept in the cache folder (`linear-plans/<key>.json` under --cache-dir), keyed by
 what it depends on (`plan_key`: the CPU's model name and features, torch's version and
 thread count, the linears' shapes, the weight mode, the candidates allowed and the buckets):
@@ -48,7 +56,8 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,9 +73,17 @@ BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)  # de
 LARGE_FROM = 256  # buckets from here are prefill chunks: one layer's linears, LARGE_REPS rounds
 LARGE_BUCKETS: tuple[int, ...] = (256, 512, 1024, 2048)  # measured up to the budget (2048 at most)
 LARGE_REPS = 3
+REDUCED_KERNELS = ("reduced", "half-onednn")  # what a reduced mode times against float32's plan
+# A decode step whose linears are all "packed" or "gemv" runs as one fused native call
+# (models/fused.py); one on "mm" / "mm-pad" runs layer by layer. Timed alone the two products
+# are within a few percent at 12-64 rows, but in a whole decode step "mm" was 1.07-1.47x slower
+# (2-core AVX2 EPYC, benchmarks/RESULTS.md): at decode sizes with the fused path loaded, "mm"
+# and "mm-pad" keep a bucket from a fused kernel only when FUSED_MARGIN faster alone.
+FUSED_KERNELS = ("packed", "gemv")
+FUSED_MARGIN = 0.2
 OTHERS_MAX = 0.2  # a measurement while other processes used more of our CPUs is not kept
 SPREAD_MAX = 1.25  # nor one whose repeats disagree more (`disturbance`)
-PLAN_FORMAT = 2  # bump when what a stored plan means changes (kernels, bucket semantics)
+PLAN_FORMAT = 3  # bump when what a stored plan means changes (kernels, bucket semantics)
 
 
 def buckets_for(budget: int, part: str = "linears") -> tuple[int, ...]:
@@ -128,13 +145,15 @@ def measure(
     clock: Clock | None = None,
     reps: int = 5,
     cpu: Callable[[], CpuTimes | None] | None = None,
+    base: tuple[Plan, Plan] | None = None,
 ) -> Measured:
     """Times every candidate kernel per bucket on `model` (a LlamaForCausalLM on CPU, its
     copies loaded: `Linear.packed`, `Linear.reduced`, the head's too) and returns the plans;
     `reduced` names the mode of the reduced copies ("int4", "bfloat16", "float16", or None);
     `gemv` whether the native library's product is a candidate (loaded, --cpu-kernels not
     torch); `budget` the executor's largest step. `clock` (tests) replaces the timing, `cpu`
-    the reading of what other processes ran meanwhile (by default read only with the real clock)."""
+    the reading of what other processes ran meanwhile (by default read only with the real clock).
+    `base` (float32's body and head plans) narrows each bucket to its kernel and the reduced ones."""
     t0 = time.perf_counter()
     cpu = cpu or (cpu_times if clock is None else lambda: None)
     before = cpu()
@@ -146,6 +165,7 @@ def measure(
         part = linears if m < LARGE_FROM else [lin for lin in model.model.layers[0].modules() if lin in linears]
         xs = {n: torch.randn(m, n, generator=gen) for n in {lin.weight.shape[1] for lin in part}}
         kernels = candidates(m, packed=all(lin.packed is not None for lin in part), reduced=reduced, **opts)
+        kernels = kernels if base is None else _against(base[0](m), kernels)
         work[("linears", m)] = _nothing, {k: lambda k=k, p=part, xs=xs: _run(p, k, xs) for k in kernels}
     head = model.lm_head
     flush_x = {n: torch.randn(1, n, generator=gen) for n in {lin.weight.shape[1] for lin in linears}}
@@ -158,12 +178,14 @@ def measure(
     for m in buckets_for(budget, "head"):
         h = {head.weight.shape[1]: torch.randn(m, head.weight.shape[1], generator=gen)}
         kernels = candidates(m, packed=head.packed is not None, reduced=head_mode, **opts | _head_cap(reduced, opts))
+        kernels = kernels if base is None else _against(base[1](m), kernels)
         work[("head", m)] = flush, {k: lambda k=k, h=h: _run([head], k, h) for k in kernels}
     samples = _rounds(work, clock or wall_clock, reps)
     after = cpu()
     others = None if before is None or after is None else after.others_share(before)
     costs = {key: {k: min(v) for k, v in runs.items()} for key, runs in samples.items()}
-    body = Plan(*zip(*((m, choose(c)) for (part, m), c in costs.items() if part == "linears"), strict=True))
+    fused = {m: _fused_bias(c, gemv and m < LARGE_FROM) for (part, m), c in costs.items() if part == "linears"}
+    body = Plan(*zip(*((m, choose(c)) for m, c in fused.items()), strict=True))
     head_plan = Plan(*zip(*((m, choose(c)) for (part, m), c in costs.items() if part == "head"), strict=True))
     return Measured(body, head_plan, costs, time.perf_counter() - t0, disturbance(samples, others))
 
@@ -183,6 +205,33 @@ def disturbance(samples: dict[tuple[str, int], dict[str, list[float]]], others: 
     if spread > SPREAD_MAX:
         return f"its repeats disagree (second-fastest / fastest run: median {spread:.2f})"
     return None
+
+
+def _fused_bias(costs: dict[str, float], fused: bool) -> dict[str, float]:
+    """The costs `choose` compares: with the fused decode path loaded (`fused`) and a fused
+    kernel measured, the unfused float32 products' divided by 1 - FUSED_MARGIN."""
+    if not fused or not any(k in FUSED_KERNELS for k in costs):
+        return costs
+    return {k: v / (1 - FUSED_MARGIN) if k in ("mm", "mm-pad") else v for k, v in costs.items()}
+
+
+def _against(float32_kernel: str, kernels: list[str]) -> list[str]:
+    """A bucket's candidates in a reduced mode: float32's planned kernel, then the reduced copies."""
+    return [float32_kernel, *(k for k in kernels if k in REDUCED_KERNELS)]
+
+
+@contextmanager
+def float32_only(model: Any) -> Iterator[None]:
+    """The model as a float32 executor loads it: its reduced copies hidden meanwhile."""
+    parts = [*model.decoder_linears(), model.lm_head]
+    kept = [lin.reduced for lin in parts]
+    for lin in parts:
+        lin.reduced = None
+    try:
+        yield
+    finally:
+        for lin, reduced in zip(parts, kept, strict=True):
+            lin.reduced = reduced
 
 
 def _head_cap(reduced: str | None, opts: dict[str, Any]) -> dict[str, Any]:
@@ -224,6 +273,7 @@ def plan_key(
     padding: bool,
     gemv: bool = False,
     budget: int = LARGE_BUCKETS[-1],
+    base: tuple[Plan, Plan] | None = None,
 ) -> dict[str, Any]:
     """What a measured plan depends on, as stored beside it; its hash names the file."""
     linears, head = model.decoder_linears(), model.lm_head
@@ -249,6 +299,8 @@ def plan_key(
         "kernels": list(KERNELS),
         "margin": MARGIN,
         "int4_max_rows": INT4_MAX_ROWS,
+        "fused_margin": FUSED_MARGIN,
+        "float32_plan": None if base is None else [list(base[0].kernels), list(base[1].kernels)],
     }
 
 
@@ -311,7 +363,15 @@ def kept_or_measured(
     from, for the log. A folder that cannot be written costs only the keeping. None when the
     measurement was disturbed (`disturbance`): nothing is kept, and the caller serves the
     tables, the conservative choice, until a later start measures on a quieter machine."""
-    kw = dict(reduced=reduced, reduced_max_rows=reduced_max_rows, padding=padding, gemv=gemv, budget=budget)
+    kw: dict[str, Any] = dict(reduced=reduced, reduced_max_rows=reduced_max_rows, padding=padding, gemv=gemv)
+    kw["budget"] = budget
+    if reduced is not None:  # float32's plan first: the reduced copies are timed against it
+        with float32_only(model):
+            float32_kw = kw | dict(reduced=None, reduced_max_rows=None)
+            base, base_source = kept_or_measured(model, folder, remeasure=remeasure, **float32_kw)
+        if base is None:
+            return None, f"float32's {base_source}"
+        kw["base"] = base
     key = plan_key(model, **kw)
     path = plan_file(folder, key)
     plans = None if remeasure else load_plan(path, key)

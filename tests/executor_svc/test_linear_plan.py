@@ -10,6 +10,7 @@ the cache folder) and keeps the tables with `table`."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -256,15 +257,22 @@ def test_load_measures_by_default_and_keeps_the_tables_with_table(tiny_model_pat
 
     common = dict(model=str(tiny_model_path), device="cpu", kv_cache_memory_gib=0.01, cache_dir=str(tmp_path))
     seen = {}
+    calls = []
 
     def fake_measure(model, **kw):  # the real one, with a clock that says "mm" always wins
         seen.update(kw)
+        calls.append(dict(kw))
         return real(model, clock=_fake_clock(lambda p, k, m: 0.1 if k == "mm" else 1.0, []), **kw)
 
     real = lp.measure
     monkeypatch.setattr(lp, "measure", fake_measure)
     model = worker.load(ExecutorConfig(quantization="int4", **common)).runner.model
-    assert seen == {"reduced": "int4", "reduced_max_rows": None, "padding": True, "gemv": NATIVE, "budget": 2048}
+    # float32's plan first (what a float32 executor keeps), then int4's copies timed against it
+    both = {"padding": True, "gemv": NATIVE, "budget": 2048}
+    assert calls[0] == {"reduced": None, "reduced_max_rows": None, **both}
+    base = calls[1].pop("base")
+    assert calls[1] == {"reduced": "int4", "reduced_max_rows": None, **both} and len(calls) == 2
+    assert set(base[0].kernels) == set(base[1].kernels) == {"mm"}
     assert set(model.lm_head.plan.kernels) == {"mm"} and model.lm_head.packed is None  # unchosen: dropped
     assert all(lin.plan is model.model.plan for lin in model.decoder_linears())
     seen.clear()
@@ -467,3 +475,107 @@ def test_the_suite_keeps_out_of_the_users_cache():
     kept = Path(os.environ.get("CHUNKSERVE_TEST_CACHE_DIR") or Path(__file__).resolve().parents[2] / ".test-cache")
     assert (Path(default_cache_dir()) / "models").resolve() == (kept / "models").resolve()
     assert not (Path(default_cache_dir()) / "linear-plans").resolve().is_relative_to(kept.resolve())
+
+
+@needs_onednn
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_a_reduced_mode_keeps_float32s_plan_where_no_reduced_copy_wins(tiny_configs, hf_model_factory, tmp_path, data):
+    """bfloat16's plan is float32's kept plan, bucket for bucket, except where a reduced copy is
+    MARGIN faster than float32's kernel there: never another float32 kernel (two independent
+    measurements once gave bfloat16 "mm" and float32 "packed" at 13-16 rows). The float32 plan is
+    the very file a float32 executor keeps, read back rather than measured a second time."""
+    import tempfile
+
+    model = _with_copies(_model(tiny_configs, hf_model_factory), "bfloat16")
+    folder = Path(tempfile.mkdtemp(dir=tmp_path))  # a fresh one per example: nothing kept yet
+    keys = [(part, k, m) for part in ("linears", "head") for k in kp.KERNELS for m in lp.buckets_for(32, part)]
+    # each measurement its own costs: two measurements never agree exactly on a real machine
+    tables = [data.draw(st.fixed_dictionaries({key: st.floats(0.1, 2.0) for key in keys})) for _ in range(2)]
+    costs = tables[1]  # the reduced mode's measurement
+
+    measured_with: list = []
+    real = lp.measure
+
+    def fake_measure(model, **kw):
+        table = tables[len(measured_with)]
+        measured_with.append(kw.get("reduced"))
+        return real(model, clock=_fake_clock(lambda p, k, m: table[(p, k, m)], []), **kw)
+
+    kw = dict(remeasure=False, reduced_max_rows=None, padding=True, budget=32)
+    cands = dict(padding=True, packed=True, reduced="bfloat16", reduced_max_rows=None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lp, "measure", fake_measure)
+        with lp.float32_only(model):
+            (f32_body, f32_head), _ = lp.kept_or_measured(model, folder, reduced=None, **kw)
+        assert model.lm_head.reduced is not None  # the copies are back
+        (body, head), source = lp.kept_or_measured(model, folder, reduced="bfloat16", **kw)
+    assert measured_with == [None, "bfloat16"]  # float32's plan was read back, not measured again
+    for plan, f32, part in ((body, f32_body, "linears"), (head, f32_head, "head")):
+        for m in plan.buckets:
+            k, k32 = plan(m), f32(m)
+            if k in lp.REDUCED_KERNELS:
+                assert costs[(part, k, m)] < costs[(part, k32, m)] * (1 - kp.MARGIN)
+            else:
+                assert k == k32
+                timed = [r for r in lp.REDUCED_KERNELS if r in kp.candidates(m, **cands)]
+                assert all(costs[(part, r, m)] >= costs[(part, k32, m)] * (1 - kp.MARGIN) for r in timed)
+
+
+@needs_onednn
+def test_a_reduced_plan_is_measured_again_when_float32s_plan_changes(tiny_configs, hf_model_factory, tmp_path):
+    """float32's plan is part of the reduced plan's key: a new float32 plan (remeasured) makes
+    a new reduced one, and a disturbed float32 measurement leaves the reduced mode on the tables."""
+    model = _with_copies(_model(tiny_configs, hf_model_factory), "bfloat16")
+    winner = ["mm"]
+    counted: list = []
+
+    def cost(part, kernel, m):
+        counted.append(kernel)
+        return 0.1 if kernel == winner[0] else 1.0
+
+    kw = dict(reduced_max_rows=None, padding=True, budget=8)
+    real = lp.measure
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lp, "measure", lambda model, **k: real(model, clock=_fake_clock(cost, []), **k))
+        first, _ = lp.kept_or_measured(model, tmp_path, remeasure=False, reduced="bfloat16", **kw)
+        assert set(first[0].kernels) == {"mm"}
+        winner[0] = "packed"
+        again, _ = lp.kept_or_measured(model, tmp_path, remeasure=False, reduced="bfloat16", **kw)
+        assert again == first  # both kept: read back
+        counted.clear()
+        new, _ = lp.kept_or_measured(model, tmp_path, remeasure=True, reduced="bfloat16", **kw)
+        assert set(new[0].kernels) == {"packed"} and "mm" in counted  # float32 measured again, then bf16
+        mp.setattr(lp, "disturbance", lambda samples, others: "a burst of load")
+        plans, source = lp.kept_or_measured(model, tmp_path / "other", remeasure=False, reduced="bfloat16", **kw)
+    assert plans is None and source.startswith("float32's not kept: a burst of load")
+
+
+@pytest.mark.parametrize(
+    ("mm", "packed", "fused", "want"),
+    [
+        (1.0, 1.1, True, "packed"),  # a step on "packed" runs fused: 10% slower alone still wins
+        (1.0, 1.15, True, "packed"),
+        (1.0, 1.3, True, "mm"),  # unless "mm" is FUSED_MARGIN faster alone
+        (1.0, 1.1, False, "mm"),  # no fused path loaded: the plain rule (MARGIN)
+        (1.0, 0.9, False, "packed"),
+    ],
+)
+def test_at_decode_sizes_a_fused_kernel_keeps_its_bucket_unless_mm_is_much_faster(mm, packed, fused, want):
+    costs = {"mm": mm, "packed": packed, "reduced": 5.0}
+    assert kp.choose(lp._fused_bias(costs, fused)) == want
+    assert lp._fused_bias(costs, fused)["packed"] == packed  # the fused kernels' costs are as measured
+
+
+@needs_onednn
+@pytest.mark.skipif(not NATIVE, reason="the native library (gemv, fused decode) did not load here")
+def test_measure_biases_decode_buckets_only_with_the_fused_path(tiny_configs, hf_model_factory):
+    model = _with_copies(_model(tiny_configs, hf_model_factory), None)
+
+    def cost(part, kernel, m):  # "mm" 10% faster alone everywhere; gemv never
+        return {"mm": 1.0, "packed": 1.1}.get(kernel, 3.0)
+
+    fused = lp.measure(model, gemv=True, budget=512, clock=_fake_clock(cost, []))
+    plain = lp.measure(model, gemv=False, budget=512, clock=_fake_clock(cost, []))
+    assert [fused.body(m) for m in (3, 16, 128, 256, 512)] == ["packed"] * 3 + ["mm"] * 2
+    assert set(plain.body.kernels) == {"mm"} and set(fused.head.kernels) == {"mm"}  # the head is never fused
