@@ -171,3 +171,19 @@ def test_batch1_floor_prints_each_figure_against_the_floor_it_measured():
     for ms, ratio in (figures["in-process step"], figures["server token"]):
         # each ratio is its figure over the floor (all three printed rounded: 3% covers that)
         assert ms > 0 and abs(ms / figures["floor"] - ratio) <= 0.03 * ratio + 0.005
+
+
+@pytest.mark.slow  # loads the default model, ~20 s
+def test_plan_kernel_ab_times_both_kernels_in_whole_steps():
+    """benchmarks/plan_kernel_ab.py (issue 31, item 7): one short batch size, both kernels timed."""
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "plan_kernel_ab.py"), "--batch", "2", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    [line] = [ln for ln in out.stdout.splitlines() if ln.startswith("batch")]
+    parts = line.replace(",", "").split()
+    mm, packed, ratio = float(parts[5]), float(parts[8]), float(parts[11].rstrip("x"))
+    assert mm > 0 and packed > 0 and abs(mm / packed - ratio) <= 0.01 + 0.01 * ratio
