@@ -212,26 +212,32 @@ def run(args: argparse.Namespace) -> dict:
                 }
             )
         del graphs
-        seqs = [(0, args.prefill_len)] * args.prefill_seqs
-        step, _ = make_step(model, kv_cache, seqs, block_size, device)
-        seconds = timed(step, max(1, args.warmup // 2), max(1, args.iters // 2), device)
-        tokens = args.prefill_seqs * args.prefill_len
-        attn_flops = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * args.prefill_len**2
-        flops = 2 * matmul_params * tokens + attn_flops * args.prefill_seqs
-        result["prefill"].append(
-            {
-                "backend": name,
-                "block_size": block_size,
-                "seqs": args.prefill_seqs,
-                "len": args.prefill_len,
-                "step_ms": seconds * 1e3,
-                "tokens_per_s": tokens / seconds,
-                "tflops": flops / seconds / 1e12,
-                "peak_fraction": flops / seconds / PEAK_FLOPS,
-            }
-        )
+        result["prefill"].append(prefill_row(model, kv_cache, args, name, block_size, matmul_params))
         del kv_cache
     return result
+
+
+def prefill_row(model, kv_cache, args: argparse.Namespace, name: str, block_size: int, matmul_params: int) -> dict:
+    """One step of `--prefill-seqs` fresh sequences of `--prefill-len` tokens: its time,
+    tokens/s and TFLOP/s (the matmuls' 2 x params per token plus causal attention)."""
+    cfg, device = model.config, kv_cache.device
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    seqs = [(0, args.prefill_len)] * args.prefill_seqs
+    step, _ = make_step(model, kv_cache, seqs, block_size, device)
+    seconds = timed(step, max(1, args.warmup // 2), max(1, args.iters // 2), device)
+    tokens = args.prefill_seqs * args.prefill_len
+    attn_flops = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * args.prefill_len**2
+    flops = 2 * matmul_params * tokens + attn_flops * args.prefill_seqs
+    return {
+        "backend": name,
+        "block_size": block_size,
+        "seqs": args.prefill_seqs,
+        "len": args.prefill_len,
+        "step_ms": seconds * 1e3,
+        "tokens_per_s": tokens / seconds,
+        "tflops": flops / seconds / 1e12,
+        "peak_fraction": flops / seconds / PEAK_FLOPS,
+    }
 
 
 def profile_step(fn, name: str, batch: int, steps: int = 3) -> None:

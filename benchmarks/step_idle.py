@@ -63,7 +63,7 @@ def idle_ms(trace_lines: list[str]) -> tuple[list[float], float, list[float]]:
     return idle, wall, executor
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--model", default="tiny", help="tiny (default), tiny-bytes (no default model needed), default, or a folder"
@@ -74,9 +74,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds of A,B (alternating order)")
     p.add_argument("--dtype", default="auto", help="the executor's --dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), help="which to run")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    args = _parse_args()
     settings = {name: SETTINGS[name] for name in args.settings}
-    base = next(iter(settings))
 
     model = bench_model(args.model)
     spec = WorkloadSpec("fixed", args.streams, (args.output_len, args.output_len), args.input_len)
@@ -130,6 +133,12 @@ def main() -> None:
     finally:
         for server in servers.values():
             server.stop()
+    _print_table(args, settings, figures)
+
+
+def _print_table(args: argparse.Namespace, settings: dict, figures: dict[str, dict[str, list[float]]]) -> None:
+    """Per setting the medians over rounds, and each one's ratio to the first setting's."""
+    base = next(iter(settings))
     med = {n: {k: statistics.median(v) for k, v in f.items()} for n, f in figures.items()}
     print(
         f"\n{args.streams} streams x {args.input_len} in + {args.output_len} out, model {args.model}, "

@@ -119,9 +119,9 @@ def _greedy_via_runner(runner, prompts, new_tokens, chunk=256, drafts=None, mask
             n = min(chunk, len(prompt) - done[i]) if done[i] < len(prompt) else 1
             tokens = prompt[done[i] : done[i] + n] if done[i] < len(prompt) else []
             guess = list(drafts(i, out[i]))[: new_tokens - len(out[i]) - 1] if drafts and not tokens else []
-            need = math.ceil((done[i] + n + len(guess)) / bs) - blocks[i]
-            new_blocks = [free.pop() for _ in range(max(need, 0))]
-            blocks[i] += max(need, 0)
+            need = max(math.ceil((done[i] + n + len(guess)) / bs) - blocks[i], 0)  # rejected drafts' blocks stay
+            new_blocks = [free.pop() for _ in range(need)]
+            blocks[i] += need
             s = plan.seqs.add(
                 seq_id=i,
                 num_computed_tokens=done[i],
