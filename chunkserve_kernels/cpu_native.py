@@ -5,7 +5,8 @@ plan's "gemv" kernel, models/linear_plan.py) and, for small pure-decode steps, w
 layers (cpu_layer.cpp's DecodeLayers: the same ops without Python between them; models/llama.py).
 
 Why built here rather than shipped: the ops are a few dozen lines of plain C++ compiled with
--march=native (the compiler vectorises them for the CPU at hand; measured on AVX512 only), and a
+-march=native (the compiler vectorises them for the CPU at hand: 16-float vectors with AVX512,
+8 with AVX2; measured on both), and a
 prebuilt library would need one build per CPU class and torch version. Building takes ~10 s
 on 2 cores (no pybind, only torch's library headers) and needs a C++ compiler and ninja; the
 result is kept in torch's extensions folder ($TORCH_EXTENSIONS_DIR, by default

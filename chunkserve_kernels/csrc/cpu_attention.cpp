@@ -116,7 +116,7 @@ void attend(const Step& st, const Item& it, Scratch& s) {
   const int64_t hp = (st.hd + kVec - 1) / kVec * kVec;  // head_dim in whole vectors
   const int64_t ls = (n_max + 2 * kVec - 1) / kVec * kVec;  // n_max, a tile's overrun, padding
   const int64_t copies = hp == st.hd ? 0 : 2 * n_max * hp;
-  s.buf.resize(nq * (2 * hp + ls) + hp + copies + kVec);
+  s.buf.resize(nq * (2 * hp + ls) + hp + copies + kLine);  // kLine: room to align q to 64 bytes
   float* q = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(s.buf.data()) + 63) & ~uintptr_t{63});
   float* scores = q + nq * hp;
   float* acc = scores + nq * ls;

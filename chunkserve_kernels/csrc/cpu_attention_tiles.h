@@ -5,9 +5,10 @@
 // Why tiles: one query vector against one K row is 4 vector multiply-adds and a horizontal
 // reduction, and the first version spent most of its time on those reductions and on reloading
 // the K row per query head, and in the value sum on loading and storing the output per token.
-// Here a K chunk loaded once feeds 16 products (4 query vectors x 4 tokens, or 3 x 5, ...), whose
-// 16 reductions share one shuffle-and-add tree, and the value sums of up to 6 query vectors stay
-// in registers over a pass of tokens. A score or value sum is still computed in one fixed order
+// Here a K chunk loaded once feeds one product per vector lane (AVX-512: 16, as 4 query vectors
+// x 4 tokens, or 3 x 5, ...; AVX2: 8, as 4 x 2, 2 x 4, ...), whose reductions share one
+// shuffle-and-add tree, and the value sums of up to 6 query vectors stay in registers over a pass
+// of tokens. A score or value sum is still computed in one fixed order
 // whatever the tile (see below), so a row gets the same bits alone as in a run or a batch.
 #pragma once
 
@@ -26,17 +27,30 @@ extern "C" float expf(float) noexcept;
 namespace chunkserve {
 namespace {  // one translation unit includes this
 
-// 16 floats: one AVX-512 register, two AVX2 ones (GCC's vector extension, as in cpu_linear.cpp:
-// no intrinsics, so the file builds for any -march; loads through memcpy are unaligned loads).
-typedef float Vec __attribute__((vector_size(64)));
-typedef int Lanes __attribute__((vector_size(64)));
+// One register of floats: 16 with AVX-512, 8 otherwise (GCC's vector extension, as in
+// cpu_linear.cpp: no intrinsics, so the file builds for any -march; loads through memcpy are
+// unaligned loads). The width follows the target: GCC lowers a vector wider than the machine's
+// registers through the stack, and with 16-float vectors on a 2-core AVX2 EPYC one decoding
+// row's attention over 128 tokens took 155 us a layer, in cache (benchmarks/RESULTS.md, "The
+// native kernels on AVX2"). A score's lanes, and so the order of its sum, follow the width: the
+// same bits for the same inputs on one machine, not across ISAs.
+#if defined(__AVX512F__)
 constexpr int64_t kVec = 16;
+#else
+constexpr int64_t kVec = 8;
+#endif
+typedef float Vec __attribute__((vector_size(kVec * sizeof(float))));
+typedef int Lanes __attribute__((vector_size(kVec * sizeof(int))));
+constexpr int64_t kLine = 16;  // floats in a cache line: the prefetches' stride
 // Tokens per pass of the score and value loops over a work item: the first tile of query
 // vectors reads a pass's K (V) rows from memory, the others from L1 (80 rows of 64 floats:
-// 20 KB). A multiple of every score tile's token count (4, 5, 8, 16).
+// 20 KB). A multiple of every score tile's token count
+// (AVX-512: 4, 5, 8, 16; AVX2: 2, 4, 8).
 constexpr int64_t kBlock = 80;
-// Query vectors whose value sums a tile keeps in registers (6 x 4 vectors of a 64-float head).
+// Query vectors whose value sums a tile keeps in registers, over up to kValueChunks vectors of
+// the head at once (AVX-512: 6 x 4 of 16 floats; AVX2, 16 registers: 6 x 2 of 8).
 constexpr int kValueTile = 6;
+constexpr int kValueChunks = kVec == 16 ? 4 : 2;
 // How many tokens ahead the loops over a sequence's rows prefetch: enough to keep a few dozen
 // cache misses in flight (the rows are scattered over the blocks and mostly not in cache: a
 // step's weights have just streamed through it), few enough that what is prefetched is still
@@ -45,7 +59,7 @@ constexpr int kValueTile = 6;
 constexpr int64_t kPrefetchAhead = 16;
 
 inline void prefetch_row(const float* row, int64_t hd) {
-  for (int64_t i = 0; i < hd; i += kVec) __builtin_prefetch(row + i, 0, 3);
+  for (int64_t i = 0; i < hd; i += kLine) __builtin_prefetch(row + i, 0, 3);
 }
 
 // The kernels below are compiled without -fassociative-math: each sum is computed in the order
@@ -71,10 +85,11 @@ inline Vec fold(Vec x, Vec y) {
   return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, lo + W);
 }
 
-// Lane i of the result is the sum of a[i]'s 16 lanes, every one by the same tree (lanes j and
-// j + 8, then + 4, + 2, + 1): 15 adds for 16 sums instead of 16 separate reductions. The
-// butterfly leaves a[i] in lane bitreverse(i), so it takes them in that order.
-__attribute__((always_inline)) inline Vec reduce16(const Vec* a) {
+// Lane i of the result is the sum of a[i]'s kVec lanes, every one by the same tree (lanes j and
+// j + kVec / 2, then + kVec / 4, ..., + 1): kVec - 1 adds for kVec sums instead of kVec separate
+// reductions. The butterfly leaves a[i] in lane bitreverse(i), so it takes them in that order.
+#if defined(__AVX512F__)
+__attribute__((always_inline)) inline Vec reduce_lanes(const Vec* a) {
   constexpr int kRev[kVec] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
   Vec b[8], c[4], d[2];
   for (int m = 0; m < 8; ++m) b[m] = fold<8>(a[kRev[2 * m]], a[kRev[2 * m + 1]]);
@@ -82,14 +97,23 @@ __attribute__((always_inline)) inline Vec reduce16(const Vec* a) {
   for (int m = 0; m < 2; ++m) d[m] = fold<2>(c[2 * m], c[2 * m + 1]);
   return fold<1>(d[0], d[1]);
 }
+#else
+__attribute__((always_inline)) inline Vec reduce_lanes(const Vec* a) {
+  constexpr int kRev[kVec] = {0, 4, 2, 6, 1, 5, 3, 7};
+  Vec c[4], d[2];
+  for (int m = 0; m < 4; ++m) c[m] = fold<4>(a[kRev[2 * m]], a[kRev[2 * m + 1]]);
+  for (int m = 0; m < 2; ++m) d[m] = fold<2>(c[2 * m], c[2 * m + 1]);
+  return fold<1>(d[0], d[1]);
+}
+#endif
 
-// Scores of QT query vectors (rows of q, hd floats, a multiple of 16) against the K rows k[0, TT):
-// s[i * ls + j] = scale * (q_i . k_j). Each K chunk feeds QT products, each q chunk TT; lane l of
-// a product sums the head's dimensions l, l + 16, ... in order, and the lanes are added by
-// reduce16, the same for every (i, j) of every tile shape.
+// Scores of QT query vectors (rows of q, hd floats, a multiple of kVec) against the K rows
+// k[0, TT): s[i * ls + j] = scale * (q_i . k_j). Each K chunk feeds QT products, each q chunk TT;
+// lane l of a product sums the head's dimensions l, l + kVec, ... in order, and the lanes are
+// added by reduce_lanes, the same for every (i, j) of every tile shape.
 template <int QT, int TT>
 void score_tile(const float* q, int64_t hd, const float* const* k, float* s, int64_t ls, float scale) {
-  static_assert(QT * TT <= kVec, "one reduce16 per tile");
+  static_assert(QT * TT <= kVec, "one reduce_lanes per tile");
   Vec acc[kVec] = {};
   for (int64_t c = 0; c < hd; c += kVec) {
     Vec kc[TT];
@@ -100,7 +124,7 @@ void score_tile(const float* q, int64_t hd, const float* const* k, float* s, int
     }
   }
   float sums[kVec];
-  store(sums, reduce16(acc));
+  store(sums, reduce_lanes(acc));
   for (int i = 0; i < QT; ++i)
     for (int j = 0; j < TT; ++j) s[i * ls + j] = sums[i * TT + j] * scale;
 }
@@ -114,13 +138,13 @@ void score_span(const float* q, int64_t hd, const float* const* k, const float* 
   for (int64_t t = t0; t < t1; t += TT) {
     for (int64_t u = t + ahead; ahead > 0 && u < std::min(t + ahead + TT, last); ++u) {
       prefetch_row(k[u], hd);
-      for (int64_t i = 0; i < hd; i += kVec) __builtin_prefetch(v[u] + i, 0, 2);
+      for (int64_t i = 0; i < hd; i += kLine) __builtin_prefetch(v[u] + i, 0, 2);
     }
     score_tile<QT, TT>(q, hd, k + t, s + t, ls, scale);
   }
 }
 
-// acc[i] (CW chunks of 16 from column c) += sum over tokens [t0, t1) of p[i * lp + t] * v[t],
+// acc[i] (CW chunks of kVec from column c) += sum over tokens [t0, t1) of p[i * lp + t] * v[t],
 // for QT query vectors (acc rows hd apart): the sums stay in registers over the tokens, each V
 // chunk feeding QT multiply-adds. Lane by lane, in token order, whatever QT and CW are.
 template <int QT, int CW>
@@ -131,7 +155,7 @@ void value_tile(float* acc, const float* p, int64_t lp, const float* const* v, i
     for (int j = 0; j < CW; ++j) a[i][j] = load(acc + i * hd + c + j * kVec);
   for (int64_t t = t0; t < t1; ++t) {
     if (t + kPrefetchAhead < last)
-      for (int j = 0; j < CW; ++j) __builtin_prefetch(v[t + kPrefetchAhead] + c + j * kVec, 0, 3);
+      for (int j = 0; j < CW * kVec; j += kLine) __builtin_prefetch(v[t + kPrefetchAhead] + c + j, 0, 3);
     Vec vc[CW];
     for (int j = 0; j < CW; ++j) vc[j] = load(v[t] + c + j * kVec);
     for (int i = 0; i < QT; ++i) {
@@ -149,17 +173,17 @@ void value_tile_cw(int64_t cw, float* acc, const float* p, int64_t lp, const flo
   switch (cw) {
     case 1: value_tile<QT, 1>(acc, p, lp, v, c, hd, t0, t1, last); break;
     case 2: value_tile<QT, 2>(acc, p, lp, v, c, hd, t0, t1, last); break;
-    case 3: value_tile<QT, 3>(acc, p, lp, v, c, hd, t0, t1, last); break;
-    default: value_tile<QT, 4>(acc, p, lp, v, c, hd, t0, t1, last); break;
+    case 3: value_tile<QT, std::min(3, kValueChunks)>(acc, p, lp, v, c, hd, t0, t1, last); break;
+    default: value_tile<QT, kValueChunks>(acc, p, lp, v, c, hd, t0, t1, last); break;
   }
 }
 
-// value_tile for qt (1..kValueTile) query vectors over all of the head's chunks, 4 at a time;
-// prefetching ahead only when `last` > 0.
+// value_tile for qt (1..kValueTile) query vectors over all of the head's chunks, kValueChunks
+// at a time; prefetching ahead only when `last` > 0.
 void value_span(int64_t qt, float* acc, const float* p, int64_t lp, const float* const* v, int64_t hd, int64_t t0,
                 int64_t t1, int64_t last) {
-  for (int64_t c = 0; c < hd; c += 4 * kVec) {
-    const int64_t cw = std::min<int64_t>(4, (hd - c) / kVec);
+  for (int64_t c = 0; c < hd; c += kValueChunks * kVec) {
+    const int64_t cw = std::min<int64_t>(kValueChunks, (hd - c) / kVec);
     switch (qt) {
       case 1: value_tile_cw<1>(cw, acc, p, lp, v, c, hd, t0, t1, last); break;
       case 2: value_tile_cw<2>(cw, acc, p, lp, v, c, hd, t0, t1, last); break;
@@ -172,8 +196,9 @@ void value_span(int64_t qt, float* acc, const float* p, int64_t lp, const float*
 }
 
 // Scores of nq query vectors (rows of q, hd floats) against the K rows k[0, n) into s (rows ls
-// apart; v: the V rows, to prefetch), in passes of kBlock tokens; per pass, tiles of 4 query vectors x 4 tokens (the last
-// tile of 3, 2 or 1 vectors x 5, 8 or 16 tokens). k has padding rows up to a tile past n.
+// apart; v: the V rows, to prefetch), in passes of kBlock tokens; per pass, tiles of 4 query
+// vectors x kVec / 4 tokens (the last tile of 3, 2 or 1 vectors x the most tokens that fit in
+// kVec products). k has padding rows up to a tile past n.
 void scores_of(const float* q, int64_t nq, int64_t hd, const float* const* k, const float* const* v, int64_t n,
                float* s, int64_t ls, float scale) {
   for (int64_t t0 = 0; t0 < n; t0 += kBlock) {
@@ -183,21 +208,21 @@ void scores_of(const float* q, int64_t nq, int64_t hd, const float* const* k, co
       float* si = s + i * ls;
       const int64_t ahead = i == 0 ? kPrefetchAhead : 0;  // the first tile reads from memory
       switch (std::min<int64_t>(nq - i, 4)) {
-        case 4: score_span<4, 4>(qi, hd, k, v, t0, t1, si, ls, scale, ahead, n); break;
-        case 3: score_span<3, 5>(qi, hd, k, v, t0, t1, si, ls, scale, ahead, n); break;
-        case 2: score_span<2, 8>(qi, hd, k, v, t0, t1, si, ls, scale, ahead, n); break;
-        default: score_span<1, 16>(qi, hd, k, v, t0, t1, si, ls, scale, ahead, n); break;
+        case 4: score_span<4, kVec / 4>(qi, hd, k, v, t0, t1, si, ls, scale, ahead, n); break;
+        case 3: score_span<3, kVec == 16 ? 5 : 2>(qi, hd, k, v, t0, t1, si, ls, scale, ahead, n); break;
+        case 2: score_span<2, kVec / 2>(qi, hd, k, v, t0, t1, si, ls, scale, ahead, n); break;
+        default: score_span<1, kVec>(qi, hd, k, v, t0, t1, si, ls, scale, ahead, n); break;
       }
     }
   }
 }
 
-// The softmax of p[0, n) in place (p 64-byte aligned, room for n rounded up to 16), its max
+// The softmax of p[0, n) in place (p aligned to a vector, room for n rounded up to kVec), its max
 // and sum of exp(p - max) returned; normalised when `normalise`. Every value goes through the
-// same vector expf (whole chunks of 16, the padding at -inf), the sum lane by lane then over
+// same vector expf (whole chunks of kVec, the padding at -inf), the sum lane by lane then over
 // the lanes in order: the same bits for the same scores wherever they sit.
 std::pair<float, float> softmax(float* p_in, int64_t n, bool normalise) {
-  float* p = static_cast<float*>(__builtin_assume_aligned(p_in, 64));
+  float* p = static_cast<float*>(__builtin_assume_aligned(p_in, sizeof(Vec)));
   const int64_t padded = (n + kVec - 1) / kVec * kVec;
   std::fill(p + n, p + padded, -std::numeric_limits<float>::infinity());
   Vec top = load(p);

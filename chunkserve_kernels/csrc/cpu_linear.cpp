@@ -38,11 +38,27 @@ constexpr int64_t kMaxGroup = 8;   // rows of x per pass over the weights
 constexpr int64_t kGrainRows = 64; // weight rows per parallel task at the least
 constexpr int64_t kAhead = 4;      // weight rows ahead that each pass asks the cache for
 
-// 16 floats: one AVX-512 register, two AVX2 ones (GCC's vector extension: no intrinsics, so
-// the file builds for any -march; loads through memcpy are unaligned vector loads).
-typedef float Vec __attribute__((vector_size(64)));
+// One register of floats: 16 with AVX-512, 8 otherwise (GCC's vector extension: no intrinsics,
+// so the file builds for any -march; loads through memcpy are unaligned vector loads). The width
+// follows the target because GCC lowers a vector wider than the machine's registers through the
+// stack: with 16-float vectors on a 2-core AVX2 EPYC every partial sum went to memory and back
+// each iteration, and the default model's linears took 42-46 ms at one row where a plain sum
+// over their weights takes 20-24 (34 with 8-float vectors; 8 rows: 284-302 against 84-88;
+// benchmarks/RESULTS.md, "The native kernels on AVX2"). Either width keeps the same 32 lanes
+// and the same sum over them, so a result does not depend on it.
+#if defined(__AVX512F__)
 constexpr int64_t kVec = 16;
-static_assert(kLanes == 2 * kVec, "two vectors of partial sums per row of x");
+#else
+constexpr int64_t kVec = 8;
+#endif
+typedef float Vec __attribute__((vector_size(kVec * sizeof(float))));
+constexpr int kParts = kLanes / kVec;  // vectors of partial sums per row of x
+static_assert(kLanes % kVec == 0, "whole vectors of partial sums");
+
+// The kernel below is compiled without -fassociative-math (why: above `rows`); `load` is inside
+// the same region, as GCC does not inline a function built with other optimisation options.
+#pragma GCC push_options
+#pragma GCC optimize("no-associative-math")
 
 inline Vec load(const float* p) {
   Vec v;
@@ -53,35 +69,39 @@ inline Vec load(const float* p) {
 // y[m, n0:n1] for the M rows of x starting at x (row stride K): one pass over W's rows n0..n1.
 // Written with explicit vectors: GCC kept the partial sums of 1 or 2 rows of x in registers
 // from plain loops but not of 3 or 4 (3.4 GB/s, a tenth of the 2-row speed). Lane j of a row's
-// sums accumulates w[k + j] * x[k + j] over k, then the 32 lanes are added in order, as before.
+// sums accumulates w[k + j] * x[k + j] over k in order, then the 32 lanes are added in a fixed
+// tree (j and j + 16, then + 8, ...). Compiled without -fassociative-math: with it GCC may split
+// a sum into more partial sums for one group size and not another (with 8-float vectors it did),
+// and a row's result would depend on the rows beside it (see the pragma above `load`).
 template <int M>
 void rows(const float* __restrict x, int64_t K, const float* __restrict w, const float* bias, float* __restrict y,
           int64_t ldy, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const float* __restrict wr = w + n * K;
-    Vec lo[M], hi[M];
-    for (int m = 0; m < M; ++m) lo[m] = hi[m] = Vec{};
+    Vec acc[M][kParts];
+    for (int m = 0; m < M; ++m)
+      for (int p = 0; p < kParts; ++p) acc[m][p] = Vec{};
     int64_t k = 0;
     for (; k + kLanes <= K; k += kLanes) {
       __builtin_prefetch(wr + kAhead * K + k);
-      __builtin_prefetch(wr + kAhead * K + k + kVec);
-      const Vec w0 = load(wr + k), w1 = load(wr + k + kVec);
-      for (int m = 0; m < M; ++m) {
-        lo[m] += w0 * load(x + m * K + k);
-        hi[m] += w1 * load(x + m * K + k + kVec);
-      }
+      __builtin_prefetch(wr + kAhead * K + k + 16);  // the 32 lanes' second cache line
+      Vec wv[kParts];
+      for (int p = 0; p < kParts; ++p) wv[p] = load(wr + k + p * kVec);
+      for (int m = 0; m < M; ++m)
+        for (int p = 0; p < kParts; ++p) acc[m][p] += wv[p] * load(x + m * K + k + p * kVec);
     }
     for (int m = 0; m < M; ++m) {
-      float acc[kLanes];
-      std::memcpy(acc, &lo[m], sizeof(Vec));
-      std::memcpy(acc + kVec, &hi[m], sizeof(Vec));
-      float s = 0.f;
-      for (int64_t j = 0; j < kLanes; ++j) s += acc[j];
+      float lanes[kLanes];
+      std::memcpy(lanes, acc[m], sizeof(lanes));
+      for (int64_t h = kLanes / 2; h > 0; h /= 2)
+        for (int64_t j = 0; j < h; ++j) lanes[j] += lanes[j + h];
+      float s = lanes[0];
       for (int64_t kk = k; kk < K; ++kk) s += wr[kk] * x[m * K + kk];
       y[m * ldy + n] = bias == nullptr ? s : s + bias[n];
     }
   }
 }
+#pragma GCC pop_options
 
 void group(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y, int64_t N, int64_t n0,
            int64_t n1) {

@@ -65,6 +65,7 @@ from typing import Any
 import torch
 
 from chunkserve_contracts.cpu import CpuTimes, cpu_info, cpu_times
+from chunkserve_kernels import cpu_native
 from executor_svc.models.kernel_plan import GEMV_MAX_ROWS, INT4_MAX_ROWS, KERNELS, MARGIN, Plan, candidates, choose
 
 log = logging.getLogger(__name__)
@@ -292,6 +293,8 @@ def plan_key(
         "head_packed": head.packed is not None,
         "head_reduced": head.reduced is not None,
         "gemv": gemv,
+        # the native library's build (its sources hashed): a changed few-row product is timed anew
+        "native_build": cpu_native.build_name() if gemv else None,
         "gemv_max_rows": GEMV_MAX_ROWS,
         "buckets": list(buckets_for(budget, "linears")),
         "head_buckets": list(buckets_for(budget, "head")),

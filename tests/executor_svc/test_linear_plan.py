@@ -287,6 +287,18 @@ def test_load_measures_by_default_and_keeps_the_tables_with_table(tiny_model_pat
         ExecutorConfig(cpu_linear_plan="fastest")
 
 
+def test_a_changed_native_library_measures_the_plan_anew(tiny_configs, hf_model_factory, monkeypatch):
+    """A plan that timed the native few-row product is not reused once that product's sources
+    (or flags, torch, CPU) change: an upgrade that makes "gemv" faster or slower re-measures."""
+    model = _model(tiny_configs, hf_model_factory)
+    kw = dict(reduced=None, reduced_max_rows=None, padding=True, budget=8, gemv=True)
+    key = lp.plan_key(model, **kw)
+    assert key["native_build"] == cpu_native.build_name()
+    monkeypatch.setattr(cpu_native, "build_name", lambda: "chunkserve_cpu_another")
+    assert lp.plan_key(model, **kw) != key
+    assert lp.plan_key(model, **{**kw, "gemv": False})["native_build"] is None
+
+
 def test_a_kept_plan_is_read_back_for_its_key_only(tiny_configs, hf_model_factory, tmp_path):
     model = _with_copies(_model(tiny_configs, hf_model_factory), "bfloat16")
     kw = dict(reduced="bfloat16", reduced_max_rows=None, padding=True, budget=8)
@@ -305,6 +317,7 @@ def test_a_kept_plan_is_read_back_for_its_key_only(tiny_configs, hf_model_factor
         assert lp.load_plan(path, other) is None
     assert lp.plan_key(model, **{**kw, "reduced_max_rows": 4}) != key
     doc = json.loads(path.read_text())
+    assert key["native_build"] is None  # without the native product the library's build is not asked
     for edit in ({"body": ["mm", "fastest", *doc["body"][2:]]}, {"buckets": [1, 2, 9]}, {"head": None}):
         path.write_text(json.dumps({**doc, **edit}))
         assert lp.load_plan(path, key) is None, edit
