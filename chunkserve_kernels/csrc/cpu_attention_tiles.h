@@ -51,6 +51,7 @@ constexpr int64_t kBlock = 80;
 // the head at once (AVX-512: 6 x 4 of 16 floats; AVX2, 16 registers: 6 x 2 of 8).
 constexpr int kValueTile = 6;
 constexpr int kValueChunks = kVec == 16 ? 4 : 2;
+static_assert(kValueChunks == 2 || kValueChunks == 4, "value_tile_cw takes 1-2 or 1-4 chunks");
 // How many tokens ahead the loops over a sequence's rows prefetch: enough to keep a few dozen
 // cache misses in flight (the rows are scattered over the blocks and mostly not in cache: a
 // step's weights have just streamed through it), few enough that what is prefetched is still
@@ -170,11 +171,17 @@ void value_tile(float* acc, const float* p, int64_t lp, const float* const* v, i
 template <int QT>
 void value_tile_cw(int64_t cw, float* acc, const float* p, int64_t lp, const float* const* v, int64_t c, int64_t hd,
                    int64_t t0, int64_t t1, int64_t last) {
-  switch (cw) {
-    case 1: value_tile<QT, 1>(acc, p, lp, v, c, hd, t0, t1, last); break;
-    case 2: value_tile<QT, 2>(acc, p, lp, v, c, hd, t0, t1, last); break;
-    case 3: value_tile<QT, std::min(3, kValueChunks)>(acc, p, lp, v, c, hd, t0, t1, last); break;
-    default: value_tile<QT, kValueChunks>(acc, p, lp, v, c, hd, t0, t1, last); break;
+  // cw is 1..kValueChunks (value_span's choice)
+  if constexpr (kValueChunks == 2) {
+    if (cw == 1) value_tile<QT, 1>(acc, p, lp, v, c, hd, t0, t1, last);
+    else value_tile<QT, 2>(acc, p, lp, v, c, hd, t0, t1, last);
+  } else {
+    switch (cw) {
+      case 1: value_tile<QT, 1>(acc, p, lp, v, c, hd, t0, t1, last); break;
+      case 2: value_tile<QT, 2>(acc, p, lp, v, c, hd, t0, t1, last); break;
+      case 3: value_tile<QT, 3>(acc, p, lp, v, c, hd, t0, t1, last); break;
+      default: value_tile<QT, 4>(acc, p, lp, v, c, hd, t0, t1, last); break;
+    }
   }
 }
 
