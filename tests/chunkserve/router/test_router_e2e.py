@@ -91,6 +91,16 @@ def cached_blocks(admin: int) -> dict[str, int]:
     return {r.address: r.cached_blocks for r in stub.ListReplicas(rpb.ListReplicasRequest(), timeout=5).replicas}
 
 
+def wait_for_index(admin: int, blocks: int) -> None:
+    """Until the router's index holds `blocks` blocks over all replicas (the deadline only
+    stops a hang: a count past `blocks` fails at once)."""
+    deadline = time.time() + 60
+    while (total := sum(cached_blocks(admin).values())) < blocks:
+        assert time.time() < deadline, cached_blocks(admin)
+        time.sleep(0.05)
+    assert total == blocks, cached_blocks(admin)
+
+
 def test_tokens_equal_direct_and_follow_ups_go_to_the_cached_prefix(replicas, router):
     port, _, admin = router
     prefix = [(i * 7) % 100 + 3 for i in range(6 * BLOCK)]
@@ -98,15 +108,16 @@ def test_tokens_equal_direct_and_follow_ups_go_to_the_cached_prefix(replicas, ro
     through, msgs = run(f"127.0.0.1:{port}", greedy(prefix + [5, 6, 7]))
     assert through.token_ids == direct.token_ids and through.finish_reason == direct.finish_reason
     assert {m.request_id for m in msgs} == {msgs[0].request_id} and msgs[0].request_id.startswith("rt-")
+    # The events are asynchronous: first wait until the router's index holds exactly what the
+    # two requests stored (6 full blocks on replica 0; 6 more on the other replica unless the
+    # routed one found them cached there), or a late event of theirs could pass for the next one.
+    stored = 6 if through.usage.cached_tokens == 6 * BLOCK else 12
+    wait_for_index(admin, stored)
     # A new 8-block prefix goes to one replica; once its KV events reached the router, every
     # follow-up (same prefix, another suffix) goes there and finds all 8 blocks cached.
     other = [(i * 11) % 100 + 3 for i in range(8 * BLOCK)]
-    before = sum(cached_blocks(admin).values())
     run(f"127.0.0.1:{port}", greedy(other + [1]))
-    deadline = time.time() + 30
-    while sum(cached_blocks(admin).values()) < before + 8:  # the events are asynchronous
-        assert time.time() < deadline, cached_blocks(admin)
-        time.sleep(0.05)
+    wait_for_index(admin, stored + 8)
     for suffix in range(6):
         out, _ = run(f"127.0.0.1:{port}", greedy(other + [9, suffix]))
         assert out.usage.cached_tokens == 8 * BLOCK
