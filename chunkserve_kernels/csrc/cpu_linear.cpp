@@ -27,6 +27,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <optional>
 
@@ -35,7 +37,9 @@ namespace {
 
 constexpr int64_t kLanes = 32;     // partial sums per dot product: 2 AVX-512 / 4 AVX2 registers
 constexpr int64_t kMaxGroup = 8;   // rows of x per pass over the weights
-constexpr int64_t kGrainRows = 64; // weight rows per parallel task at the least
+constexpr int64_t kGrainRows = 64; // weight rows per thread at the least
+constexpr int64_t kTasksPerThread = 4;  // tasks of weight rows per thread at the least
+constexpr int64_t kTaskRows = 256;      // weight rows per task at the most, where that makes more
 constexpr int64_t kAhead = 4;      // weight rows ahead that each pass asks the cache for
 
 // One register of floats: 16 with AVX-512, 8 otherwise (GCC's vector extension: no intrinsics,
@@ -139,9 +143,21 @@ at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& weight, const std::opt
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; m += kMaxGroup)
-      group(xp + m * K, std::min(kMaxGroup, M - m), K, wp, b, yp + m * N, N, n0, n1);
+  // Weight rows in tasks taken from a shared counter, not one fixed share per thread: when the
+  // OS takes a core from one thread mid-product (a busy neighbour, the scheduler process), the
+  // other takes the remaining tasks instead of waiting for it. A multiple of the thread count of
+  // equal tasks, so that an idle machine's split stays even.
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (N + kGrainRows - 1) / kGrainRows);
+  int64_t tasks = std::max(threads * kTasksPerThread, (N + kTaskRows - 1) / kTaskRows);
+  tasks = (tasks + threads - 1) / threads * threads;
+  const int64_t task_rows = (N + tasks - 1) / tasks;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t n0 = next.fetch_add(1) * task_rows; n0 < N; n0 = next.fetch_add(1) * task_rows) {
+      const int64_t n1 = std::min(N, n0 + task_rows);
+      for (int64_t m = 0; m < M; m += kMaxGroup)
+        group(xp + m * K, std::min(kMaxGroup, M - m), K, wp, b, yp + m * N, N, n0, n1);
+    }
   });
   return y;
 }
