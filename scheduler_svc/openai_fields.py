@@ -60,12 +60,19 @@ NEUTRAL: dict[str, Any] = {
     "store": False,  # store the completion for OpenAI's evals and distillation: nothing is stored here
     "modalities": ["text"],  # audio output
     "verbosity": "medium",  # a shorter or longer answer than the model's own
+    # SGLang's fields, which vllm-router (PyPI; its cache_aware, round_robin, ... policies) writes
+    # into every request it forwards, at these values:
+    "no_stop_trim": False,  # true: the stop string stays in the text (use include_stop_str_in_output)
+    "return_hidden_states": False,
 }
 NO_EFFECT = {
     "user": "an end-user label for the client's own records; vLLM does not use it either",
     "spaces_between_special_tokens": "the fast tokenizer never inserts spaces between special tokens "
     "(as vLLM's fast detokenizer)",
     "include_reasoning": "no reasoning parser runs, so there is no reasoning content to include or drop",
+    "separate_reasoning": "no reasoning parser runs, so there is no reasoning content to separate (SGLang's field, "
+    "which vllm-router sends with every chat request)",
+    "stream_reasoning": "no reasoning parser runs, so no reasoning content is streamed either way (SGLang's field)",
     "safety_identifier": "an end-user label for OpenAI's abuse monitoring, like `user`",
     "metadata": "tags for OpenAI's stored completions; nothing is stored here, and tags change no output",
     "service_tier": "a billing and latency tier at OpenAI; one tier here, and it changes no output",

@@ -202,6 +202,9 @@ REFUSED = [  # (endpoint, extra fields, param)
     ("chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ("chat/completions", {"store": True}, "store"),
     ("chat/completions", {"verbosity": "low"}, "verbosity"),
+    # SGLang's, beyond the value vllm-router writes
+    ("completions", {"no_stop_trim": True}, "no_stop_trim"),
+    ("chat/completions", {"return_hidden_states": True}, "return_hidden_states"),
 ]
 
 
@@ -240,6 +243,42 @@ def test_known_fields_chunkserve_cannot_honour_are_refused_by_name(fakes, byte_t
                 with caplog.at_level(logging.WARNING, logger="scheduler_svc.openai_fields"):
                     assert (await http.post(base + "/v1/chat/completions", json=chat_ok)).status_code == 200
                 assert not caplog.records  # each is known: none is taken for an unknown field
+
+    asyncio.run(main())
+
+
+# The bodies vllm-router 0.1.17 (PyPI) forwards for a client's plain requests, captured from its
+# cache_aware and round_robin policies: it re-serializes a typed request with SGLang's defaults.
+VLLM_ROUTER_BODIES = [
+    (
+        "completions",
+        {"prompt": "hi", "max_tokens": 3, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+         "echo": False, "no_stop_trim": False, "ignore_eos": True, "skip_special_tokens": True,
+         "return_hidden_states": False},
+    ),
+    (
+        "chat/completions",
+        {"messages": HI, "stream": False, "max_tokens": 3, "logprobs": False, "no_stop_trim": False,
+         "ignore_eos": False, "continue_final_message": False, "skip_special_tokens": True,
+         "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False,
+         "include_reasoning": True},
+    ),
+]  # fmt: skip
+
+
+def test_what_vllm_router_forwards_is_accepted(fakes, byte_tokenizer_dir, monkeypatch, caplog):
+    """A gateway that adds its own defaults must not turn every request into a 400 (they were
+    unknown fields before): each is accepted at the value it sends, and none is logged as unknown."""
+
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch) as (app, _, base):
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                with caplog.at_level(logging.WARNING, logger="scheduler_svc.openai_fields"):
+                    for endpoint, body in VLLM_ROUTER_BODIES:
+                        response = await http.post(f"{base}/v1/{endpoint}", json=body)
+                        assert response.status_code == 200, (endpoint, response.text)
+                assert not caplog.records
+                assert_idle(app)
 
     asyncio.run(main())
 

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
@@ -16,7 +17,12 @@ import pytest
 from chunkserve.launch import free_port, start_server
 
 pytestmark = pytest.mark.slow
-ROUTER = os.environ.get("CHUNKSERVE_VLLM_ROUTER") or shutil.which("vllm-router")
+# The dev extra installs it into the virtual environment, whose bin/ need not be on PATH.
+ROUTER = (
+    os.environ.get("CHUNKSERVE_VLLM_ROUTER")
+    or shutil.which("vllm-router", path=os.path.dirname(sys.executable))
+    or shutil.which("vllm-router")
+)
 
 
 @pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed (pip install vllm-router)")
@@ -102,3 +108,65 @@ def prompt_tokens(metrics_url: str) -> float:
     return sum(
         float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("chunkserve_prompt_tokens_total")
     )
+
+
+@pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed (pip install vllm-router)")
+@pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
+def test_vllm_router_default_policies_forward_plain_requests_unchanged(tiny_model_path, tmp_path, policy):
+    """Its other policies re-write each body with SGLang's defaults (`no_stop_trim`,
+    `separate_reasoning`, ...): completions, streamed or not, and chat through vllm-router get
+    the tokens a replica gives directly (greedy), not a 400 for a field chunkserve did not know."""
+    import httpx
+
+    executor = ["--model", str(tiny_model_path), "--dtype", "float32", "--num-threads", "1"]
+    servers = []
+    for i in range(2):
+        (tmp_path / str(i)).mkdir()
+        servers.append(start_server(tmp_path / str(i), executor, []))
+    port = free_port()
+    workers = [f"http://127.0.0.1:{s.http_port}" for s in servers]
+    log = tmp_path / "vllm-router.log"
+    cmd = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *workers]
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(base + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        model = httpx.get(workers[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
+        completion = {"model": model, "prompt": "The sky is", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
+        for path, body, field in (("completions", completion, "text"), ("chat/completions", chat, "message")):
+            direct = httpx.post(f"{workers[0]}/v1/{path}", json=body, timeout=120)
+            assert direct.status_code == 200, direct.text
+            for _ in range(2):  # round_robin: both replicas
+                routed = httpx.post(f"{base}/v1/{path}", json=body, timeout=120)
+                assert routed.status_code == 200, routed.text
+                assert routed.json()["choices"][0][field] == direct.json()["choices"][0][field]
+        streamed = ""
+        with httpx.stream("POST", base + "/v1/completions", json={**completion, "stream": True}, timeout=120) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    streamed += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+        assert streamed == direct_text(workers[0], completion)
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        for s in servers:
+            s.stop()
+
+
+def direct_text(worker: str, body: dict) -> str:
+    import httpx
+
+    reply = httpx.post(worker + "/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["text"]
