@@ -20,6 +20,12 @@ to the router is judged by before/after ratios against the same direct baseline.
 Generate call per request to the replica) beside the default one (`mux`: one multiplexed stream
 per replica, messages batched per step), measured the same way.
 
+With --front http every request goes through the OpenAI API instead (/v1/completions, streamed,
+the prompt as text: the byte tokenizer makes each character one token), so that a PyPI gateway
+can be measured on the same arrivals: --vllm-router-policies runs `vllm-router` (the Rust
+binary of the dev extra) in front of the same replicas with each policy named, its `kv_aware`
+fed by the replicas' vLLM-format KV events (--kv-events-config). --replicas sets how many.
+
 This machine is a 2-core CPU shared with other work and the model is tiny: the absolute times
 are this machine's, the ratios are the result (benchmarks/RESULTS.md).
 
@@ -27,14 +33,17 @@ are this machine's, the ratios are the result (benchmarks/RESULTS.md).
     .venv/bin/python benchmarks/router.py --requests 64 --rate 4 --skip-overhead
     .venv/bin/python benchmarks/router.py --policies "" --baseline-router-src /tmp/old   # overhead, before/after
     .venv/bin/python benchmarks/router.py --policies "" --compare-transports            # mux vs per-call legs
+    .venv/bin/python benchmarks/router.py --front http --vllm-router-policies cache_aware,kv_aware --skip-overhead
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 
 from chunkserve.launch import Server, bench_model, free_port, start_server
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
@@ -103,17 +113,136 @@ async def run_policy(address: str, prompts: list[list[int]], arrivals: list[floa
         return await asyncio.gather(*(at(i) for i in range(len(prompts))))
 
 
+def as_text(prompt: list[int]) -> str:
+    """A token-id prompt as text the byte tokenizer turns into as many tokens: each id mapped
+    onto a printable ASCII character (33-126), so a gateway that routes by text or tokenizes
+    for itself sees the same prefixes."""
+    return "".join(chr(33 + (t - 3) % 94) for t in prompt)
+
+
+async def one_http(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> Result:
+    """One streamed /v1/completions request; TTFT at the first chunk carrying text."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first, usage = None, None
+    async with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as reply:
+        if reply.status_code != 200:
+            raise SystemExit(f"{url}: HTTP {reply.status_code}: {(await reply.aread())[:500]!r}")
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and any(c.get("text") for c in chunk.get("choices") or ()):
+                first = time.perf_counter() - start
+            usage = chunk.get("usage") or usage
+    if usage is None:
+        raise SystemExit(f"{url}: a stream without usage")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return Result(first if first is not None else float("nan"), usage["prompt_tokens"], cached)
+
+
+async def run_policy_http(
+    url: str, model: str, prompts: list[str], arrivals: list[float], max_tokens: int
+) -> list[Result]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=600) as client:
+        start = time.perf_counter()
+
+        async def at(i: int) -> Result:
+            await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+            return await one_http(client, url, model, prompts[i], max_tokens)
+
+        return await asyncio.gather(*(at(i) for i in range(len(prompts))))
+
+
+def decision_reasons(metrics_port: int) -> str:
+    """The router's decisions by reason and by replica (its /metrics), e.g. "cache 230, ttft 20;
+    per replica 130 126"."""
+    reasons: dict[str, float] = {}
+    replicas: dict[str, float] = {}
+    for line in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text.splitlines():
+        if line.startswith("chunkserve_router_requests_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            replica = line.split('replica="', 1)[1].split('"', 1)[0]
+            n = float(line.rsplit(" ", 1)[1])
+            reasons[reason] = reasons.get(reason, 0) + n
+            replicas[replica] = replicas.get(replica, 0) + n
+    by_reason = ", ".join(f"{k} {v:.0f}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]))
+    return by_reason + "; per replica " + " ".join(f"{replicas[k]:.0f}" for k in sorted(replicas))
+
+
+def kv_events_args() -> tuple[list[str], str, str]:
+    """A replica's --kv-events-config (vLLM's ZMQ PUB) and its publisher and replay endpoints."""
+    pub, replay = free_port(), free_port()
+    kv = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+    return ["--kv-events-config", json.dumps(kv)], f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+
+
+def vllm_router_binary() -> str:
+    found = shutil.which("vllm-router", path=os.path.dirname(sys.executable)) or shutil.which("vllm-router")
+    if not found:
+        raise SystemExit("--vllm-router-policies: no vllm-router executable (pip install vllm-router)")
+    return found
+
+
+def start_vllm_router(
+    servers: list[Server], events: list[tuple[str, str]], policy: str, model_dir: Path, log_dir: Path
+) -> tuple[subprocess.Popen, str]:
+    """vllm-router in front of `servers`' HTTP APIs with `policy`; kv_aware reads `events`
+    (each server's publisher and replay endpoints) and tokenizes with `model_dir`'s tokenizer."""
+    port = free_port()
+    workers = [f"http://127.0.0.1:{s.http_port}" for s in servers]
+    cmd = [vllm_router_binary(), "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+    cmd += ["--worker-urls", *workers]
+    if policy == "kv_aware":
+        for worker, (pub, replay) in zip(workers, events):
+            cmd += ["--kv-event-source", f"{worker}={pub}", "--kv-event-replay-source", f"{worker}={replay}"]
+        cmd += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", str(model_dir)]
+    log = log_dir / f"vllm-router-{policy}-{port}.log"
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    url, deadline = f"http://127.0.0.1:{port}", time.time() + 120
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise SystemExit(f"vllm-router did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.3)
+
+
 def start_router(
-    servers: list[Server], policy: str, log_dir: Path, src: str | None = None, transport: str | None = None
+    servers: list[Server],
+    policy: str,
+    log_dir: Path,
+    src: str | None = None,
+    transport: str | None = None,
+    http_port: int = 0,
+    tokenizer: Path | None = None,
 ) -> tuple[subprocess.Popen, int, int]:
     """`chunkserve router` in front of `servers`; `src`: run another checkout's router;
-    `transport`: its --replica-transport (None: its default)."""
+    `transport`: its --replica-transport (None: its default); `http_port`: its OpenAI API (0: off).
+    `policy` may carry router options after a "+": "cache_aware+--cache-affinity=1"."""
+    policy, *options = policy.split("+")
     port, admin = free_port(), free_port()
     cmd = [sys.executable, "-m", "chunkserve.cli", "router", "--port", str(port), "--admin-port", str(admin)]
-    cmd += ["--http-port", "0", "--metrics-port", "0", "--policy", policy]
+    metrics = free_port()
+    cmd += ["--http-port", str(http_port), "--metrics-port", str(metrics), "--policy", policy]
     cmd += ["--replica-transport", transport] if transport else []
+    cmd += options
+    cmd += ["--tokenizer", str(tokenizer)] if tokenizer else []  # text prompts hashed as the replicas do
     for s in servers:
-        cmd += ["--replica", f"127.0.0.1:{s.port},admin={s.admin_port}"]
+        cmd += ["--replica", f"127.0.0.1:{s.port},admin={s.admin_port}" + (f",http={s.http_port}" if http_port else "")]
     env = {**os.environ, "PYTHONPATH": src} if src else None
     log = open(log_dir / f"router-{policy}-{port}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=src, env=env)
@@ -123,6 +252,7 @@ def start_router(
         try:
             listed = stub.ListReplicas(rpb.ListReplicasRequest(), timeout=5).replicas
             if len(listed) == len(servers) and all(r.healthy for r in listed):
+                proc.metrics_port = metrics  # type: ignore[attr-defined]
                 return proc, port, admin
         except grpc.RpcError:
             pass
@@ -289,7 +419,20 @@ def main() -> None:
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--kv-blocks", type=int, default=1024, help="KV blocks per replica (16 tokens each)")
-    p.add_argument("--policies", default="cache_aware,round_robin,least_loaded")
+    p.add_argument(
+        "--policies",
+        default="cache_aware,round_robin,least_loaded",
+        help="chunkserve router's; options after a '+', e.g. cache_aware+--cache-affinity=1",
+    )
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument(
+        "--front", choices=("grpc", "http"), default="grpc", help="the API the load goes through (http: streamed text)"
+    )
+    p.add_argument(
+        "--vllm-router-policies",
+        default="",
+        help="vllm-router policies to measure on the same arrivals, e.g. cache_aware,kv_aware,round_robin (--front http)",
+    )
     p.add_argument("--overhead-requests", type=int, default=200)
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--streams", type=int, default=32, help="concurrent streams of the throughput comparison")
@@ -323,32 +466,39 @@ def main() -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="router-bench-"))
     executor = ["--model", str(model), "--dtype", "float32", "--block-size", str(BLOCK), "--num-threads", "1"]
     executor += ["--num-gpu-blocks-override", str(args.kv_blocks)]
-    servers = [start_server(log_dir, executor, []) for _ in range(2)]
+    gateway = [p for p in args.vllm_router_policies.split(",") if p]
+    if gateway and args.front != "http":
+        raise SystemExit("--vllm-router-policies needs --front http (vllm-router serves the OpenAI API)")
+    servers, events = [], []
+    for _ in range(args.replicas):
+        kv, pub, replay = kv_events_args() if "kv_aware" in gateway else ([], "", "")
+        servers.append(start_server(log_dir, executor, kv))
+        events.append((pub, replay))
     prompts, arrivals, prefix_tokens = workload(args)
     print(
-        f"{args.requests} requests over {args.groups} groups at {args.rate}/s, Poisson; {args.kv_blocks} KV blocks "
-        f"({args.kv_blocks * BLOCK} tokens) per replica; the {args.groups} prefixes total {prefix_tokens} tokens"
+        f"{args.requests} requests over {args.groups} groups at {args.rate}/s, Poisson; {args.replicas} replicas of "
+        f"{args.kv_blocks} KV blocks ({args.kv_blocks * BLOCK} tokens) each; the {args.groups} prefixes total "
+        f"{prefix_tokens} tokens; through the {'OpenAI HTTP' if args.front == 'http' else 'gRPC'} API"
     )
+    runs = [("chunkserve", p) for p in args.policies.split(",") if p]  # "" = the overhead part only
+    runs += [("vllm-router", p) for p in gateway]
     rows = {}
     try:
-        for policy in [p for p in args.policies.split(",") if p]:  # "" = the overhead part only
+        for router, policy in runs:
             reset_caches(servers)
-            proc, port, _ = start_router(servers, policy, log_dir)
-            try:
-                results = asyncio.run(run_policy(f"127.0.0.1:{port}", prompts, arrivals, args.max_tokens))
-            finally:
-                proc.terminate()
-                proc.wait(15)
-            rows[policy] = s = summary(results)
+            name = policy if router == "chunkserve" else f"vllm-router:{policy}"
+            rows[name] = s = summary(
+                run_one_policy(args, router, policy, servers, events, model, log_dir, prompts, arrivals)
+            )
             print(
-                f"{policy:>13}: prefill tokens {s['prefill']:>8}, hit rate {s['hit']:.2f}, "
+                f"{name:>22}: prefill tokens {s['prefill']:>8}, hit rate {s['hit']:.2f}, "
                 f"TTFT P50 {s['p50'] * 1e3:7.0f} ms, P99 {s['p99'] * 1e3:7.0f} ms"
             )
         if "round_robin" in rows:
             rr = rows["round_robin"]
-            for policy, s in rows.items():
+            for name, s in rows.items():
                 print(
-                    f"{policy:>13} / round_robin: prefill {s['prefill'] / rr['prefill']:.2f}x, "
+                    f"{name:>22} / round_robin: prefill {s['prefill'] / rr['prefill']:.2f}x, "
                     f"P99 TTFT {s['p99'] / rr['p99']:.2f}x, P50 TTFT {s['p50'] / rr['p50']:.2f}x"
                 )
         if not args.skip_overhead:
@@ -357,6 +507,50 @@ def main() -> None:
     finally:
         for s in servers:
             s.stop()
+
+
+def run_one_policy(
+    args: argparse.Namespace,
+    router: str,
+    policy: str,
+    servers: list[Server],
+    events: list[tuple[str, str]],
+    model: Path,
+    log_dir: Path,
+    prompts: list[list[int]],
+    arrivals: list[float],
+) -> list[Result]:
+    """The workload through one router (`chunkserve` or `vllm-router`) running `policy`, started
+    for this run and stopped after it."""
+    if router == "vllm-router":
+        proc, url = start_vllm_router(servers, events, policy, model, log_dir)
+    else:
+        http_port = free_port() if args.front == "http" else 0
+        proc, port, _ = start_router(servers, policy, log_dir, http_port=http_port, tokenizer=model)
+        url = f"http://127.0.0.1:{http_port}"
+        deadline = time.time() + 60
+        while args.front == "http":  # its HTTP front answers
+            try:
+                if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise SystemExit("the router's HTTP API did not answer")
+            time.sleep(0.2)
+    try:
+        if args.front == "grpc":
+            results = asyncio.run(run_policy(f"127.0.0.1:{port}", prompts, arrivals, args.max_tokens))
+        else:
+            served = httpx.get(f"http://127.0.0.1:{servers[0].http_port}/v1/models", timeout=10).json()["data"][0]["id"]
+            texts = [as_text(p) for p in prompts]
+            results = asyncio.run(run_policy_http(url, served, texts, arrivals, args.max_tokens))
+        if router == "chunkserve":
+            print(f"{'':>24}decisions: {decision_reasons(proc.metrics_port)}")  # type: ignore[attr-defined]
+        return results
+    finally:
+        proc.terminate()
+        proc.wait(15)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from chunkserve_contracts.v1 import replica_pb2_grpc as rpb_grpc
 from scheduler_svc.engine import Observer, StepRecord
 from scheduler_svc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEventLog
 from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.step_cost import FEATURES, CostModel, TraceStep, features
+from scheduler_svc.step_cost import FEATURES, CostModel, TraceStep, attention_pairs, features
 
 WINDOW = 256  # steps the fallback step-time model is fitted on
 MIN_STEPS = 32
@@ -71,20 +71,26 @@ class StepCostWatch(Observer):
 def load_of(scheduler: Scheduler, model: CostModel | None) -> rpb.ReplicaLoad:
     """GetLoad's answer. Walks the queues once (the router asks a few times a second)."""
     s = scheduler.snapshot()
-    pending = decoding = context = 0
+    pending = pairs = decoding = context = 0
+    prefills: list[tuple[int, int]] = []  # (uncomputed prompt tokens, computed) of each pending prefill
     for r in scheduler.running:
         if r.num_computed_tokens < r.num_prompt_tokens:
-            pending += r.num_prompt_tokens - r.num_computed_tokens
+            prefills.append((r.num_prompt_tokens - r.num_computed_tokens, r.num_computed_tokens))
         else:
             decoding += 1
             context += r.num_computed_tokens
-    pending += sum(r.num_prompt_tokens - r.num_computed_tokens for r in scheduler.waiting)
-    pending += sum(r.num_prompt_tokens for r in scheduler.swapped if r.num_computed_tokens < r.num_prompt_tokens)
+    prefills += [(r.num_prompt_tokens - r.num_computed_tokens, r.num_computed_tokens) for r in scheduler.waiting]
+    # a swapped-out prefill restarts from its host copy's position, counted here as from scratch
+    prefills += [(r.num_prompt_tokens, 0) for r in scheduler.swapped if r.num_computed_tokens < r.num_prompt_tokens]
+    for n, computed in prefills:
+        pending += n
+        pairs += attention_pairs(n, computed)
     return rpb.ReplicaLoad(
         num_running=s.num_running,
         num_waiting=s.num_waiting + s.num_swapped,
         kv_cache_usage=s.kv_cache_usage,
         pending_prefill_tokens=pending,
+        pending_prefill_attention=pairs,
         num_decoding=decoding,
         decode_context_tokens=context,
         token_budget=s.token_budget,

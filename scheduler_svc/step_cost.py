@@ -26,6 +26,12 @@ WARM_UP_STEPS = 10  # a trace's first steps: left out of the replayed spread (se
 FEATURES = ("const", "prefill_tokens", "decode_tokens", "decode_context", "prefill_attention")
 
 
+def attention_pairs(n: int, computed: int) -> int:
+    """Query-key pairs of n new tokens after `computed` ones: n * (computed + (n + 1) / 2), the
+    same whether they run as one chunk or several (token i of them attends to computed + i + 1)."""
+    return n * computed + n * (n + 1) // 2
+
+
 def features(seqs: Iterable[tuple[int, int, int]]) -> list[float]:
     """The model's feature vector from (new tokens, computed tokens before, prompt tokens) per
     sequence of a step. A decode is one token past the prompt; anything else is prefill-like."""
@@ -36,7 +42,7 @@ def features(seqs: Iterable[tuple[int, int, int]]) -> list[float]:
             decode_ctx += computed
         else:
             prefill += n
-            prefill_attn += n * (computed + (n + 1) / 2)
+            prefill_attn += attention_pairs(n, computed)
     return [1.0, prefill, decode, decode_ctx, prefill_attn]
 
 

@@ -131,6 +131,11 @@ class RouterApp:
             len(c.replicas),
             f" + DNS {c.dns[0]}" if c.dns else "",
         )
+        if not c.tokenizer and c.policy == "cache_aware":
+            log.warning(
+                "no --tokenizer: text and chat prompts cannot be hashed as the replicas hash them, so only "
+                "token-id prompts are routed by cache (the rest by load)"
+            )
 
     async def wait_ready(self, count: int, timeout: float = 600.0) -> None:
         """Returns once `count` replicas serve with their event streams connected."""

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 from chunkserve.router.metrics import RouterMetrics
 from chunkserve.router.replicas import Replica, ReplicaSet
-from chunkserve.router.scoring import Decision, ReplicaView, choose, matched_prefix
+from chunkserve.router.scoring import Decision, ReplicaView, choose, matched_prefix, pool_step_costs
 from chunkserve_contracts.block_hash import prompt_block_hashes
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from scheduler_svc.step_cost import attention_pairs
 
 
 class NoReplicaError(Exception):
@@ -35,6 +36,7 @@ class Ticket:
     decision: Decision
     hashes: list[bytes]
     uncached_tokens: int
+    uncached_attention: int
     first_token: bool = False
     released: bool = field(default=False, repr=False)
 
@@ -42,6 +44,7 @@ class Ticket:
         if not self.first_token:
             self.first_token = True
             self.replica.pending_tokens -= self.uncached_tokens
+            self.replica.pending_attention -= self.uncached_attention
 
     def release(self) -> None:
         if self.released:
@@ -120,6 +123,8 @@ class Router:
         block_size = next((r.info.block_size for r in candidates if r.info is not None), 16)
         hashes = prompt_block_hashes(token_ids, block_size, salt) if token_ids else []
         views = [self._view(r, hashes) for r in candidates]
+        kinds = [(r.info.model_name, r.info.dtype, r.info.attention_backend) if r.info else r.name for r in candidates]
+        pool_step_costs(views, kinds)
         decision = choose(
             views,
             len(token_ids) if token_ids else 0,
@@ -130,12 +135,15 @@ class Router:
             self.balance_rel,
         )
         replica = self.replicas.replicas[decision.replica]
-        uncached = max(0, (len(token_ids) if token_ids else 0) - decision.matched_blocks * block_size)
+        cached = min(decision.matched_blocks * block_size, len(token_ids) if token_ids else 0)
+        uncached = (len(token_ids) if token_ids else 0) - cached
+        attention = attention_pairs(uncached, cached)
         replica.in_flight += 1
         replica.pending_tokens += uncached
+        replica.pending_attention += attention
         replica.routed.update(hashes)
         self.metrics.decided(decision, len(token_ids) if token_ids else 0, block_size, time.perf_counter() - started)
-        return Ticket(replica, decision, hashes, uncached)
+        return Ticket(replica, decision, hashes, uncached, attention)
 
     @staticmethod
     def _view(r: Replica, hashes: list[bytes]) -> ReplicaView:
@@ -147,12 +155,14 @@ class Router:
             num_waiting=load.num_waiting,
             kv_cache_usage=load.kv_cache_usage,
             pending_prefill_tokens=load.pending_prefill_tokens,
+            pending_prefill_attention=load.pending_prefill_attention,
             router_pending_tokens=r.pending_tokens,
+            router_pending_attention=r.pending_attention,
             router_in_flight=r.in_flight,
             num_decoding=load.num_decoding,
             decode_context_tokens=load.decode_context_tokens,
             token_budget=load.token_budget or 2048,
-            **({"step_cost": tuple(load.step_cost)} if load.step_cost_fitted else {}),
+            **({"step_cost": tuple(load.step_cost), "step_cost_fitted": True} if load.step_cost_fitted else {}),
         )
 
     def close(self) -> None:

@@ -99,6 +99,7 @@ class Replica:
     info: pb.GetInfoResponse | None = None
     in_flight: int = 0
     pending_tokens: int = 0  # uncached prompt tokens of in-flight requests with no token yet
+    pending_attention: int = 0  # and the query-key pairs their prefill attends to (step_cost.attention_pairs)
     calls: set[CallLeg] = field(default_factory=set)  # in-flight Generate calls, cancelled on failure
     tasks: list[asyncio.Task] = field(default_factory=list)
     watch_task: asyncio.Task | None = None

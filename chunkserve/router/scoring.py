@@ -4,13 +4,27 @@ cache_aware (the default): each replica's predicted time to first token for this
 
     TTFT(r) = time for r to prefill (its pending prompt tokens + this prompt's uncached part)
 
+costed with both of the model's prefill terms: per token, and per query-key pair of attention
+(each replica reports its queue's pairs; the router counts those of what it sent). A fit may
+put most of a prefill's cost on either (they grow together with prompt length): with the
+queue costed per token alone, a replica whose fit said "per token: 0" looked free whatever it
+had queued, and took every request (benchmarks/router.py, found with 2 replicas).
+
 where the uncached part is the prompt less the leading blocks r holds (the router's index of
 r's KV events, plus the blocks of requests it routed to r that r has not reported yet, so a
 burst of one group's requests does not scatter before the first one's prefix is cached), and
 the time comes from r's step-time model (scheduler_svc/step_cost.py, from GetLoad): steps of
 r's token budget less its decodes, each costing the model's fixed part (const, decodes and
 their context) plus its prefill tokens. A replica with no fitted model yet is costed with
-DEFAULT_STEP_COST, which only has to rank replicas, not predict seconds. The replica with the
+DEFAULT_STEP_COST, which only has to rank replicas, not predict seconds.
+
+Replicas that serve the same model alike (same model name, dtype and attention backend) are
+costed with one model: the per-coefficient median of their fits (`pool_step_costs`). Each fit
+comes from a few hundred of its own steps and its features grow together (prefill tokens and
+their attention pairs), so two identical replicas' fits differ several-fold in where they put
+the cost; ranked by their own fits, the replica with the cheaper-looking fit took the new
+prefixes, and one that got no requests kept its stale, expensive fit and none ever again
+(benchmarks/router.py, 4 replicas: two of them served nothing). The replica with the
 smallest TTFT wins; ties go to the longer cached prefix, then the lighter load.
 
 Imbalance fallback (as SGLang's cache-aware balancer and Dynamo's router do): when the busiest
@@ -23,7 +37,10 @@ round_robin and least_loaded are the baselines benchmarks/router.py compares aga
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
+
+from scheduler_svc.step_cost import attention_pairs
 
 # seconds per step = const + per prefill token * n + per decode + per context token + per attention pair
 DEFAULT_STEP_COST = (0.005, 1e-4, 1e-3, 1e-6, 0.0)
@@ -40,12 +57,15 @@ class ReplicaView:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     pending_prefill_tokens: int = 0  # its own report
+    pending_prefill_attention: int = 0  # its own report: the query-key pairs of that prefill
     router_pending_tokens: int = 0  # uncached prompt tokens the router sent that have no first token yet
+    router_pending_attention: int = 0  # their query-key pairs
     router_in_flight: int = 0  # requests the router has in flight there
     num_decoding: int = 0
     decode_context_tokens: int = 0
     token_budget: int = 2048
     step_cost: tuple[float, ...] = field(default=DEFAULT_STEP_COST)
+    step_cost_fitted: bool = False  # step_cost is the replica's own fit (else DEFAULT_STEP_COST)
 
     @property
     def load(self) -> int:
@@ -67,12 +87,30 @@ def predicted_ttft(r: ReplicaView, prompt_tokens: int, block_size: int) -> float
     a, b, c, d, e = (tuple(r.step_cost) + (0.0,) * 5)[:5]
     cached = min(r.matched_blocks * block_size, max(prompt_tokens - 1, 0))
     new = prompt_tokens - cached
-    pending = max(r.pending_prefill_tokens, r.router_pending_tokens) + new
+    # The queue: the replica's report or what the router sent there, whichever is larger (the
+    # report lags; other clients may send it work the router does not see).
+    if r.pending_prefill_tokens >= r.router_pending_tokens:
+        queued, queued_pairs = r.pending_prefill_tokens, r.pending_prefill_attention
+    else:
+        queued, queued_pairs = r.router_pending_tokens, r.router_pending_attention
+    pending = queued + new
     per_step = max(r.token_budget - r.num_decoding, block_size)
     steps = math.ceil(pending / per_step) if pending else 0
     fixed = a + c * r.num_decoding + d * r.decode_context_tokens
-    attention = e * new * (cached + (new + 1) / 2)  # this prompt's own chunks reading their context
-    return steps * fixed + b * pending + attention
+    pairs = queued_pairs + attention_pairs(new, cached)  # the queue's and this prompt's own chunks
+    return steps * fixed + b * pending + e * pairs
+
+
+def pool_step_costs(views: list[ReplicaView], kinds: list[object]) -> None:
+    """Gives every view the per-coefficient median of the fitted step costs of the views of
+    its kind (replicas serving one model alike), where any is fitted (module docstring)."""
+    fits: dict[object, list[tuple[float, ...]]] = {}
+    for v, kind in zip(views, kinds):
+        if v.step_cost_fitted:
+            fits.setdefault(kind, []).append(tuple(v.step_cost))
+    for v, kind in zip(views, kinds):
+        if kind in fits:
+            v.step_cost = tuple(statistics.median(column) for column in zip(*fits[kind]))
 
 
 def imbalanced(views: list[ReplicaView], balance_abs: int, balance_rel: float) -> bool:

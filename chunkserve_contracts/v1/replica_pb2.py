@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63hunkserve/v1/replica.proto\x12\rchunkserve.v1\":\n\x14WatchKVEventsRequest\x12\x15\n\x08\x66rom_seq\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x0b\n\t_from_seq\"e\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x19\n\x11parent_block_hash\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x12\n\x10\x41llBlocksCleared\"\xa3\x01\n\x07KVEvent\x12,\n\x06stored\x18\x01 \x01(\x0b\x32\x1a.chunkserve.v1.BlockStoredH\x00\x12.\n\x07removed\x18\x02 \x01(\x0b\x32\x1b.chunkserve.v1.BlockRemovedH\x00\x12\x32\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1f.chunkserve.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"f\n\x0cKVEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12&\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x16.chunkserve.v1.KVEvent\x12\x0e\n\x06replay\x18\x04 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xb6\x02\n\x0bReplicaLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x1e\n\x16pending_prefill_tokens\x18\x04 \x01(\x04\x12\x14\n\x0cnum_decoding\x18\x05 \x01(\r\x12\x1d\n\x15\x64\x65\x63ode_context_tokens\x18\x06 \x01(\x04\x12\x14\n\x0ctoken_budget\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x19\n\x11num_device_blocks\x18\t \x01(\r\x12\x11\n\tstep_cost\x18\n \x03(\x01\x12\x18\n\x10step_cost_fitted\x18\x0b \x01(\x08\x12\x1e\n\x16num_free_device_blocks\x18\x0c \x01(\r\"H\n\nMuxRequest\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12\x12\n\x08generate\x18\x02 \x01(\x0cH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x42\x06\n\x04kind\"Y\n\x0bMuxResponse\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\x0c\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x04 \x01(\t\x12\x0c\n\x04last\x18\x05 \x01(\x08\"=\n\x0cMuxResponses\x12-\n\tresponses\x18\x01 \x03(\x0b\x32\x1a.chunkserve.v1.MuxResponse\"\x15\n\x13ListReplicasRequest\"F\n\x14ListReplicasResponse\x12.\n\x08replicas\x18\x01 \x03(\x0b\x32\x1c.chunkserve.v1.ReplicaStatus\"5\n\x13\x44rainReplicaRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"\x97\x01\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x15\n\rcached_blocks\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12(\n\x04load\x18\x06 \x01(\x0b\x32\x1a.chunkserve.v1.ReplicaLoad2\xa4\x01\n\x07Replica\x12S\n\rWatchKVEvents\x12#.chunkserve.v1.WatchKVEventsRequest\x1a\x1b.chunkserve.v1.KVEventBatch0\x01\x12\x44\n\x07GetLoad\x12\x1d.chunkserve.v1.GetLoadRequest\x1a\x1a.chunkserve.v1.ReplicaLoad2X\n\rGenerationMux\x12G\n\tMultiplex\x12\x19.chunkserve.v1.MuxRequest\x1a\x1b.chunkserve.v1.MuxResponses(\x01\x30\x01\x32\xb3\x01\n\x06Router\x12W\n\x0cListReplicas\x12\".chunkserve.v1.ListReplicasRequest\x1a#.chunkserve.v1.ListReplicasResponse\x12P\n\x0c\x44rainReplica\x12\".chunkserve.v1.DrainReplicaRequest\x1a\x1c.chunkserve.v1.ReplicaStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63hunkserve/v1/replica.proto\x12\rchunkserve.v1\":\n\x14WatchKVEventsRequest\x12\x15\n\x08\x66rom_seq\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x0b\n\t_from_seq\"e\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x19\n\x11parent_block_hash\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x12\n\x10\x41llBlocksCleared\"\xa3\x01\n\x07KVEvent\x12,\n\x06stored\x18\x01 \x01(\x0b\x32\x1a.chunkserve.v1.BlockStoredH\x00\x12.\n\x07removed\x18\x02 \x01(\x0b\x32\x1b.chunkserve.v1.BlockRemovedH\x00\x12\x32\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1f.chunkserve.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"f\n\x0cKVEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12&\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x16.chunkserve.v1.KVEvent\x12\x0e\n\x06replay\x18\x04 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xd9\x02\n\x0bReplicaLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x1e\n\x16pending_prefill_tokens\x18\x04 \x01(\x04\x12\x14\n\x0cnum_decoding\x18\x05 \x01(\r\x12\x1d\n\x15\x64\x65\x63ode_context_tokens\x18\x06 \x01(\x04\x12\x14\n\x0ctoken_budget\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x19\n\x11num_device_blocks\x18\t \x01(\r\x12\x11\n\tstep_cost\x18\n \x03(\x01\x12\x18\n\x10step_cost_fitted\x18\x0b \x01(\x08\x12\x1e\n\x16num_free_device_blocks\x18\x0c \x01(\r\x12!\n\x19pending_prefill_attention\x18\r \x01(\x04\"H\n\nMuxRequest\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12\x12\n\x08generate\x18\x02 \x01(\x0cH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x42\x06\n\x04kind\"Y\n\x0bMuxResponse\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\x0c\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x04 \x01(\t\x12\x0c\n\x04last\x18\x05 \x01(\x08\"=\n\x0cMuxResponses\x12-\n\tresponses\x18\x01 \x03(\x0b\x32\x1a.chunkserve.v1.MuxResponse\"\x15\n\x13ListReplicasRequest\"F\n\x14ListReplicasResponse\x12.\n\x08replicas\x18\x01 \x03(\x0b\x32\x1c.chunkserve.v1.ReplicaStatus\"5\n\x13\x44rainReplicaRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"\x97\x01\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x15\n\rcached_blocks\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12(\n\x04load\x18\x06 \x01(\x0b\x32\x1a.chunkserve.v1.ReplicaLoad2\xa4\x01\n\x07Replica\x12S\n\rWatchKVEvents\x12#.chunkserve.v1.WatchKVEventsRequest\x1a\x1b.chunkserve.v1.KVEventBatch0\x01\x12\x44\n\x07GetLoad\x12\x1d.chunkserve.v1.GetLoadRequest\x1a\x1a.chunkserve.v1.ReplicaLoad2X\n\rGenerationMux\x12G\n\tMultiplex\x12\x19.chunkserve.v1.MuxRequest\x1a\x1b.chunkserve.v1.MuxResponses(\x01\x30\x01\x32\xb3\x01\n\x06Router\x12W\n\x0cListReplicas\x12\".chunkserve.v1.ListReplicasRequest\x1a#.chunkserve.v1.ListReplicasResponse\x12P\n\x0c\x44rainReplica\x12\".chunkserve.v1.DrainReplicaRequest\x1a\x1c.chunkserve.v1.ReplicaStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,25 +46,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETLOADREQUEST']._serialized_start=537
   _globals['_GETLOADREQUEST']._serialized_end=553
   _globals['_REPLICALOAD']._serialized_start=556
-  _globals['_REPLICALOAD']._serialized_end=866
-  _globals['_MUXREQUEST']._serialized_start=868
-  _globals['_MUXREQUEST']._serialized_end=940
-  _globals['_MUXRESPONSE']._serialized_start=942
-  _globals['_MUXRESPONSE']._serialized_end=1031
-  _globals['_MUXRESPONSES']._serialized_start=1033
-  _globals['_MUXRESPONSES']._serialized_end=1094
-  _globals['_LISTREPLICASREQUEST']._serialized_start=1096
-  _globals['_LISTREPLICASREQUEST']._serialized_end=1117
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=1119
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=1189
-  _globals['_DRAINREPLICAREQUEST']._serialized_start=1191
-  _globals['_DRAINREPLICAREQUEST']._serialized_end=1244
-  _globals['_REPLICASTATUS']._serialized_start=1247
-  _globals['_REPLICASTATUS']._serialized_end=1398
-  _globals['_REPLICA']._serialized_start=1401
-  _globals['_REPLICA']._serialized_end=1565
-  _globals['_GENERATIONMUX']._serialized_start=1567
-  _globals['_GENERATIONMUX']._serialized_end=1655
-  _globals['_ROUTER']._serialized_start=1658
-  _globals['_ROUTER']._serialized_end=1837
+  _globals['_REPLICALOAD']._serialized_end=901
+  _globals['_MUXREQUEST']._serialized_start=903
+  _globals['_MUXREQUEST']._serialized_end=975
+  _globals['_MUXRESPONSE']._serialized_start=977
+  _globals['_MUXRESPONSE']._serialized_end=1066
+  _globals['_MUXRESPONSES']._serialized_start=1068
+  _globals['_MUXRESPONSES']._serialized_end=1129
+  _globals['_LISTREPLICASREQUEST']._serialized_start=1131
+  _globals['_LISTREPLICASREQUEST']._serialized_end=1152
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=1154
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=1224
+  _globals['_DRAINREPLICAREQUEST']._serialized_start=1226
+  _globals['_DRAINREPLICAREQUEST']._serialized_end=1279
+  _globals['_REPLICASTATUS']._serialized_start=1282
+  _globals['_REPLICASTATUS']._serialized_end=1433
+  _globals['_REPLICA']._serialized_start=1436
+  _globals['_REPLICA']._serialized_end=1600
+  _globals['_GENERATIONMUX']._serialized_start=1602
+  _globals['_GENERATIONMUX']._serialized_end=1690
+  _globals['_ROUTER']._serialized_start=1693
+  _globals['_ROUTER']._serialized_end=1872
 # @@protoc_insertion_point(module_scope)

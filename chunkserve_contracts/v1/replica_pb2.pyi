@@ -61,7 +61,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "pending_prefill_tokens", "num_decoding", "decode_context_tokens", "token_budget", "block_size", "num_device_blocks", "step_cost", "step_cost_fitted", "num_free_device_blocks")
+    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "pending_prefill_tokens", "num_decoding", "decode_context_tokens", "token_budget", "block_size", "num_device_blocks", "step_cost", "step_cost_fitted", "num_free_device_blocks", "pending_prefill_attention")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class ReplicaLoad(_message.Message):
     STEP_COST_FIELD_NUMBER: _ClassVar[int]
     STEP_COST_FITTED_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PREFILL_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -86,7 +87,8 @@ class ReplicaLoad(_message.Message):
     step_cost: _containers.RepeatedScalarFieldContainer[float]
     step_cost_fitted: bool
     num_free_device_blocks: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., num_decoding: _Optional[int] = ..., decode_context_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., step_cost: _Optional[_Iterable[float]] = ..., step_cost_fitted: _Optional[bool] = ..., num_free_device_blocks: _Optional[int] = ...) -> None: ...
+    pending_prefill_attention: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., num_decoding: _Optional[int] = ..., decode_context_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., step_cost: _Optional[_Iterable[float]] = ..., step_cost_fitted: _Optional[bool] = ..., num_free_device_blocks: _Optional[int] = ..., pending_prefill_attention: _Optional[int] = ...) -> None: ...
 
 class MuxRequest(_message.Message):
     __slots__ = ("call", "generate", "cancel")

@@ -29,11 +29,16 @@ def test_load_counts_the_prompt_tokens_still_to_prefill():
     add(s, 3, 100)
     load = load_of(s, None)
     assert (load.num_waiting, load.num_running, load.pending_prefill_tokens) == (3, 0, 300)
+    assert load.pending_prefill_attention == 3 * (100 * 101 // 2)  # each from scratch
     assert not load.step_cost_fitted and list(load.step_cost) == [0.0] * 5
     plan = s.schedule()  # 64 tokens of the first prompt
     s.update(plan, StepResult(plan.step_id, [Sampled(e.seq_id, 7) for e in plan.seqs if e.sample]))
     load = load_of(s, None)
     assert load.pending_prefill_tokens == 300 - plan.num_tokens
+    # the rest of the first prompt attends to the 64 tokens already computed, and to itself
+    first = s.requests["r0"].num_computed_tokens
+    rest = 100 - first
+    assert load.pending_prefill_attention == rest * first + rest * (rest + 1) // 2 + 2 * (100 * 101 // 2)
     assert load.num_running >= 1 and load.token_budget == 64 and load.block_size == 16
 
 

@@ -3,12 +3,15 @@ prefill they save; imbalance falls back to least-loaded; the baselines do what t
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from chunkserve.router.replicas import parse_replica
-from chunkserve.router.scoring import ReplicaView, choose, matched_prefix, predicted_ttft
+from chunkserve.router.scoring import ReplicaView, choose, matched_prefix, pool_step_costs, predicted_ttft
+from scheduler_svc.step_cost import attention_pairs
 
 BS = 16
 COST = (0.01, 1e-3, 2e-3, 0.0, 0.0)  # 10 ms a step, 1 ms a prefill token
@@ -32,6 +35,59 @@ def test_a_long_queue_outweighs_a_cache_hit():
     # ... and a short queue does not.
     b.pending_prefill_tokens = 100
     assert choose([a, b], 1000, BS).replica == "b"
+
+
+def test_a_queue_costs_its_attention_when_the_fit_puts_prefill_there():
+    # A fit that put the whole prefill cost on attention pairs (per token 0): a replica with
+    # 20000 tokens queued is not free. Before the queue's pairs were counted it looked it, and
+    # took every request.
+    cost = (0.002, 0.0, 4e-4, 0.0, 3e-8)
+    queued = 10 * attention_pairs(2000, 0)  # ten 2000-token prompts from scratch
+    busy = ReplicaView("busy", pending_prefill_tokens=20_000, pending_prefill_attention=queued, step_cost=cost)
+    idle = ReplicaView("idle", step_cost=cost)
+    assert predicted_ttft(busy, 1000, BS) > predicted_ttft(idle, 1000, BS) + 3e-8 * queued * 0.99
+    assert choose([busy, idle], 1000, BS).replica == "idle"
+    # what the router sent and has no report of yet counts the same way
+    lagging = ReplicaView("lagging", router_pending_tokens=20_000, router_pending_attention=queued, step_cost=cost)
+    assert predicted_ttft(lagging, 1000, BS) == pytest.approx(predicted_ttft(busy, 1000, BS))
+
+
+def test_alike_replicas_are_costed_with_one_pooled_fit():
+    # Two fits of identical replicas: one put the prefill on tokens, the other on attention
+    # pairs and a larger per-step cost. Ranked by their own fits, "cheap" took every new prompt
+    # whatever "dear" had queued; pooled, the emptier one wins.
+    cheap = ReplicaView("cheap", pending_prefill_tokens=4000, step_cost=(0.002, 0.0, 4e-4, 0.0, 2e-8))
+    dear = ReplicaView("dear", step_cost=(0.002, 1.2e-4, 1.5e-3, 0.0, 1e-8))
+    cheap.pending_prefill_attention = 2 * attention_pairs(2000, 0)
+    cheap.step_cost_fitted = dear.step_cost_fitted = True
+    assert choose([cheap, dear], 2000, BS).replica == "cheap"  # each by its own fit
+    pool_step_costs([cheap, dear], ["m", "m"])
+    assert cheap.step_cost == dear.step_cost == pytest.approx((0.002, 6e-5, 9.5e-4, 0.0, 1.5e-8))
+    assert choose([cheap, dear], 2000, BS).replica == "dear"
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("ab"), st.booleans(), st.lists(st.floats(0, 1), min_size=5, max_size=5)),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_pooling_is_a_median_within_a_kind_and_never_crosses_kinds(replicas):
+    views = [
+        ReplicaView(str(i), step_cost=tuple(cost), step_cost_fitted=fitted)
+        for i, (_, fitted, cost) in enumerate(replicas)
+    ]
+    kinds = [kind for kind, _, _ in replicas]
+    pool_step_costs(views, kinds)
+    for kind in "ab":
+        fits = [tuple(cost) for k, fitted, cost in replicas if k == kind and fitted]
+        mine = [(v, replicas[i]) for i, v in enumerate(views) if kinds[i] == kind]
+        for v, (_, _, cost) in mine:
+            if fits:  # every replica of the kind, fitted or not, gets the kind's median
+                assert v.step_cost == tuple(statistics.median(c) for c in zip(*fits))
+            else:  # none fitted: each keeps its own
+                assert v.step_cost == tuple(cost)
 
 
 def test_router_side_pending_counts_when_the_report_lags():
