@@ -80,6 +80,8 @@ class Router:
         self._tokenizer = None
         self._tokenizer_path = tokenizer_path
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-tokenize")
+        self._costs_key: list[tuple[str, object, object]] = []
+        self._costs: list[tuple[float, ...]] = []
 
     def tokenizer(self):  # scheduler_svc.tokenizer.Tokenizer, loaded on first use
         if self._tokenizer is None and self._tokenizer_path:
@@ -122,9 +124,7 @@ class Router:
             raise NoReplicaError("no replica is serving" + (" (the others failed this request)" if exclude else ""))
         block_size = next((r.info.block_size for r in candidates if r.info is not None), 16)
         hashes = prompt_block_hashes(token_ids, block_size, salt) if token_ids else []
-        views = [self._view(r, hashes) for r in candidates]
-        kinds = [(r.info.model_name, r.info.dtype, r.info.attention_backend) if r.info else r.name for r in candidates]
-        pool_step_costs(views, kinds)
+        views = [self._view(r, hashes, cost) for r, cost in zip(candidates, self._step_costs(candidates))]
         decision = choose(
             views,
             len(token_ids) if token_ids else 0,
@@ -145,8 +145,28 @@ class Router:
         self.metrics.decided(decision, len(token_ids) if token_ids else 0, block_size, time.perf_counter() - started)
         return Ticket(replica, decision, hashes, uncached, attention)
 
+    def _step_costs(self, candidates: list[Replica]) -> list[tuple[float, ...]]:
+        """Each candidate's step-time model, pooled per kind of replica (scoring.pool_step_costs),
+        computed again only when a load report or replica info changed (~10 times a second,
+        not per request: pooling costs ~15 us)."""
+        key = [(r.name, r.load, r.info) for r in candidates]
+        old = self._costs_key
+        if len(key) != len(old) or any(a[0] != b[0] or a[1] is not b[1] or a[2] is not b[2] for a, b in zip(key, old)):
+            views = [
+                ReplicaView(r.name, step_cost=tuple(r.load.step_cost), step_cost_fitted=True)
+                if r.load.step_cost_fitted
+                else ReplicaView(r.name)
+                for r in candidates
+            ]
+            kinds = [
+                (r.info.model_name, r.info.dtype, r.info.attention_backend) if r.info else r.name for r in candidates
+            ]
+            pool_step_costs(views, kinds)
+            self._costs_key, self._costs = key, [v.step_cost for v in views]  # the key holds the objects it names
+        return self._costs
+
     @staticmethod
-    def _view(r: Replica, hashes: list[bytes]) -> ReplicaView:
+    def _view(r: Replica, hashes: list[bytes], step_cost: tuple[float, ...]) -> ReplicaView:
         load = r.load
         return ReplicaView(
             name=r.name,
@@ -162,7 +182,7 @@ class Router:
             num_decoding=load.num_decoding,
             decode_context_tokens=load.decode_context_tokens,
             token_budget=load.token_budget or 2048,
-            **({"step_cost": tuple(load.step_cost), "step_cost_fitted": True} if load.step_cost_fitted else {}),
+            step_cost=step_cost,
         )
 
     def close(self) -> None:

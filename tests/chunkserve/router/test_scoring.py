@@ -164,3 +164,43 @@ def test_dns_discovery_adds_every_address_and_ipv6_is_bracketed():
 
     found = asyncio.run(main())
     assert "127.0.0.1:1" in found and found <= {"127.0.0.1:1", "[::1]:1"}
+
+
+def test_the_router_pools_fits_per_kind_and_pools_again_only_when_a_report_changes():
+    import asyncio
+
+    from chunkserve.router.core import Router
+    from chunkserve.router.metrics import RouterMetrics
+    from chunkserve.router.replicas import Replica, ReplicaAddress, ReplicaSet
+    from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+    from chunkserve_contracts.v1 import replica_pb2 as rpb
+
+    def load(cost):
+        return rpb.ReplicaLoad(token_budget=256, step_cost=cost, step_cost_fitted=True)
+
+    async def main() -> None:
+        replicas = ReplicaSet([])
+        rs = [Replica(ReplicaAddress("127.0.0.1", port, 0)) for port in (1, 2, 3)]
+        for r, model in zip(rs, ("m", "m", "other")):
+            r.healthy = True
+            r.info = pb.GetInfoResponse(model_name=model, dtype="float32", attention_backend="torch", block_size=BS)
+            replicas.replicas[r.name] = r
+        rs[0].load = load([0.002, 0.0, 4e-4, 0.0, 2e-8])
+        rs[1].load = load([0.004, 1.2e-4, 1.5e-3, 0.0, 1e-8])
+        rs[2].load = load([0.1, 0.1, 0.1, 0.1, 0.1])
+        router = Router(replicas, RouterMetrics(lambda: rs), None)
+        try:
+            costs = router._step_costs(rs)
+            assert costs[0] == costs[1] == pytest.approx((0.003, 6e-5, 9.5e-4, 0.0, 1.5e-8))
+            assert costs[2] == (0.1,) * 5  # another model: its own fit
+            assert router._step_costs(rs) is costs  # nothing changed: not pooled again
+            rs[1].load = load([0.002, 0.0, 4e-4, 0.0, 2e-8])  # a new report
+            assert router._step_costs(rs)[1] == pytest.approx((0.002, 0.0, 4e-4, 0.0, 2e-8))
+            ticket = router.place(list(range(3, 40)), None)  # and a decision runs on them
+            assert ticket.replica in rs[:2]  # "other" is costed at 0.1 s per token
+            ticket.release()
+        finally:
+            await replicas.close()
+            router.close()
+
+    asyncio.run(main())
