@@ -80,7 +80,7 @@ def load_of(scheduler: Scheduler, model: CostModel | None) -> rpb.ReplicaLoad:
             decoding += 1
             context += r.num_computed_tokens
     prefills += [(r.num_prompt_tokens - r.num_computed_tokens, r.num_computed_tokens) for r in scheduler.waiting]
-    # a swapped-out prefill restarts from its host copy's position, counted here as from scratch
+    # a swapped-out prefill counts its whole prompt (it may come back by recompute)
     prefills += [(r.num_prompt_tokens, 0) for r in scheduler.swapped if r.num_computed_tokens < r.num_prompt_tokens]
     for n, computed in prefills:
         pending += n

@@ -4,12 +4,6 @@ cache_aware (the default): each replica's predicted time to first token for this
 
     TTFT(r) = time for r to prefill (its pending prompt tokens + this prompt's uncached part)
 
-costed with both of the model's prefill terms: per token, and per query-key pair of attention
-(each replica reports its queue's pairs; the router counts those of what it sent). A fit may
-put most of a prefill's cost on either (they grow together with prompt length): with the
-queue costed per token alone, a replica whose fit said "per token: 0" looked free whatever it
-had queued, and took every request (benchmarks/router.py, found with 2 replicas).
-
 where the uncached part is the prompt less the leading blocks r holds (the router's index of
 r's KV events, plus the blocks of requests it routed to r that r has not reported yet, so a
 burst of one group's requests does not scatter before the first one's prefix is cached), and
@@ -18,14 +12,22 @@ r's token budget less its decodes, each costing the model's fixed part (const, d
 their context) plus its prefill tokens. A replica with no fitted model yet is costed with
 DEFAULT_STEP_COST, which only has to rank replicas, not predict seconds.
 
+Both of the model's prefill terms cost the queue and the prompt: per token, and per query-key
+pair of attention (each replica reports its queue's pairs; the router counts those of what it
+sent). A fit may put most of a prefill's cost on either (they grow together with prompt
+length): with the queue costed per token alone, a replica whose fit said "per token: 0" looked
+free whatever it had queued, and took every request (benchmarks/router.py, 2 replicas).
+
 Replicas that serve the same model alike (same model name, dtype and attention backend) are
 costed with one model: the per-coefficient median of their fits (`pool_step_costs`). Each fit
 comes from a few hundred of its own steps and its features grow together (prefill tokens and
 their attention pairs), so two identical replicas' fits differ several-fold in where they put
 the cost; ranked by their own fits, the replica with the cheaper-looking fit took the new
 prefixes, and one that got no requests kept its stale, expensive fit and none ever again
-(benchmarks/router.py, 4 replicas: two of them served nothing). The replica with the
-smallest TTFT wins; ties go to the longer cached prefix, then the lighter load.
+(benchmarks/router.py, 4 replicas: two of them served nothing).
+
+The replica with the smallest TTFT wins; ties go to the longer cached prefix, then the lighter
+load.
 
 Imbalance fallback (as SGLang's cache-aware balancer and Dynamo's router do): when the busiest
 replica carries more than `balance_abs` requests more than the idlest and more than
