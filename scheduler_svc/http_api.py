@@ -19,6 +19,7 @@ import json
 import logging
 import socket
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -35,7 +36,7 @@ from chunkserve_contracts import __version__
 from chunkserve_contracts.auth import token_matches
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServingError
-from scheduler_svc.http_extras import AccessLog, detokenize_ids, http_error, tokenize_response
+from scheduler_svc.http_extras import AccessLog, detokenize_ids, http_error, render_response, tokenize_response
 from scheduler_svc.openai_fields import HttpError, get
 from scheduler_svc.openai_protocol import (
     Choice,
@@ -83,6 +84,8 @@ class HttpFront:
                 Route("/v1/completions", functools.partial(self._generate, chat=False), methods=["POST"]),
                 Route("/v1/chat/completions", functools.partial(self._generate, chat=True), methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions/render", functools.partial(self.render, chat=False), methods=["POST"]),
+                Route("/v1/chat/completions/render", functools.partial(self.render, chat=True), methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -141,6 +144,23 @@ class HttpFront:
         except ServingError as exc:
             return error_response(exc)
         return JSONResponse(tokenize_response(ids, engine.tokenizer, limits.max_model_len, strs))
+
+    async def render(self, request: Request, chat: bool) -> Response:
+        """vLLM's /v1/completions/render and /v1/chat/completions/render: what a generation
+        request with this body would run, without running it (the prompt's token ids after the
+        chat template, and the sampling parameters), checked exactly as generation checks it.
+        vllm-router's cache_aware policy asks for it before each request, to route by tokens."""
+        try:
+            self._authorize(request)
+            body = await self._body(request)
+            _, _, info = self.servicer.ready_state()
+            self._model(body, info.model_name)
+            built = build_request(body, chat, self.settings)
+            _, ids, params = await self.servicer.prepare(built.proto, built.prompt.ids)
+        except ServingError as exc:
+            return error_response(exc, chat)
+        request_id = built.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+        return JSONResponse(render_response(("chatcmpl-" if chat else "cmpl-") + request_id, ids, params))
 
     async def detokenize(self, request: Request) -> Response:
         """vLLM's /detokenize: token ids to text (special tokens included, as vLLM decodes)."""

@@ -1,5 +1,5 @@
 """The HTTP front's surroundings, as vLLM's server has them: an access log line per request,
-CORS, JSON error bodies for unknown routes and wrong methods, and /tokenize, /detokenize.
+CORS, JSON error bodies for unknown routes and wrong methods, /tokenize, /detokenize and /render.
 
 Kept apart from http_api.py (generation) so that file stays about requests and streams.
 """
@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scheduler_svc.openai_fields import bad, get
 from scheduler_svc.openai_protocol import GENERATION_DEFAULTS
+from scheduler_svc.request import SamplingParams
 from scheduler_svc.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,30 @@ def tokenize_response(ids: list[int], tokenizer: Tokenizer, max_model_len: int, 
         "tokens": ids,
         "token_strs": [tokenizer.id_to_token(t) for t in ids] if strs else None,
     }
+
+
+def render_response(request_id: str, ids: list[int], params: SamplingParams) -> dict[str, Any]:
+    """The /render answer in vLLM's shape (its GenerateRequest: request_id, token_ids, features,
+    sampling_params), the sampling parameters under vLLM's names, as chunkserve resolved them
+    (the model's generation defaults filled in). A structured-output constraint is not spelled
+    out (`structured_outputs` says whether there is one)."""
+    sampling = {
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "seed": params.seed,
+        "max_tokens": params.max_tokens,
+        "min_tokens": params.min_tokens,
+        "stop": list(params.stop),
+        "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": params.ignore_eos,
+        "logprobs": params.logprobs,
+        "skip_special_tokens": params.skip_special_tokens,
+        "include_stop_str_in_output": params.include_stop_str_in_output,
+        "structured_outputs": params.constraint is not None,
+    }
+    return {"request_id": request_id, "token_ids": ids, "features": None, "sampling_params": sampling}
 
 
 def detokenize_ids(body: dict[str, Any], vocab_size: int) -> list[int]:

@@ -28,6 +28,7 @@ from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServingError, UnavailableError
 from scheduler_svc.output import RequestStream, StreamDelta, stream_deltas
+from scheduler_svc.request import SamplingParams
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.validation import (
     Limits,
@@ -101,19 +102,31 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         chat-template options, openai_prompt.PromptSpec.ids) makes a text or chat prompt's ids
         in place of tokenize_prompt, on the same worker.
         """
+        engine, ids, params = await self.prepare(request, prompt, prefetch=True)
+        stream = engine.add_request(ids, params, request.cache_salt or None, request.priority, request.tenant)
+        return engine, stream
+
+    async def prepare(
+        self,
+        request: pb.GenerateRequest,
+        prompt: Callable[[Tokenizer, Limits], list[int]] | None = None,
+        prefetch: bool = False,
+    ) -> tuple[Engine, list[int], SamplingParams]:
+        """What `submit` would queue, checked as it checks it: the prompt's token ids and the
+        sampling parameters (the HTTP front's /render answers with them). `prefetch`: start the
+        request's grammar compiling while the prompt is tokenized. Raises ServingError."""
         engine, limits, _ = self.ready_state()
         check_known_fields(request)
         check_client_request_id(request)
-        engine.grammars.prefetch(structured_constraint(request.sampling))  # compiles while the prompt is tokenized
+        if prefetch:
+            engine.grammars.prefetch(structured_constraint(request.sampling))  # compiles while the prompt is tokenized
         if needs_tokenizer(request):
             ids = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize_pool, prompt or functools.partial(tokenize_prompt, request), engine.tokenizer, limits
             )
         else:  # token ids: bounded by max_model_len, cheap
             ids = tokenize_prompt(request, engine.tokenizer, limits)
-        params = sampling_params(request, len(ids), limits)
-        stream = engine.add_request(ids, params, request.cache_salt or None, request.priority, request.tenant)
-        return engine, stream
+        return engine, ids, sampling_params(request, len(ids), limits)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext

@@ -290,6 +290,44 @@ def test_what_vllm_router_forwards_is_accepted(fakes, byte_tokenizer_dir, monkey
     asyncio.run(main())
 
 
+def test_render_answers_what_generation_would_run_without_running_it(fakes, byte_tokenizer_dir, monkeypatch):
+    """vLLM's /v1/completions/render and /v1/chat/completions/render (vllm-router's cache_aware
+    asks them first): the prompt's token ids as generation computes them, the resolved sampling
+    parameters, the same refusals; nothing is queued."""
+
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch) as (app, _, base):
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                body = {"prompt": "hi there", "max_tokens": 3, "temperature": 0.5, "stop": ["x"], "seed": 7}
+                r = await http.post(base + "/v1/completions/render", json=body)
+                assert r.status_code == 200, r.text
+                out = r.json()
+                assert out["request_id"].startswith("cmpl-") and out["features"] is None
+                assert out["token_ids"] == list(b"hi there")  # the byte tokenizer: one id per byte
+                sp = out["sampling_params"]
+                assert (sp["max_tokens"], sp["temperature"], sp["stop"], sp["seed"]) == (3, 0.5, ["x"], 7)
+                assert sp["structured_outputs"] is False
+                done = (await http.post(base + "/v1/completions", json=body)).json()
+                assert done["usage"]["prompt_tokens"] == len(out["token_ids"])
+                chat = {"messages": HI, "max_tokens": 2, "response_format": {"type": "json_object"}, "request_id": "q"}
+                r = await http.post(base + "/v1/chat/completions/render", json=chat)
+                assert r.status_code == 200, r.text
+                assert r.json()["request_id"] == "chatcmpl-q"
+                tokenized = await http.post(base + "/tokenize", json={"messages": HI})
+                assert r.json()["token_ids"] == tokenized.json()["tokens"]  # the chat template, as generation
+                assert r.json()["sampling_params"]["structured_outputs"] is True
+                # refused as generation refuses it, by name
+                r = await http.post(base + "/v1/completions/render", json={"prompt": "hi", "echo": True})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+                r = await http.post(base + "/v1/completions/render", json={"prompt": "hi", "model": "nope"})
+                assert r.status_code == 404
+                assert (await http.get(base + "/v1/completions/render")).status_code == 405
+            assert not app.ready.engine.scheduler.requests
+            assert_idle(app)
+
+    asyncio.run(main())
+
+
 def test_unknown_fields_under_warn_are_accepted_and_logged_once(fakes, byte_tokenizer_dir, monkeypatch, caplog):
     """--openai-unknown-fields warn: vLLM's behaviour, one warning per field name."""
 

@@ -157,6 +157,11 @@ def test_vllm_router_default_policies_forward_plain_requests_unchanged(tiny_mode
                 if line.startswith("data: ") and line != "data: [DONE]":
                     streamed += "".join(c["text"] for c in json.loads(line[6:])["choices"])
         assert streamed == direct_text(workers[0], completion)
+        if policy == "cache_aware":  # it asks the replicas' /render for the tokens it routes by
+            access = "".join(f.read_text() for f in tmp_path.glob("*/server-*.log"))
+            assert '"POST /v1/completions/render" 200' in access, access[-3000:]
+            assert '"POST /v1/chat/completions/render" 200' in access, access[-3000:]
+            assert '/render" 4' not in access, access[-3000:]
     finally:
         proc.terminate()
         proc.wait(15)
