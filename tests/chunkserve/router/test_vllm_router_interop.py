@@ -53,16 +53,7 @@ def test_vllm_router_kv_aware_routes_follow_ups_to_the_cached_prefix(tiny_model_
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
+        wait_healthy(proc, base, log)
         model = httpx.get(workers[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
         prefix = " ".join(f"word{i % 37} token{i % 11}" for i in range(120))
 
@@ -130,16 +121,7 @@ def test_vllm_router_default_policies_forward_plain_requests_unchanged(tiny_mode
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
+        wait_healthy(proc, base, log)
         model = httpx.get(workers[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
         completion = {"model": model, "prompt": "The sky is", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
@@ -175,3 +157,19 @@ def direct_text(worker: str, body: dict) -> str:
     reply = httpx.post(worker + "/v1/completions", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     return reply.json()["choices"][0]["text"]
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, log) -> None:
+    """Until vllm-router answers /health (it waits for its workers first), at most 120 s."""
+    import httpx
+
+    deadline = time.time() + 120
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
