@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -59,6 +60,11 @@ def _error(status: int, message: str) -> JSONResponse:
 class HttpProxy:
     def __init__(self, router: Router) -> None:
         self.router = router
+        # httpx logs every request it sends at INFO: here a line per proxied OpenAI request
+        # (1,098 lines in a 13 s benchmark, ~4% of the router's busy CPU). Its warnings stay;
+        # a level set for it explicitly is left as it is.
+        if logging.getLogger("httpx").level == logging.NOTSET:
+            logging.getLogger("httpx").setLevel(logging.WARNING)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None)
         )

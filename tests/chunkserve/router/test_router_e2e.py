@@ -34,13 +34,17 @@ def spec(server) -> str:
     return f"127.0.0.1:{server.port},admin={server.admin_port},http={server.http_port}"
 
 
+LOGS: dict[int, object] = {}  # router port -> its log file
+
+
 def start_router(tmp_path, servers, model, *extra: str) -> tuple[subprocess.Popen, int, int, int]:
     port, http, admin = free_port(), free_port(), free_port()
     cmd = [sys.executable, "-m", "chunkserve.cli", "router", "--port", str(port), "--http-port", str(http)]
     cmd += ["--admin-port", str(admin), "--metrics-port", "0", "--tokenizer", str(model), *extra]
     for s in servers:
         cmd += ["--replica", spec(s)]
-    log = open(tmp_path / f"router-{port}.log", "w")
+    LOGS[port] = tmp_path / f"router-{port}.log"
+    log = open(LOGS[port], "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     admin_stub = rpb_grpc.RouterStub(grpc.insecure_channel(f"127.0.0.1:{admin}"))
     deadline = time.time() + 120
@@ -126,7 +130,7 @@ def test_tokens_equal_direct_and_follow_ups_go_to_the_cached_prefix(replicas, ro
 def test_openai_api_through_the_router(router):
     import httpx
 
-    _, http, _ = router
+    port, http, _ = router
     body = {"model": "x", "prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     models = httpx.get(f"http://127.0.0.1:{http}/v1/models", timeout=30).json()
     body["model"] = models["data"][0]["id"]
@@ -134,6 +138,8 @@ def test_openai_api_through_the_router(router):
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 4
     assert httpx.get(f"http://127.0.0.1:{http}/health", timeout=10).status_code == 200
+    # no log line per proxied request (httpx logs each request it sends at INFO)
+    assert "HTTP Request" not in LOGS[port].read_text()
 
 
 def test_abort_reaches_the_replica(router):
