@@ -142,6 +142,53 @@ def test_openai_api_through_the_router(router):
     assert "HTTP Request" not in LOGS[port].read_text()
 
 
+def test_openai_stream_through_the_router_and_a_client_that_leaves(replicas, router):
+    """A streamed completion through the router's HTTP front carries the replica's own text
+    (greedy), and a client that leaves mid-stream frees the request on the replica: no request
+    left, no block held."""
+    import json
+
+    import httpx
+
+    _, http, _ = router
+    models = httpx.get(f"http://127.0.0.1:{http}/v1/models", timeout=30).json()
+    body = {"model": models["data"][0]["id"], "prompt": [7, 8, 9, 10, 11], "max_tokens": 8, "temperature": 0}
+    body |= {"ignore_eos": True, "stream": True}
+
+    def streamed(base: str) -> str:
+        text = ""
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as reply:
+            assert reply.status_code == 200, reply.read()
+            for line in reply.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+        return text
+
+    direct = streamed(f"http://127.0.0.1:{replicas[0].http_port}")
+    assert streamed(f"http://127.0.0.1:{http}") == direct and direct
+    aborted = sum(aborts(s.metrics_url) for s in replicas)
+    with httpx.stream(
+        "POST", f"http://127.0.0.1:{http}/v1/completions", json={**body, "max_tokens": 1000}, timeout=120
+    ) as reply:
+        assert reply.status_code == 200
+        next(line for line in reply.iter_lines() if line.startswith("data: "))  # it is running
+    for server in replicas:  # the connection closed: the replica's request ends, its blocks free
+        server.assert_idle_and_no_leaks(timeout=120)
+    assert sum(aborts(s.metrics_url) for s in replicas) == aborted + 1  # aborted, not run to its end
+
+
+def aborts(metrics_url: str) -> float:
+    """Requests a replica ended as aborted (its chunkserve_request_success_total{finished_reason="abort"})."""
+    import httpx
+
+    text = httpx.get(metrics_url, timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("chunkserve_request_success_total{") and 'finished_reason="abort"' in line
+    )
+
+
 def test_abort_reaches_the_replica(router):
     port, _, _ = router
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
