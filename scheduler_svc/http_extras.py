@@ -88,8 +88,8 @@ def tokenize_response(ids: list[int], tokenizer: Tokenizer, max_model_len: int, 
 def render_response(request_id: str, ids: list[int], params: SamplingParams) -> dict[str, Any]:
     """The /render answer in vLLM's shape (its GenerateRequest: request_id, token_ids, features,
     sampling_params), the sampling parameters under vLLM's names, as chunkserve resolved them
-    (the model's generation defaults filled in). A structured-output constraint is not spelled
-    out (`structured_outputs` says whether there is one)."""
+    (the model's generation defaults filled in); `structured_outputs` as vLLM's parameters
+    name a constraint (`json`, `json_object`, `regex`, `choice`, `grammar`), null without one."""
     sampling = {
         "temperature": params.temperature,
         "top_k": params.top_k,
@@ -104,9 +104,19 @@ def render_response(request_id: str, ids: list[int], params: SamplingParams) -> 
         "logprobs": params.logprobs,
         "skip_special_tokens": params.skip_special_tokens,
         "include_stop_str_in_output": params.include_stop_str_in_output,
-        "structured_outputs": params.constraint is not None,
+        "structured_outputs": _structured(params),
     }
     return {"request_id": request_id, "token_ids": ids, "features": None, "sampling_params": sampling}
+
+
+def _structured(params: SamplingParams) -> dict[str, Any] | None:
+    c = params.constraint
+    if c is None:
+        return None
+    if c.kind == "json_object":
+        return {"json_object": True}
+    spec = json.loads(c.spec) if c.kind in ("json_schema", "choice") else c.spec  # JSON text -> its value
+    return {"json" if c.kind == "json_schema" else c.kind: spec}
 
 
 def detokenize_ids(body: dict[str, Any], vocab_size: int) -> list[int]:

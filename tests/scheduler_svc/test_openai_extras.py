@@ -306,7 +306,7 @@ def test_render_answers_what_generation_would_run_without_running_it(fakes, byte
                 assert out["token_ids"] == list(b"hi there")  # the byte tokenizer: one id per byte
                 sp = out["sampling_params"]
                 assert (sp["max_tokens"], sp["temperature"], sp["stop"], sp["seed"]) == (3, 0.5, ["x"], 7)
-                assert sp["structured_outputs"] is False
+                assert sp["structured_outputs"] is None
                 done = (await http.post(base + "/v1/completions", json=body)).json()
                 assert done["usage"]["prompt_tokens"] == len(out["token_ids"])
                 chat = {"messages": HI, "max_tokens": 2, "response_format": {"type": "json_object"}, "request_id": "q"}
@@ -315,7 +315,13 @@ def test_render_answers_what_generation_would_run_without_running_it(fakes, byte
                 assert r.json()["request_id"] == "chatcmpl-q"
                 tokenized = await http.post(base + "/tokenize", json={"messages": HI})
                 assert r.json()["token_ids"] == tokenized.json()["tokens"]  # the chat template, as generation
-                assert r.json()["sampling_params"]["structured_outputs"] is True
+                assert r.json()["sampling_params"]["structured_outputs"] == {"json_object": True}
+                schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+                guided = {"prompt": "hi", "structured_outputs": {"json": schema}}
+                r = await http.post(base + "/v1/completions/render", json=guided)
+                assert r.json()["sampling_params"]["structured_outputs"] == {"json": schema}, r.text
+                r = await http.post(base + "/v1/completions/render", json={"prompt": "hi", "guided_choice": ["x", "y"]})
+                assert r.json()["sampling_params"]["structured_outputs"] == {"choice": ["x", "y"]}, r.text
                 # refused as generation refuses it, by name
                 r = await http.post(base + "/v1/completions/render", json={"prompt": "hi", "echo": True})
                 assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
