@@ -208,16 +208,23 @@ def start_vllm_router(
         cmd += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", str(model_dir)]
     log = log_dir / f"vllm-router-{policy}-{port}.log"
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    url, deadline = f"http://127.0.0.1:{port}", time.time() + 120
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", proc, log)
+    return proc, url
+
+
+def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    """Until GET url answers 200; exits with the process's log when it dies or never does."""
+    deadline = time.time() + timeout
     while True:
         try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
         except httpx.HTTPError:
             pass
         if proc.poll() is not None or time.time() > deadline:
             proc.kill()
-            raise SystemExit(f"vllm-router did not start:\n{log.read_text()[-3000:]}")
+            raise SystemExit(f"{url} did not answer:\n{log.read_text()[-3000:]}")
         time.sleep(0.3)
 
 
@@ -232,7 +239,7 @@ def start_router(
 ) -> tuple[subprocess.Popen, int, int]:
     """`chunkserve router` in front of `servers`; `src`: run another checkout's router;
     `transport`: its --replica-transport (None: its default); `http_port`: its OpenAI API (0: off).
-    `policy` may carry router options after a "+": "cache_aware+--cache-affinity=1"."""
+    `policy` may carry router options after a "+": "cache_aware+--balance-abs-threshold=8"."""
     policy, *options = policy.split("+")
     port, admin = free_port(), free_port()
     cmd = [sys.executable, "-m", "chunkserve.cli", "router", "--port", str(port), "--admin-port", str(admin)]
@@ -244,8 +251,9 @@ def start_router(
     for s in servers:
         cmd += ["--replica", f"127.0.0.1:{s.port},admin={s.admin_port}" + (f",http={s.http_port}" if http_port else "")]
     env = {**os.environ, "PYTHONPATH": src} if src else None
-    log = open(log_dir / f"router-{policy}-{port}.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=src, env=env)
+    log_path = log_dir / f"router-{policy}-{port}.log"
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=src, env=env)
+    proc.log_path = log_path  # type: ignore[attr-defined]
     stub = rpb_grpc.RouterStub(grpc.insecure_channel(f"127.0.0.1:{admin}"))
     deadline = time.time() + 60
     while True:
@@ -411,7 +419,7 @@ def router_overhead(args: argparse.Namespace, server: Server, log_dir: Path) -> 
         )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--groups", type=int, default=16)
     p.add_argument("--requests", type=int, default=256)
@@ -422,7 +430,7 @@ def main() -> None:
     p.add_argument(
         "--policies",
         default="cache_aware,round_robin,least_loaded",
-        help="chunkserve router's; options after a '+', e.g. cache_aware+--cache-affinity=1",
+        help="chunkserve router's; options after a '+', e.g. cache_aware+--balance-abs-threshold=8",
     )
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument(
@@ -455,14 +463,18 @@ def main() -> None:
         help="also measure this tree's router with --replica-transport call (`router` is the default, mux)",
     )
     p.add_argument("--serve-null-proxy", nargs=2, metavar=("PORT", "TARGET"), help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.serve_null_proxy:
         import uvloop
 
         uvloop.run(serve_null_proxy(int(args.serve_null_proxy[0]), args.serve_null_proxy[1]))
         return
 
-    model = bench_model("tiny-bytes")  # no default model needed; prompts are token ids
+    model = bench_model("tiny-bytes")  # no default model needed: byte tokens (as text with --front http)
     log_dir = Path(tempfile.mkdtemp(prefix="router-bench-"))
     executor = ["--model", str(model), "--dtype", "float32", "--block-size", str(BLOCK), "--num-threads", "1"]
     executor += ["--num-gpu-blocks-override", str(args.kv_blocks)]
@@ -494,19 +506,25 @@ def main() -> None:
                 f"{name:>22}: prefill tokens {s['prefill']:>8}, hit rate {s['hit']:.2f}, "
                 f"TTFT P50 {s['p50'] * 1e3:7.0f} ms, P99 {s['p99'] * 1e3:7.0f} ms"
             )
-        if "round_robin" in rows:
-            rr = rows["round_robin"]
-            for name, s in rows.items():
-                print(
-                    f"{name:>22} / round_robin: prefill {s['prefill'] / rr['prefill']:.2f}x, "
-                    f"P99 TTFT {s['p99'] / rr['p99']:.2f}x, P50 TTFT {s['p50'] / rr['p50']:.2f}x"
-                )
+        print_ratios(rows)
         if not args.skip_overhead:
             reset_caches(servers)
             router_overhead(args, servers[0], log_dir)
     finally:
         for s in servers:
             s.stop()
+
+
+def print_ratios(rows: dict[str, dict[str, float]]) -> None:
+    """Each run's prefill and TTFT against round-robin's (chunkserve's), when it ran."""
+    if "round_robin" not in rows:
+        return
+    rr = rows["round_robin"]
+    for name, s in rows.items():
+        print(
+            f"{name:>22} / round_robin: prefill {s['prefill'] / rr['prefill']:.2f}x, "
+            f"P99 TTFT {s['p99'] / rr['p99']:.2f}x, P50 TTFT {s['p50'] / rr['p50']:.2f}x"
+        )
 
 
 def run_one_policy(
@@ -528,16 +546,8 @@ def run_one_policy(
         http_port = free_port() if args.front == "http" else 0
         proc, port, _ = start_router(servers, policy, log_dir, http_port=http_port, tokenizer=model)
         url = f"http://127.0.0.1:{http_port}"
-        deadline = time.time() + 60
-        while args.front == "http":  # its HTTP front answers
-            try:
-                if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise SystemExit("the router's HTTP API did not answer")
-            time.sleep(0.2)
+        if args.front == "http":
+            wait_http(url + "/v1/models", proc, proc.log_path)  # type: ignore[attr-defined]
     try:
         if args.front == "grpc":
             results = asyncio.run(run_policy(f"127.0.0.1:{port}", prompts, arrivals, args.max_tokens))

@@ -71,7 +71,7 @@ def test_vllm_router_kv_aware_routes_follow_ups_to_the_cached_prefix(tiny_model_
         assert reply.status_code == 200, reply.text
         first_tokens = reply.json()["usage"]["prompt_tokens"]
         cached = []
-        deadline = time.time() + 60
+        deadline = time.time() + 180  # a failsafe against a hang, not a time limit
         while time.time() < deadline:  # the events are asynchronous: until one follow-up hits
             cached.append(complete(prefix + f" again {len(cached)}")["prompt_tokens_details"]["cached_tokens"])
             if cached[-1]:
