@@ -8,6 +8,7 @@ float32), gRPC `SamplingParams.structured`.
 (a) validity: SCHEMAS (nested objects, arrays, enums, anyOf, patterns, required fields), each
     asked for in a chat prompt that shows the schema, greedy and at temperature 1 (seeded);
     an output counts valid when it parses and `jsonschema` accepts it. Goal 100%.
+    `--repetition-penalty` / `--presence-penalty` / `--frequency-penalty` sample with them.
 (b) throughput: S concurrent streams (default 32), each a 32-token prompt and exactly
     --new-tokens tokens: unconstrained with ignore_eos, constrained with a schema whose
     shortest valid output is longer than that (an array of at least 200 integers), so both
@@ -119,7 +120,7 @@ async def generate(stub, request) -> tuple[str, int, int, float | None, float]:
     return "".join(text), n, reason, first, time.perf_counter() - start
 
 
-async def validity(stub, concurrency: int, max_tokens: int) -> dict:
+async def validity(stub, concurrency: int, max_tokens: int, penalties: dict[str, float]) -> dict:
     import jsonschema
 
     from chunkserve.client import build_request
@@ -134,6 +135,7 @@ async def validity(stub, concurrency: int, max_tokens: int) -> dict:
             temperature=temperature,
             seed=i if temperature else None,
             structured=pb.StructuredOutput(json_schema=json.dumps(schema)),
+            **penalties,
         )
         async with gate:
             text, _, reason, _, _ = await generate(stub, req)
@@ -269,6 +271,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="throughput rounds of each kind")
     ap.add_argument("--validity-max-tokens", type=int, default=256)
     ap.add_argument("--validity-concurrency", type=int, default=34)
+    for name in ("repetition", "presence", "frequency"):
+        ap.add_argument(f"--{name}-penalty", type=float, help="validity: sample with this penalty too")
     ap.add_argument("--ttft-prompt-len", type=int, default=2048)
     ap.add_argument("--ttft-trials", type=int, default=3)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -300,7 +304,14 @@ def main() -> None:
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
             if "validity" in args.parts:
-                figures["validity"] = await validity(stub, args.validity_concurrency, args.validity_max_tokens)
+                penalties = {
+                    f"{n}_penalty": v
+                    for n in ("repetition", "presence", "frequency")
+                    if (v := getattr(args, f"{n}_penalty")) is not None
+                }
+                figures["validity"] = await validity(
+                    stub, args.validity_concurrency, args.validity_max_tokens, penalties
+                )
             if "throughput" in args.parts:
                 prompts = token_prompts(tokenizer, args.streams, 32)
                 figures["throughput"] = await throughput(stub, prompts, args.new_tokens, args.rounds)

@@ -6,7 +6,8 @@ dropped, no cursor moved, no KV byte copied; its finished ids and swaps included
 happen.
 
 The rules: new sequences are unknown (after this plan's finished ids), once each, with valid
-sampling parameters (SamplingSpec's ranges, at most MAX_NUM_LOGPROBS) and an entry; entries
+sampling parameters (SamplingSpec's ranges, at most MAX_NUM_LOGPROBS), their token ids when
+and only when they have a penalty (inside the vocabulary), and an entry; entries
 name known sequences once each, match their cursor, compute >= 1 token, stay below
 max_model_len, bring token ids inside the vocabulary (or decode the token sampled last) and
 in-range block ids, never one twice in a table, enough for their tokens; the tokens fit the
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from executor_svc.penalties import Penalties, TokenHistory
 from executor_svc.sampler import SamplingSpec
 
 # The scheduler never asks for more (scheduler_svc/validation.py MAX_LOGPROBS; a test keeps
@@ -53,6 +55,7 @@ class SeqState:
     num_computed_tokens: int | None = None
     last_token: int | None = None
     holds_blocks: bool = True  # counted in the runner's holders (False after a swap-out)
+    history: TokenHistory | None = None  # what the penalties read (penalties.py); None without one
 
 
 class ExecutorState(Protocol):
@@ -74,6 +77,8 @@ class CheckedPlan:
 
     finished: set[int] = field(default_factory=set)  # known sequences to drop
     new: dict[int, SamplingSpec] = field(default_factory=dict)
+    # New sequences with a penalty: (prompt token ids, output token ids so far).
+    histories: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
     swapped_out: set[int] = field(default_factory=set)  # sequences whose claims end
     # Per entry: the replacing table (new sequence or replace_block_table), else None.
     tables: list[list[int] | None] = field(default_factory=list)
@@ -108,6 +113,7 @@ def spec_from_proto(p: epb.SamplingParams) -> SamplingSpec:
         min_p=p.min_p,
         seed=p.seed if p.has_seed else None,
         num_logprobs=p.num_logprobs,
+        penalties=Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty or 1.0),
     )
     if spec.num_logprobs > MAX_NUM_LOGPROBS:
         raise ValueError(f"num_logprobs must be at most {MAX_NUM_LOGPROBS}, got {spec.num_logprobs}")
@@ -150,9 +156,27 @@ def _check_finished_and_new(plan: epb.StepRequest, st: ExecutorState, c: Checked
         if new.seq_id in c.new or (new.seq_id in seqs and new.seq_id not in c.finished):
             raise PlanError(f"step {step}: sequence {new.seq_id} is already known")
         try:
-            c.new[new.seq_id] = spec_from_proto(new.sampling)
+            c.new[new.seq_id] = spec = spec_from_proto(new.sampling)
+            _check_history(new, spec, st.vocab_size, c)
         except ValueError as exc:
             raise PlanError(f"step {step}, new sequence {new.seq_id}: {exc}") from None
+
+
+def _check_history(new: epb.NewSequence, spec: SamplingSpec, vocab_size: int, c: CheckedPlan) -> None:
+    """A sequence with a penalty comes with its prompt's token ids (and its output so far);
+    one without sends none (a scheduler that sends them anyway has lost track of which is
+    which)."""
+    prompt, output = list(new.prompt_token_ids), list(new.output_token_ids)
+    if not spec.penalties.active:
+        if prompt or output:
+            raise ValueError("token ids sent with a sequence that has no penalty")
+        return
+    if not prompt:
+        raise ValueError("a sequence with a penalty needs its prompt_token_ids")
+    bad = next((t for t in prompt + output if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary (size {vocab_size})")
+    c.histories[new.seq_id] = (prompt, output)
 
 
 def _check_entry(step: int, i: int, s: epb.ScheduledSequence, st: ExecutorState, c: CheckedPlan, e: _EntryPass) -> None:

@@ -19,6 +19,7 @@ from chunkserve_kernels.forward_context import set_forward_context
 from chunkserve_kernels.metadata import build_metadata
 from executor_svc.collectives import NO_TP, PlanChannel, TPInfo
 from executor_svc.cuda_graphs import DecodeGraphs
+from executor_svc.penalties import TokenHistory
 from executor_svc.plan_check import CheckedPlan, SeqState, check_plan
 from executor_svc.sampler import SampleOutput, sample
 from executor_svc.threads import ThreadGovernor
@@ -116,7 +117,8 @@ class ModelRunner:
                 self._accept(plan, checked, states, tokens, None, None)
                 return response
             specs = [states[i].sampling for i, _ in checked.sampling]
-            out = sample(logits, specs, [pos for _, pos in checked.sampling], checked.masks)
+            histories = _histories(checked, states)
+            out = sample(logits, specs, [pos for _, pos in checked.sampling], checked.masks, histories)
             if self.tp.enabled:
                 self.channel.share_tokens(out.token_ids, len(checked.sampling), 0)
             self._accept(plan, checked, states, out.token_ids, out, response)
@@ -157,6 +159,8 @@ class ModelRunner:
             state = states[i]
             state.last_token = token_ids[k + accepted]
             state.num_computed_tokens -= len(draft) - accepted
+            if state.history is not None:
+                state.history.add(token_ids[k : k + accepted + 1])
             if response is not None:
                 for j in range(k, k + accepted + 1):
                     entry = response.sampled.add(seq_id=plan.seqs[i].seq_id, token_id=token_ids[j])
@@ -176,6 +180,8 @@ class ModelRunner:
             del seqs[seq_id]
         for seq_id, spec in c.new.items():
             seqs[seq_id] = SeqState(spec, [])
+            if seq_id in c.histories:
+                seqs[seq_id].history = TokenHistory(*c.histories[seq_id])
         for seq_id in c.swapped_out:
             seqs[seq_id].holds_blocks = False
         for s, table in zip(plan.seqs, c.tables):
@@ -200,6 +206,20 @@ class ModelRunner:
             self.kv_cache[:, :, copy.dst].copy_(self.host_cache[:, :, copy.src], non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _histories(checked: CheckedPlan, states: list[SeqState]) -> dict[int, tuple[TokenHistory, list[int]]] | None:
+    """Sampled row -> (its sequence's TokenHistory, drafts before it) for rows with a penalty:
+    a verify entry's row j counts its first j drafts as output, the tokens plain decoding
+    would hold at that row's position (penalties.py)."""
+    rows: dict[int, tuple[TokenHistory, list[int]]] = {}
+    first: dict[int, int] = {}  # entry -> position its first sampled row takes
+    for row, (i, pos) in enumerate(checked.sampling):
+        history = states[i].history
+        if history is not None:
+            start = first.setdefault(i, pos)
+            rows[row] = (history, checked.drafts.get(i, [])[: pos - start])
+    return rows or None
 
 
 def _verify_as_decodes(checked: CheckedPlan, tables: list[list[int]]) -> tuple[list[int], list[int], list[list[int]]]:

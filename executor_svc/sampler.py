@@ -11,7 +11,9 @@ Logprobs describe the model, not the sampler: they come from the raw logits, bef
 temperature and filtering (what OpenAI-style APIs report) — but after a structured-output
 token mask, which comes before everything: a token the grammar forbids has probability 0 for
 greedy, temperature, top-k/p, min-p and logprobs alike (-inf logprob, never among the top).
-Rows without a mask cost nothing extra.
+Presence, frequency and repetition penalties (penalties.py) come after the mask and before
+temperature, greedy included; logprobs stay the model's own, before them (vLLM's default,
+"raw" logprobs). Rows without a mask or a penalty cost nothing extra.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from executor_svc.penalties import NO_PENALTIES, Penalties, TokenHistory, apply_penalties
 
 _MASK64 = (1 << 64) - 1
 _GREEDY_BELOW = 1e-5
@@ -34,6 +38,7 @@ class SamplingSpec:
     min_p: float = 0.0  # 0 -> off; drop tokens with prob < min_p * max prob
     seed: int | None = None  # None -> the sampler's own (unseeded) generator
     num_logprobs: int = -1  # -1 none; 0 sampled token only; k also the top k
+    penalties: Penalties = NO_PENALTIES  # presence / frequency / repetition (penalties.py)
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -128,7 +133,11 @@ def apply_token_masks(logits: torch.Tensor, masks: dict[int, bytes]) -> torch.Te
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingSpec], positions: list[int], masks: dict[int, bytes] | None = None
+    logits: torch.Tensor,
+    params: list[SamplingSpec],
+    positions: list[int],
+    masks: dict[int, bytes] | None = None,
+    histories: dict[int, tuple[TokenHistory, list[int]]] | None = None,
 ) -> SampleOutput:
     """Pick one token per row of float32 `logits` [N, V] (any strides: greedy rows take the
     argmax in place; rows that sample or report logprobs are copied out contiguous first).
@@ -136,6 +145,8 @@ def sample(
     `positions[i]` is the absolute position the sampled token will occupy in its sequence;
     with the request seed it keys the row's random stream. `masks` (structured output): row
     -> packed allowed-token bits (apply_token_masks), applied before anything else.
+    `histories`: row -> (its sequence's TokenHistory, output tokens to count on top of it),
+    for every row whose spec has active penalties.
     """
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(positions):
         raise ValueError(
@@ -144,6 +155,9 @@ def sample(
         )
     if masks:
         logits = apply_token_masks(logits, masks)
+    raw = logits  # logprobs describe the model: before the penalties
+    if histories:
+        logits = apply_penalties(logits, {r: (params[r].penalties, *histories[r]) for r in histories})
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, s in enumerate(params) if not s.greedy]
     if random_rows:
@@ -158,7 +172,7 @@ def sample(
     wanted = [i for i, s in enumerate(params) if s.num_logprobs >= 0]
     if wanted:
         rows = torch.tensor(wanted, device=logits.device)
-        lp = torch.log_softmax(logits.index_select(0, rows).float().contiguous(), dim=-1)
+        lp = torch.log_softmax(raw.index_select(0, rows).float().contiguous(), dim=-1)
         chosen = lp.gather(1, token_ids.index_select(0, rows)[:, None]).squeeze(1).tolist()
         k = min(max(params[i].num_logprobs for i in wanted), lp.shape[1])
         top_vals = top_ids = [[] for _ in wanted]

@@ -148,7 +148,7 @@ class SchedulerConfig:
         default="auto",
         metadata={
             "help": "HTTP sampling defaults: auto = the model's generation_config.json (temperature, top_p, top_k, "
-            "min_p, max_new_tokens), vllm = none, or a folder with a generation_config.json (as vLLM)"
+            "min_p, repetition_penalty, max_new_tokens), vllm = none, or a folder with a generation_config.json (as vLLM)"
         },
     )
     disable_uvicorn_access_log: bool = field(

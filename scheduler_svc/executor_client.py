@@ -34,13 +34,24 @@ def sampling_to_proto(params: SamplingParams) -> epb.SamplingParams:
         has_seed=params.seed is not None,
         seed=params.seed or 0,
         num_logprobs=-1 if params.logprobs is None else params.logprobs,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
     )
 
 
 def plan_to_proto(plan: StepPlan) -> epb.StepRequest:
     return epb.StepRequest(
         step_id=plan.step_id,
-        new_seqs=[epb.NewSequence(seq_id=n.seq_id, sampling=sampling_to_proto(n.sampling)) for n in plan.new_seqs],
+        new_seqs=[
+            epb.NewSequence(
+                seq_id=n.seq_id,
+                sampling=sampling_to_proto(n.sampling),
+                prompt_token_ids=n.prompt_token_ids,
+                output_token_ids=n.output_token_ids,
+            )
+            for n in plan.new_seqs
+        ],
         seqs=[
             epb.ScheduledSequence(
                 seq_id=s.seq_id,

@@ -104,6 +104,9 @@ def render_response(request_id: str, ids: list[int], params: SamplingParams) -> 
         "logprobs": params.logprobs,
         "skip_special_tokens": params.skip_special_tokens,
         "include_stop_str_in_output": params.include_stop_str_in_output,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
         "structured_outputs": _structured(params),
     }
     return {"request_id": request_id, "token_ids": ids, "features": None, "sampling_params": sampling}
@@ -145,14 +148,14 @@ def parse_origins(value: str) -> tuple[str, ...]:
 
 # transformers' GenerationConfig defaults: a generation_config.json that repeats one changes
 # nothing in vLLM (it applies GenerationConfig.to_diff_dict()), nor here.
-_HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
+_HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 
 
 def generation_defaults(setting: str, model_path: str) -> dict[str, Any]:
     """The HTTP API's sampling defaults under --generation-config (vLLM's meaning): `auto`
     reads the model folder's generation_config.json, `vllm` gives none, anything else is a
-    folder holding one. Only fields chunkserve samples with are taken; one it cannot honour
-    (repetition_penalty) is named in a warning rather than dropped silently."""
+    folder holding one. The fields vLLM takes from it: temperature, top_p, top_k, min_p,
+    repetition_penalty and max_new_tokens (which caps max_tokens)."""
     if setting == "vllm" or (setting == "auto" and not model_path):
         return {}
     folder = Path(model_path if setting == "auto" else setting).expanduser()
@@ -174,9 +177,6 @@ def generation_defaults(setting: str, model_path: str) -> dict[str, Any]:
             log.warning("%s: %s=%r is not a number of the right kind; not applied", path, key, value)
             continue
         defaults[name] = value
-    for key in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
-        if config.get(key) not in (None, 1 if key == "repetition_penalty" else 0):
-            log.warning("%s: %s=%s is not applied (chunkserve has no penalties)", path, key, config[key])
     if defaults:
         log.info("HTTP sampling defaults from %s: %s", path, defaults)
     return defaults

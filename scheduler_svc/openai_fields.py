@@ -37,6 +37,7 @@ _COMMON_HANDLED = {
     "truncate_prompt_tokens", "add_special_tokens", "response_format", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "guided_decoding_backend", "structured_outputs", "priority",
     "request_id", "return_tokens_as_token_ids", "cache_salt", "return_token_ids", "logprobs",
+    "presence_penalty", "frequency_penalty", "repetition_penalty",
 }  # fmt: skip
 CHAT_HANDLED = _COMMON_HANDLED | {
     "messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
@@ -47,9 +48,6 @@ COMPLETION_HANDLED = _COMMON_HANDLED | {"prompt"}
 
 # Any value but this one needs a feature chunkserve does not have.
 NEUTRAL: dict[str, Any] = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "repetition_penalty": 1,
     "echo": False,
     "best_of": 1,
     "logit_bias": {},

@@ -52,6 +52,7 @@ GENERATION_DEFAULTS = {
     "top_p": "top_p",
     "top_k": "top_k",
     "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
     "max_tokens": "max_new_tokens",
 }
 
@@ -215,7 +216,7 @@ def _text_prompt(body: dict[str, Any], request: pb.GenerateRequest, spec: Prompt
 def _sampling(body: dict[str, Any], chat: bool, s: pb.SamplingParams, defaults: dict[str, Any]) -> None:
     """The SamplingParams of a body; a field the body leaves unset takes the server's
     generation defaults (--generation-config), then chunkserve's."""
-    for name in ("temperature", "top_p", "min_p"):
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = get(body, name, (int, float), "a number")
         if value is not None or (value := defaults.get(name)) is not None:
             setattr(s, name, value)

@@ -55,6 +55,21 @@ class NewSeq:
 
     seq_id: int
     sampling: SamplingParams
+    # With a penalty: the prompt's token ids and the output so far (the executor counts on
+    # from there); empty otherwise.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+def new_seq(request: Request) -> NewSeq:
+    """The NewSeq of a request the executor does not know (first scheduled, or after a
+    recompute preemption): with a penalty, every token it holds goes along, because its chunks
+    skip what the prefix cache holds and the penalties count it all."""
+    if not request.sampling.penalized:
+        return NewSeq(request.seq_id, request.sampling)
+    if request.num_inflight_tokens:  # waiting and swapped requests are skipped while they have one
+        raise RuntimeError(f"request {request.request_id}: scheduled anew with a token in flight")
+    return NewSeq(request.seq_id, request.sampling, list(request.prompt_token_ids), list(request.output_token_ids))
 
 
 @dataclass(slots=True)

@@ -60,6 +60,15 @@ class SamplingParams:
     constraint: Constraint | None = None
     skip_special_tokens: bool = True  # output text without special tokens (EOS, template markers)
     include_stop_str_in_output: bool = False  # keep the matched stop string / stop token's text
+    # vLLM's penalties (applied by the executor's sampler, executor_svc/penalties.py).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is on: then the executor needs the sequence's token ids."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.budget import BudgetController
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.grammar import advance_grammar
-from scheduler_svc.plan import NewSeq, Sampled, ScheduledSeq, StepPlan, StepResult, StepStats, TokenMask, TokenOutput
+from scheduler_svc.plan import Sampled, ScheduledSeq, StepPlan, StepResult, StepStats, TokenMask, TokenOutput, new_seq
 from scheduler_svc.policy import Policy
 from scheduler_svc.queues import RequestQueues
 from scheduler_svc.request import Request, RequestStatus
@@ -317,7 +317,7 @@ class Scheduler(RequestQueues):
         start = request.num_computed_tokens
         new_blocks = self.pool.allocate(request, n)
         if not request.known_to_executor:
-            plan.new_seqs.append(NewSeq(request.seq_id, request.sampling))
+            plan.new_seqs.append(new_seq(request))
             request.known_to_executor = True
             new_blocks = list(request.block_ids)  # the whole table: cached prefix blocks too
         is_decode = n == 1 and start == request.num_tokens - 1 and request.executor_has_last_token

@@ -189,6 +189,7 @@ def sampling_params(request: pb.GenerateRequest, num_prompt_tokens: int, limits:
     min_p = s.min_p if s.HasField("min_p") else 0.0
     if not (0 <= min_p <= 1):
         _fail(f"sampling.min_p must be in [0, 1], got {min_p}")
+    presence, frequency, repetition = _penalties(s)
     if s.HasField("max_tokens"):
         max_tokens = s.max_tokens
     elif request.WhichOneof("prompt") == "chat":
@@ -235,7 +236,24 @@ def sampling_params(request: pb.GenerateRequest, num_prompt_tokens: int, limits:
         skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
         include_stop_str_in_output=s.include_stop_str_in_output,
         constraint=structured_constraint(s),
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
     )
+
+
+def _penalties(s: pb.SamplingParams) -> tuple[float, float, float]:
+    """(presence, frequency, repetition) in vLLM's ranges: [-2, 2], [-2, 2], > 0."""
+    out = []
+    for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+        value = getattr(s, name) if s.HasField(name) else default
+        if not -2 <= value <= 2:  # NaN fails too
+            _fail(f"sampling.{name} must be in [-2, 2], got {value}")
+        out.append(value)
+    repetition = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
+    if not (0 < repetition and math.isfinite(repetition)):
+        _fail(f"sampling.repetition_penalty must be a finite number > 0, got {repetition}")
+    return out[0], out[1], repetition
 
 
 def structured_constraint(s: pb.SamplingParams) -> Constraint | None:

@@ -17,6 +17,8 @@ import pytest
 
 from chunkserve.client import Completion, build_request
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from tests.hf_reference import PENALTIES
+from tests.hf_reference import hf_greedy as hf_penalized
 
 pytestmark = pytest.mark.slow
 
@@ -118,6 +120,15 @@ def run(stub, request, timeout=300) -> Completion:
 @pytest.fixture(scope="module")
 def expected(hf, prompts) -> list[list[int]]:
     return [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def expected_penalized(hf, prompts, expected) -> list[int]:
+    """The longest prompt with all three penalties (tests/hf_reference.py): a request the
+    suites below add to their load, so its chunks, preemptions and prefix hits are checked too."""
+    out = hf_penalized(hf[0], prompts[-1], NEW_TOKENS, **PENALTIES)
+    assert out != expected[-1], "the penalties change nothing on this prompt: a weak check"
+    return out
 
 
 def test_greedy_tokens_equal_transformers(server, prompts, expected):
@@ -305,8 +316,11 @@ def test_chunkserve_serve_and_generate_cli(default_model_path, tmp_path):
     ],
     ids=["budget16", "budget64", "budget256", "unchunked", "auto", "async-output", "async-scheduling-speculative"],
 )
-def test_greedy_tokens_do_not_depend_on_chunking(default_model_path, prompts, expected, tmp_path, scheduler_args):
-    """All prompts at once, so steps mix prefill chunks and decodes differently per budget."""
+def test_greedy_tokens_do_not_depend_on_chunking(
+    default_model_path, prompts, expected, expected_penalized, tmp_path, scheduler_args
+):
+    """All prompts at once, so steps mix prefill chunks and decodes differently per budget;
+    one more request with penalties, whose tokens must not depend on it either."""
     from chunkserve.launch import start_server
 
     server = start_server(
@@ -325,9 +339,10 @@ def test_greedy_tokens_do_not_depend_on_chunking(default_model_path, prompts, ex
     )
     try:
         stub = server.stub()
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(lambda p: run(stub, greedy(p)).token_ids, prompts))
-        assert got == expected
+        requests = [greedy(p) for p in prompts] + [greedy(prompts[-1], **PENALTIES)]
+        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+            got = list(pool.map(lambda r: run(stub, r).token_ids, requests))
+        assert got == expected + [expected_penalized]
         server.assert_idle_and_no_leaks()
     finally:
         server.stop()
@@ -338,10 +353,13 @@ def test_greedy_tokens_do_not_depend_on_chunking(default_model_path, prompts, ex
     [("recompute", []), ("swap", []), ("swap", ["--async-scheduling"])],
     ids=["recompute", "swap", "swap-async-scheduling"],
 )
-def test_forced_preemption_gives_the_same_tokens(default_model_path, prompts, expected, tmp_path, mode, extra):
-    """A 16-block pool (256 tokens) for 5 concurrent requests of 49..232 tokens: preemption
-    is certain; greedy tokens must not change (under async scheduling a victim may be in
-    the step in flight when it is preempted)."""
+def test_forced_preemption_gives_the_same_tokens(
+    default_model_path, prompts, expected, expected_penalized, tmp_path, mode, extra
+):
+    """A 16-block pool (256 tokens) for 6 concurrent requests of 49..232 tokens (one with
+    penalties, which a recompute must send its output so far): preemption is certain; greedy
+    tokens must not change (under async scheduling a victim may be in the step in flight when
+    it is preempted)."""
     import urllib.request
 
     from chunkserve.launch import start_server
@@ -364,9 +382,10 @@ def test_forced_preemption_gives_the_same_tokens(default_model_path, prompts, ex
     )
     try:
         stub = server.stub()
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(lambda p: run(stub, greedy(p)).token_ids, prompts[3:]))
-        assert got == expected[3:]
+        requests = [greedy(p) for p in prompts[3:]] + [greedy(prompts[-1], **PENALTIES)]
+        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+            got = list(pool.map(lambda r: run(stub, r).token_ids, requests))
+        assert got == expected[3:] + [expected_penalized]
         server.assert_idle_and_no_leaks()
         metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
         values = {
@@ -398,6 +417,9 @@ def test_prefix_cache_hits_give_the_same_tokens(server, hf, shared):
     assert done.token_ids == hf_greedy(hf, second, NEW_TOKENS)
     salted = run(stub, greedy(second, cache_salt=f"tenant-{shared}"))  # a tenant new to the cache
     assert salted.usage.cached_tokens == 0 and salted.token_ids == done.token_ids
+    penalized = run(stub, greedy(second, **PENALTIES))  # starts on cached blocks: the prompt it skips counts
+    assert penalized.usage.cached_tokens >= done.usage.cached_tokens  # `second` itself is cached now
+    assert penalized.token_ids == hf_penalized(hf[0], second, NEW_TOKENS, **PENALTIES)
 
 
 def test_hot_swap_policy_and_budget_under_load(server, prompts, expected):

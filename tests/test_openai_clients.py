@@ -188,3 +188,32 @@ def test_auto_tool_calls_parsed_from_output_whole_and_streamed(client, model):
     assert content == "Ok." and fragments[0].function.name == "add"
     assert "".join(f.function.arguments or "" for f in fragments) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_sdk_penalties_reach_the_sampler(client, model, server):
+    """OpenAI's presence/frequency penalties and vLLM's repetition_penalty (extra_body) through
+    the SDK give the text the gRPC API gives with the same penalties, and not the plain one
+    (random weights repeat themselves greedily, so the penalties change the output)."""
+    from chunkserve.client import Completion, build_request
+    from tests.hf_reference import PENALTIES
+
+    prompt = "one two one two one two"
+
+    def http(**penalties: float) -> str:
+        out = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0,
+            frequency_penalty=penalties.get("frequency_penalty"),
+            presence_penalty=penalties.get("presence_penalty"),
+            extra_body={"repetition_penalty": penalties.get("repetition_penalty", 1.0)},
+        )
+        return out.choices[0].text
+
+    done = Completion()
+    request = build_request(prompt, temperature=0.0, max_tokens=24, **PENALTIES)
+    for msg in server.stub().Generate(request, timeout=120):
+        done.add(msg)
+    assert http(**PENALTIES) == done.text
+    assert http() != done.text

@@ -10,6 +10,10 @@ import pytest
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.plan_check import PlanError
 
+# Strong enough that a verify row which does not count the drafts before it picks another
+# token on this model (a runner counting none fails both cases below).
+STRONG = {"repetition_penalty": 2.0, "frequency_penalty": 1.5, "presence_penalty": 0.5}
+
 GREEDY = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1)
 PROMPT = [3, 17, 9, 44, 23, 8, 61, 5, 12, 30]
 BLOCKS = list(range(16))  # 64 slots of 4: room for any run here
@@ -27,7 +31,7 @@ def _start(runner, sampling=GREEDY, seq_id=1):
     r = runner.execute(
         epb.StepRequest(
             step_id=1,
-            new_seqs=[epb.NewSequence(seq_id=seq_id, sampling=sampling)],
+            new_seqs=[epb.NewSequence(seq_id=seq_id, sampling=sampling, prompt_token_ids=_history(sampling))],
             seqs=[
                 epb.ScheduledSequence(
                     seq_id=seq_id,
@@ -41,6 +45,12 @@ def _start(runner, sampling=GREEDY, seq_id=1):
         )
     )
     return r.sampled[0].token_id
+
+
+def _history(sampling: epb.SamplingParams) -> list[int]:
+    """A penalized sequence comes with its prompt's ids (executor_svc/penalties.py)."""
+    penalized = sampling.presence_penalty or sampling.frequency_penalty or sampling.repetition_penalty not in (0, 1)
+    return PROMPT if penalized else []
 
 
 def _decode(runner, n, sampling=GREEDY):
@@ -102,6 +112,30 @@ def test_greedy_with_right_wrong_and_mixed_drafts_equals_plain_decoding(runner):
     assert got == plain[:N] and 2 in kept
     got, _ = _speculate(runner, N, right, k=7)
     assert got == plain[:N]
+
+
+@pytest.mark.parametrize("seed", [None, 3])
+def test_penalized_tokens_with_drafts_equal_plain_decoding(runner, seed):
+    """Row j of a verify entry counts the first j drafts as output, the tokens plain decoding
+    holds there: greedy and seeded, right, wrong and mixed drafts give plain decoding's tokens."""
+    sampling = epb.SamplingParams(
+        temperature=0.0 if seed is None else 0.9,
+        top_p=1.0,
+        num_logprobs=-1,
+        has_seed=seed is not None,
+        seed=seed or 0,
+        **STRONG,
+    )
+    plain = _decode(runner, N + 8, sampling)
+    if seed is None:
+        assert plain[:N] != _decode(runner, N), "the penalties change nothing here: a weak test"
+    right = lambda out, k: plain[len(out) : len(out) + k]  # noqa: E731
+    wrong = lambda out, k: [(t + 1) % 128 for t in plain[len(out) : len(out) + k]]  # noqa: E731
+    mixed = lambda out, k: right(out, k)[:2] + wrong(out, k)[2:]  # noqa: E731
+    for guess in (right, wrong, mixed):
+        got, kept = _speculate(runner, N, guess, sampling)
+        assert got == plain[:N]
+        assert (max(kept) == 3) if guess is right else True
 
 
 def test_seeded_sampling_with_drafts_gives_the_same_tokens(runner):

@@ -61,6 +61,8 @@ class FakeExecutor:
         self.in_flight = 0
         self.max_in_flight = 0
         self.drafted = 0  # draft tokens verified, and of those accepted (speculative decoding)
+        self.prompts: dict[int, tuple[int, ...]] = {}  # seq id -> the prompt its first NewSeq sent
+        self.penalized_news = 0  # NewSeqs of penalized sequences (with their tokens)
         self.accepted = 0
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -71,6 +73,7 @@ class FakeExecutor:
         for new in plan.new_seqs:
             assert new.seq_id not in self.seqs, "new sequence the executor already knows"
             self.seqs[new.seq_id] = {"computed": None, "blocks": [], "last": None}
+            self._penalty_history(new)
         swapped_out = set()
         for d, h in plan.swap_out:
             assert 0 <= d < self.num_blocks and 0 <= h < self.num_host_blocks
@@ -118,6 +121,8 @@ class FakeExecutor:
             if s.sample:
                 history = [self.device[st["blocks"][p // bs]][p % bs] for p in range(total)]
                 assert None not in history, "a sequence reads KV that was never written"
+                if "tokens" in st:  # penalized: what the penalties count is what the KV holds
+                    assert st["tokens"] == history[: total - len(draft)], "penalty token history is wrong"
                 # A verify entry (drafts): row j samples after the history up to its own
                 # position; keep the drafts that match, then the token after them, and move
                 # the cursor back over the rest, as executor_svc/runner.py does.
@@ -129,11 +134,27 @@ class FakeExecutor:
                         break
                     kept += 1
                 st["computed"] = total - (len(draft) - kept)
+                if "tokens" in st:
+                    st["tokens"] += draft[:kept] + [tok]
                 st["rolled_back"] = st.get("rolled_back") or kept < len(draft)
                 st["last"] = tok
                 self.drafted += len(draft)
                 self.accepted += kept
         return StepResult(plan.step_id, sampled, execute_ns=self.step_ns(plan))
+
+    def _penalty_history(self, new) -> None:
+        """A penalized sequence comes with its tokens (the prompt, and the output so far after a
+        recompute), as executor_svc/penalties.py needs; one without a penalty with none. A
+        recompute sends the same prompt (the split between prompt and output stays)."""
+        if not new.sampling.penalized:
+            assert not new.prompt_token_ids and not new.output_token_ids, "token ids without a penalty"
+            return
+        assert new.prompt_token_ids, "a penalized sequence without its prompt"
+        st = self.seqs[new.seq_id]
+        st["tokens"] = list(new.prompt_token_ids) + list(new.output_token_ids)
+        prompt = tuple(new.prompt_token_ids)
+        assert self.prompts.setdefault(new.seq_id, prompt) == prompt, "a recompute moved the prompt/output split"
+        self.penalized_news += 1
 
     def step_ns(self, plan: StepPlan) -> int:
         """The step's executor time as reported: a deterministic function of its rows (no

@@ -191,7 +191,7 @@ REFUSED = [  # (endpoint, extra fields, param)
     ("completions", {"allowed_token_ids": [1]}, "allowed_token_ids"),
     ("completions", {"use_beam_search": True}, "use_beam_search"),
     ("completions", {"logits_processors": ["x.y"]}, "logits_processors"),
-    ("completions", {"repetition_penalty": 1.1}, "repetition_penalty"),
+    ("completions", {"length_penalty": 2.0}, "length_penalty"),
     ("completions", {"echo": True}, "echo"),
     ("completions", {"bad_words": ["x"]}, "bad_words"),
     ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
@@ -463,13 +463,12 @@ def test_stats_line_reads_the_metrics_registry():
     assert "hit rate: 0.0%" in stats_line(now, Sample(20.0, dict(now.values)))
 
 
-def test_generation_config_defaults(fakes, byte_tokenizer_dir, monkeypatch, tmp_path, caplog):
+def test_generation_config_defaults(fakes, byte_tokenizer_dir, monkeypatch, tmp_path):
     config = {"temperature": 0.0, "top_k": 50, "top_p": 0.9, "max_new_tokens": 3, "repetition_penalty": 1.2}
     (byte_tokenizer_dir / "generation_config.json").write_text(json.dumps(config))
-    with caplog.at_level(logging.WARNING):
-        defaults = http_extras.generation_defaults("auto", str(byte_tokenizer_dir))
-    assert defaults == {"temperature": 0.0, "top_p": 0.9, "max_tokens": 3}  # top_k 50 is transformers' default
-    assert any("repetition_penalty" in r.getMessage() for r in caplog.records)
+    defaults = http_extras.generation_defaults("auto", str(byte_tokenizer_dir))
+    # top_k 50 is transformers' default, so it is no default of the model's (vLLM's reading)
+    assert defaults == {"temperature": 0.0, "top_p": 0.9, "max_tokens": 3, "repetition_penalty": 1.2}
     assert http_extras.generation_defaults("vllm", str(byte_tokenizer_dir)) == {}
     (tmp_path / "empty").mkdir()
     assert http_extras.generation_defaults("auto", str(tmp_path / "empty")) == {}
@@ -486,6 +485,11 @@ def test_generation_config_defaults(fakes, byte_tokenizer_dir, monkeypatch, tmp_
                 chat = {"messages": HI, "max_tokens": 10}
                 out = (await http.post(base + "/v1/chat/completions", json=chat)).json()
                 assert out["usage"]["completion_tokens"] == 3
+                rendered = (await http.post(base + "/v1/completions/render", json={"prompt": "hi"})).json()
+                assert rendered["sampling_params"]["repetition_penalty"] == pytest.approx(1.2)
+                body = {"prompt": "hi", "repetition_penalty": 1.0}  # the body's value wins
+                rendered = (await http.post(base + "/v1/completions/render", json=body)).json()
+                assert rendered["sampling_params"]["repetition_penalty"] == 1.0
 
     asyncio.run(main())
 

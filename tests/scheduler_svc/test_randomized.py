@@ -333,7 +333,9 @@ def make_request(i: int, spec: Req, eos: int) -> Request:
         request_id=f"r{i}",
         seq_id=i,
         prompt_token_ids=list(spec.prompt),
-        sampling=SamplingParams(temperature=0.0, max_tokens=spec.max_tokens),
+        # Every third request penalized: the FakeExecutor checks the token ids it is sent for
+        # the penalties against its KV through preemption, prefix hits and restarts.
+        sampling=SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, presence_penalty=0.5 * (i % 3 == 0)),
         eos_token_ids=frozenset({eos}),
         arrival_time=float(i),
         priority=spec.priority,

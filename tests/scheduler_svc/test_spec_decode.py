@@ -87,7 +87,11 @@ def _run(fakes, fake, requests, spec: str | None, proposer=None, **cfg):
 
 
 def _requests(fakes, lens, max_tokens, period: int | None = None):
-    reqs = [fakes.make_request(i + 1, n, max_tokens=m) for i, (n, m) in enumerate(zip(lens, max_tokens))]
+    # Every other request penalized: the FakeExecutor checks the token ids the penalties count
+    reqs = [
+        fakes.make_request(i + 1, n, max_tokens=m, repetition_penalty=1.0 + 0.5 * (i % 2))
+        for i, (n, m) in enumerate(zip(lens, max_tokens))
+    ]
     if period is not None:  # prompts with a repeating pattern for Echo to continue
         for r in reqs:
             r.prompt_token_ids = [97 + (r.seq_id * 3 + i) % period for i in range(len(r.prompt_token_ids))]

@@ -1,0 +1,127 @@
+"""What presence / frequency / repetition penalties cost, measured against the same load without.
+
+    .venv/bin/python benchmarks/penalties.py [--streams 32] [--rounds 3] [--parts cost throughput]
+
+(a) cost (in-process, no server): the executor's per-step work for S penalized rows of the
+    default model's 49,152-token vocabulary (executor_svc.penalties.apply_penalties with all
+    three penalties, each row's output counts stacked), and the one-off TokenHistory of a
+    sequence with a P-token prompt (what a NewSequence with a penalty costs the executor).
+(b) throughput: a real two-process server (started here) on the default model, float32; S
+    concurrent gRPC streams of 32-token prompts, exactly --new-tokens greedy tokens each
+    (ignore_eos), plain or with all three penalties; rounds alternate, median output tok/s of
+    each and the ratio penalized / plain, both from this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PENALTIES = {"repetition_penalty": 1.1, "frequency_penalty": 0.5, "presence_penalty": 0.25}
+
+
+def cost(streams: int, prompt_len: int, vocab: int = 49152, repeats: int = 50) -> dict:
+    import torch
+
+    from executor_svc.penalties import Penalties, TokenHistory, apply_penalties
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(streams, vocab, generator=gen)
+    spec = Penalties(PENALTIES["presence_penalty"], PENALTIES["frequency_penalty"], PENALTIES["repetition_penalty"])
+    rows = {}
+    for r in range(streams):
+        prompt = torch.randint(vocab, (prompt_len,), generator=gen).tolist()
+        output = torch.randint(vocab, (64,), generator=gen).tolist()
+        rows[r] = (spec, TokenHistory(prompt, output), [])
+    apply_penalties(logits, rows)  # warm-up
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times) * 1e3, statistics.median(times) * 1e3
+
+    step = best(lambda: apply_penalties(logits, rows))
+    prompt = torch.randint(vocab, (prompt_len,), generator=gen).tolist()
+    new = best(lambda: TokenHistory(prompt, []))
+    print(
+        f"cost: {streams} penalized rows x {vocab}: min {step[0]:.2f} ms, median {step[1]:.2f} ms per step", flush=True
+    )
+    print(f"cost: TokenHistory of a {prompt_len}-token prompt: min {new[0]:.3f} ms, median {new[1]:.3f} ms", flush=True)
+    return {"step_ms": step, "new_sequence_ms": new}
+
+
+async def _round(stub, prompts: list[list[int]], new_tokens: int, penalized: bool) -> float:
+    from chunkserve.client import build_request
+
+    extra = PENALTIES if penalized else {}
+    reqs = [build_request(p, temperature=0.0, max_tokens=new_tokens, ignore_eos=True, **extra) for p in prompts]
+
+    async def one(req) -> int:
+        return sum([len(msg.token_ids) async for msg in stub.Generate(req)])
+
+    start = time.perf_counter()
+    total = sum(await asyncio.gather(*(one(r) for r in reqs)))
+    elapsed = time.perf_counter() - start
+    if total != len(prompts) * new_tokens:
+        raise RuntimeError(f"expected {len(prompts) * new_tokens} tokens, got {total}")
+    return total / elapsed
+
+
+def throughput(streams: int, new_tokens: int, rounds: int) -> dict:
+    import grpc
+    from tokenizers import Tokenizer
+
+    from chunkserve.launch import bench_model, start_server
+    from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
+
+    path = bench_model("default")
+    ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode((ROOT / "README.md").read_text()).ids
+    prompts = [ids[i * 40 : i * 40 + 32] for i in range(streams)]
+    server = start_server(
+        Path(tempfile.mkdtemp()), ["--model", str(path), "--dtype", "float32"], ["--max-num-seqs", str(streams)]
+    )
+
+    async def run() -> dict:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            await _round(stub, prompts, 8, True)  # warm-up
+            plain, penalized = [], []
+            for r in range(rounds):
+                for kind in (False, True) if r % 2 == 0 else (True, False):
+                    tps = await _round(stub, prompts, new_tokens, kind)
+                    (penalized if kind else plain).append(tps)
+                    print(f"throughput {'penalized' if kind else 'plain    '}: {tps:7.1f} output tok/s", flush=True)
+            p, q = statistics.median(plain), statistics.median(penalized)
+            print(f"throughput median: plain {p:.1f}, penalized {q:.1f} tok/s, ratio {q / p:.3f}x", flush=True)
+            return {"plain": plain, "penalized": penalized, "ratio": q / p}
+
+    try:
+        return asyncio.run(run())
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", nargs="+", default=["cost", "throughput"], choices=["cost", "throughput"])
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=2048, help="(a): the prompt of the one-off history")
+    args = ap.parse_args()
+    if "cost" in args.parts:
+        cost(args.streams, args.prompt_len)
+    if "throughput" in args.parts:
+        throughput(args.streams, args.new_tokens, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Presence, frequency and repetition penalties: what a sequence holds, and the logits they change.
+
+vLLM's (and OpenAI's) meaning, applied to the logits after a structured-output mask and
+before temperature, so greedy rows see them too:
+- presence: logit -= presence_penalty for every token the output holds;
+- frequency: logit -= frequency_penalty * the token's count in the output;
+- repetition (transformers' RepetitionPenaltyLogitsProcessor): for every token of the prompt
+  or the output, a positive logit is divided by repetition_penalty, a negative one multiplied.
+
+The sequence's tokens come from the scheduler once (NewSequence.prompt_token_ids and
+output_token_ids: a prefix-cache hit or a recompute never sends the tokens it skips), then
+the runner adds every token it accepts. A sequence keeps its distinct tokens sparse (numpy
+arrays that grow, and a dict from token to slot), so a step gathers, changes and scatters
+only the logits of tokens the sequences hold: O(distinct tokens), not O(vocabulary) per row
+(a dense [rows, vocab] pass cost 23-56 ms per step at 32 rows of 49,152 on 2 cores). A
+speculative verify row j counts the first j drafts as output too: those are the tokens plain
+decoding would hold before that row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Penalties:
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("presence", "frequency", "repetition"):
+            if not np.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}_penalty must be finite, got {getattr(self, name)}")
+        if self.repetition <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition}")
+
+    @property
+    def active(self) -> bool:
+        return self.presence != 0 or self.frequency != 0 or self.repetition != 1
+
+
+NO_PENALTIES = Penalties()
+
+
+class _Tokens:
+    """Distinct token ids in a growing int64 array, each with a float32 count."""
+
+    __slots__ = ("ids", "counts", "slot")
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self.slot: dict[int, int] = {}
+        for t in tokens:
+            self.slot.setdefault(t, len(self.slot))
+        size = max(16, 2 * len(self.slot))
+        self.ids = np.zeros(size, dtype=np.int64)
+        self.ids[: len(self.slot)] = list(self.slot)
+        self.counts = np.zeros(size, dtype=np.float32)
+        np.add.at(self.counts, [self.slot[t] for t in tokens], 1.0)
+
+    def add(self, token: int) -> None:
+        i = self.slot.get(token)
+        if i is None:
+            i = self.slot[token] = len(self.slot)
+            if i == len(self.ids):  # full: double
+                grow = max(16, len(self.ids))
+                self.ids = np.concatenate([self.ids, np.zeros(grow, dtype=self.ids.dtype)])
+                self.counts = np.concatenate([self.counts, np.zeros(grow, dtype=self.counts.dtype)])
+            self.ids[i] = token
+        self.counts[i] += 1
+
+    def arrays(self, extra: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, counts) of what it holds, plus `extra` counted on top (a copy then)."""
+        n = len(self.slot)
+        if not extra:
+            return self.ids[:n], self.counts[:n]
+        more = _Tokens([])
+        more.ids, more.counts, more.slot = self.ids[:n].copy(), self.counts[:n].copy(), dict(self.slot)
+        for t in extra:
+            more.add(t)
+        return more.arrays()
+
+
+class TokenHistory:
+    """What one sequence holds, as the penalties read it: the distinct tokens of its prompt and
+    output (the repetition penalty's), and each output token's count (presence, frequency)."""
+
+    __slots__ = ("seen", "output")
+
+    def __init__(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        self.seen = _Tokens(list(prompt) + list(output))  # counts unused: membership
+        self.output = _Tokens(output)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Counts output tokens (the ones a step accepted)."""
+        for t in tokens:
+            self.seen.add(t)
+            self.output.add(t)
+
+
+def apply_penalties(
+    logits: torch.Tensor, rows: dict[int, tuple[Penalties, TokenHistory, Sequence[int]]]
+) -> torch.Tensor:
+    """`logits` [N, V] with each listed row penalized (a new contiguous tensor; other rows as
+    they are). `rows`: row -> (its penalties, its sequence's history, output tokens to count
+    on top of the history: a verify row's drafts before it)."""
+    out = logits.clone(memory_format=torch.contiguous_format)
+    flat, vocab = out.view(-1), out.shape[1]
+    rep = [(r, p, h.seen.arrays(extra)[0]) for r, (p, h, extra) in rows.items() if p.repetition != 1]
+    if rep:
+        index = _flat_index([(r, ids) for r, _, ids in rep], vocab, out.device)
+        factor = _per_token([(p.repetition, ids) for _, p, ids in rep], out.device)
+        v = flat[index]
+        flat[index] = torch.where(v > 0, v / factor, v * factor)
+    counted = [(r, p, *h.output.arrays(extra)) for r, (p, h, extra) in rows.items() if p.frequency or p.presence]
+    if counted:
+        index = _flat_index([(r, ids) for r, _, ids, _ in counted], vocab, out.device)
+        freq = _per_token([(p.frequency, ids) for _, p, ids, _ in counted], out.device)
+        presence = _per_token([(p.presence, ids) for _, p, ids, _ in counted], out.device)
+        counts = torch.from_numpy(np.concatenate([c for *_, c in counted])).to(out.device)
+        flat[index] = flat[index] - freq * counts - presence * (counts > 0).to(counts.dtype)
+    return out
+
+
+def _flat_index(rows: list[tuple[int, np.ndarray]], vocab: int, device: torch.device) -> torch.Tensor:
+    """The flat logits index of every (row, token id)."""
+    return torch.from_numpy(np.concatenate([ids + r * vocab for r, ids in rows])).to(device)
+
+
+def _per_token(rows: list[tuple[float, np.ndarray]], device: torch.device) -> torch.Tensor:
+    """Each row's value once per token id it lists (float32, as the logits)."""
+    values = np.asarray([v for v, _ in rows], dtype=np.float32)
+    return torch.from_numpy(np.repeat(values, [len(ids) for _, ids in rows])).to(device)
