@@ -1,4 +1,8 @@
-"""Presence, frequency and repetition penalties: what a sequence holds, and the logits they change.
+"""Logit bias and presence, frequency and repetition penalties: what a sequence holds, and the
+logits they change.
+
+OpenAI's logit_bias adds a fixed value to listed tokens' logits (after a structured-output
+mask, before the penalties, as vLLM orders them).
 
 vLLM's (and OpenAI's) meaning, applied to the logits after a structured-output mask and
 before temperature, so greedy rows see them too:
@@ -102,13 +106,33 @@ class TokenHistory:
             self.output.add(t)
 
 
-def apply_penalties(
-    logits: torch.Tensor, rows: dict[int, tuple[Penalties, TokenHistory, Sequence[int]]]
-) -> torch.Tensor:
-    """`logits` [N, V] with each listed row penalized (a new contiguous tensor; other rows as
-    they are). `rows`: row -> (its penalties, its sequence's history, output tokens to count
-    on top of the history: a verify row's drafts before it)."""
-    out = logits.clone(memory_format=torch.contiguous_format)
+@dataclass(frozen=True, slots=True)
+class LogitBias:
+    """Token ids and the float32 values added to their logits."""
+
+    ids: np.ndarray  # int64, distinct
+    values: np.ndarray  # float32
+
+    @staticmethod
+    def of(bias: dict[int, float]) -> LogitBias | None:
+        if not bias:
+            return None
+        return LogitBias(np.fromiter(bias, dtype=np.int64), np.fromiter(bias.values(), dtype=np.float32))
+
+
+def apply_logit_bias(out: torch.Tensor, rows: dict[int, LogitBias]) -> None:
+    """Adds each listed row's bias to `out` [N, V] (contiguous), in place."""
+    vocab = out.shape[1]
+    index = _flat_index([(r, b.ids) for r, b in rows.items()], vocab, out.device)
+    values = torch.from_numpy(np.concatenate([b.values for b in rows.values()])).to(out.device)
+    flat = out.view(-1)
+    flat[index] = flat[index] + values
+
+
+def apply_penalties(out: torch.Tensor, rows: dict[int, tuple[Penalties, TokenHistory, Sequence[int]]]) -> None:
+    """Penalizes each listed row of `out` [N, V] (contiguous), in place. `rows`: row -> (its
+    penalties, its sequence's history, output tokens to count on top of the history: a verify
+    row's drafts before it)."""
     flat, vocab = out.view(-1), out.shape[1]
     rep = [(r, p, h.seen.arrays(extra)[0]) for r, (p, h, extra) in rows.items() if p.repetition != 1]
     if rep:
@@ -123,7 +147,6 @@ def apply_penalties(
         presence = _per_token([(p.presence, ids) for _, p, ids, _ in counted], out.device)
         counts = torch.from_numpy(np.concatenate([c for *_, c in counted])).to(out.device)
         flat[index] = flat[index] - freq * counts - presence * (counts > 0).to(counts.dtype)
-    return out
 
 
 def _flat_index(rows: list[tuple[int, np.ndarray]], vocab: int, device: torch.device) -> torch.Tensor:

@@ -6,8 +6,9 @@ dropped, no cursor moved, no KV byte copied; its finished ids and swaps included
 happen.
 
 The rules: new sequences are unknown (after this plan's finished ids), once each, with valid
-sampling parameters (SamplingSpec's ranges, at most MAX_NUM_LOGPROBS), their token ids when
-and only when they have a penalty (inside the vocabulary), and an entry; entries
+sampling parameters (SamplingSpec's ranges, at most MAX_NUM_LOGPROBS, a logit bias of
+vocabulary ids), their token ids when and only when they have a penalty (inside the
+vocabulary), and an entry; entries
 name known sequences once each, match their cursor, compute >= 1 token, stay below
 max_model_len, bring token ids inside the vocabulary (or decode the token sampled last) and
 in-range block ids, never one twice in a table, enough for their tokens; the tokens fit the
@@ -34,8 +35,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
-from executor_svc.penalties import Penalties, TokenHistory
+from executor_svc.penalties import LogitBias, Penalties, TokenHistory
 from executor_svc.sampler import SamplingSpec
 
 # The scheduler never asks for more (scheduler_svc/validation.py MAX_LOGPROBS; a test keeps
@@ -114,6 +117,7 @@ def spec_from_proto(p: epb.SamplingParams) -> SamplingSpec:
         seed=p.seed if p.has_seed else None,
         num_logprobs=p.num_logprobs,
         penalties=Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty or 1.0),
+        logit_bias=LogitBias.of(dict(p.logit_bias)),
     )
     if spec.num_logprobs > MAX_NUM_LOGPROBS:
         raise ValueError(f"num_logprobs must be at most {MAX_NUM_LOGPROBS}, got {spec.num_logprobs}")
@@ -157,15 +161,18 @@ def _check_finished_and_new(plan: epb.StepRequest, st: ExecutorState, c: Checked
             raise PlanError(f"step {step}: sequence {new.seq_id} is already known")
         try:
             c.new[new.seq_id] = spec = spec_from_proto(new.sampling)
-            _check_history(new, spec, st.vocab_size, c)
+            _check_token_ids(new, spec, st.vocab_size, c)
         except ValueError as exc:
             raise PlanError(f"step {step}, new sequence {new.seq_id}: {exc}") from None
 
 
-def _check_history(new: epb.NewSequence, spec: SamplingSpec, vocab_size: int, c: CheckedPlan) -> None:
-    """A sequence with a penalty comes with its prompt's token ids (and its output so far);
-    one without sends none (a scheduler that sends them anyway has lost track of which is
-    which)."""
+def _check_token_ids(new: epb.NewSequence, spec: SamplingSpec, vocab_size: int, c: CheckedPlan) -> None:
+    """Its logit bias names tokens of the vocabulary; a sequence with a penalty comes with its
+    prompt's token ids (and its output so far), one without sends none (a scheduler that
+    sends them anyway has lost track of which is which)."""
+    bias = spec.logit_bias
+    if bias is not None and (bias.ids.max() >= vocab_size or not np.isfinite(bias.values).all()):
+        raise ValueError(f"logit_bias: ids inside the vocabulary (size {vocab_size}) and finite values only")
     prompt, output = list(new.prompt_token_ids), list(new.output_token_ids)
     if not spec.penalties.active:
         if prompt or output:

@@ -11,9 +11,9 @@ Logprobs describe the model, not the sampler: they come from the raw logits, bef
 temperature and filtering (what OpenAI-style APIs report) — but after a structured-output
 token mask, which comes before everything: a token the grammar forbids has probability 0 for
 greedy, temperature, top-k/p, min-p and logprobs alike (-inf logprob, never among the top).
-Presence, frequency and repetition penalties (penalties.py) come after the mask and before
-temperature, greedy included; logprobs stay the model's own, before them (vLLM's default,
-"raw" logprobs). Rows without a mask or a penalty cost nothing extra.
+A logit bias, then presence, frequency and repetition penalties (penalties.py), come after the
+mask and before temperature, greedy included; logprobs stay the model's own, before them
+(vLLM's default, "raw" logprobs). Rows without a mask, a bias or a penalty cost nothing extra.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor_svc.penalties import NO_PENALTIES, Penalties, TokenHistory, apply_penalties
+from executor_svc.penalties import NO_PENALTIES, LogitBias, Penalties, TokenHistory, apply_logit_bias, apply_penalties
 
 _MASK64 = (1 << 64) - 1
 _GREEDY_BELOW = 1e-5
@@ -39,6 +39,7 @@ class SamplingSpec:
     seed: int | None = None  # None -> the sampler's own (unseeded) generator
     num_logprobs: int = -1  # -1 none; 0 sampled token only; k also the top k
     penalties: Penalties = NO_PENALTIES  # presence / frequency / repetition (penalties.py)
+    logit_bias: LogitBias | None = None  # OpenAI's logit_bias: added to these tokens' logits
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -155,9 +156,14 @@ def sample(
         )
     if masks:
         logits = apply_token_masks(logits, masks)
-    raw = logits  # logprobs describe the model: before the penalties
-    if histories:
-        logits = apply_penalties(logits, {r: (params[r].penalties, *histories[r]) for r in histories})
+    raw = logits  # logprobs describe the model: before the bias and the penalties
+    biased = {r: s.logit_bias for r, s in enumerate(params) if s.logit_bias is not None}
+    if biased or histories:
+        logits = logits.clone(memory_format=torch.contiguous_format)
+        if biased:
+            apply_logit_bias(logits, biased)
+        if histories:
+            apply_penalties(logits, {r: (params[r].penalties, *histories[r]) for r in histories})
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, s in enumerate(params) if not s.greedy]
     if random_rows:

@@ -37,6 +37,7 @@ def sampling_to_proto(params: SamplingParams) -> epb.SamplingParams:
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
+        logit_bias=dict(params.logit_bias),
     )
 
 

@@ -107,6 +107,7 @@ def render_response(request_id: str, ids: list[int], params: SamplingParams) -> 
         "presence_penalty": params.presence_penalty,
         "frequency_penalty": params.frequency_penalty,
         "repetition_penalty": params.repetition_penalty,
+        "logit_bias": {str(t): v for t, v in params.logit_bias} or None,
         "structured_outputs": _structured(params),
     }
     return {"request_id": request_id, "token_ids": ids, "features": None, "sampling_params": sampling}

@@ -37,7 +37,7 @@ _COMMON_HANDLED = {
     "truncate_prompt_tokens", "add_special_tokens", "response_format", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "guided_decoding_backend", "structured_outputs", "priority",
     "request_id", "return_tokens_as_token_ids", "cache_salt", "return_token_ids", "logprobs",
-    "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
 }  # fmt: skip
 CHAT_HANDLED = _COMMON_HANDLED | {
     "messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
@@ -50,7 +50,6 @@ COMPLETION_HANDLED = _COMMON_HANDLED | {"prompt"}
 NEUTRAL: dict[str, Any] = {
     "echo": False,
     "best_of": 1,
-    "logit_bias": {},
     "use_beam_search": False,
     "length_penalty": 1,
     "bad_words": [],

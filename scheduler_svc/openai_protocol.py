@@ -225,6 +225,7 @@ def _sampling(body: dict[str, Any], chat: bool, s: pb.SamplingParams, defaults: 
         s.top_k = max(min(top_k, 2**31 - 1), -(2**31))
     if (seed := get_uint(body, "seed", 64)) is not None:
         s.seed = seed
+    _logit_bias(body, s)
     max_tokens = get_uint(body, "max_completion_tokens") if chat else None
     max_tokens = max_tokens if max_tokens is not None else get_uint(body, "max_tokens")
     if max_tokens is None and not chat:
@@ -257,6 +258,18 @@ def _sampling(body: dict[str, Any], chat: bool, s: pb.SamplingParams, defaults: 
             raise bad("top_logprobs", "top_logprobs needs logprobs: true")
     elif (logprobs := get_uint(body, "logprobs")) is not None:
         s.logprobs = logprobs
+
+
+def _logit_bias(body: dict[str, Any], s: pb.SamplingParams) -> None:
+    """OpenAI's {"token id": bias}; values clamped to [-100, 100] as vLLM does (ids outside
+    the vocabulary are refused by validation.py, naming the id)."""
+    bias = get(body, "logit_bias", (dict,), "an object mapping token ids to numbers")
+    for key, value in (bias or {}).items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < 1 << 32):
+            raise bad("logit_bias", f"logit_bias: {key!r} is not a token id")
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+            raise bad("logit_bias", f"logit_bias[{key!r}] must be a number")
+        s.logit_bias[int(key)] = min(100.0, max(-100.0, float(value)))
 
 
 def _stream_options(body: dict[str, Any], out: OpenAIRequest) -> None:

@@ -64,6 +64,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's logit_bias: (token id, value added to its logit), ids distinct.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def penalized(self) -> bool:

@@ -190,6 +190,11 @@ def sampling_params(request: pb.GenerateRequest, num_prompt_tokens: int, limits:
     if not (0 <= min_p <= 1):
         _fail(f"sampling.min_p must be in [0, 1], got {min_p}")
     presence, frequency, repetition = _penalties(s)
+    for token, bias in s.logit_bias.items():
+        if token >= limits.vocab_size:
+            _fail(f"sampling.logit_bias: id {token} is outside the vocabulary (size {limits.vocab_size})")
+        if not -100 <= bias <= 100:  # NaN fails too
+            _fail(f"sampling.logit_bias[{token}] must be in [-100, 100], got {bias}")
     if s.HasField("max_tokens"):
         max_tokens = s.max_tokens
     elif request.WhichOneof("prompt") == "chat":
@@ -239,6 +244,7 @@ def sampling_params(request: pb.GenerateRequest, num_prompt_tokens: int, limits:
         presence_penalty=presence,
         frequency_penalty=frequency,
         repetition_penalty=repetition,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
     )
 
 

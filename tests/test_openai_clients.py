@@ -217,3 +217,30 @@ def test_sdk_penalties_reach_the_sampler(client, model, server):
         done.add(msg)
     assert http(**PENALTIES) == done.text
     assert http() != done.text
+
+
+def test_sdk_logit_bias_forces_and_bans_tokens(client, model, server):
+    """+100 on one token makes greedy output that token every time, whatever else is likely;
+    -100 on the plain greedy output's first token moves it; values past 100 are clamped (as
+    vLLM), and the gRPC API gives the same tokens for the same bias."""
+    import httpx
+
+    from chunkserve.client import Completion, build_request
+
+    [yes] = httpx.post(server.http_url.removesuffix("/v1") + "/tokenize", json={"prompt": " yes"}).json()["tokens"]
+    out = client.completions.create(
+        model=model, prompt="Say no.", max_tokens=6, temperature=0, logit_bias={str(yes): 500}
+    )
+    assert out.choices[0].text == " yes" * 6
+    plain = client.completions.create(model=model, prompt="Say no.", max_tokens=1, temperature=0)
+    first = httpx.post(
+        server.http_url.removesuffix("/v1") + "/tokenize", json={"prompt": plain.choices[0].text}
+    ).json()["tokens"][0]
+    banned = client.completions.create(
+        model=model, prompt="Say no.", max_tokens=1, temperature=0, logit_bias={str(first): -100}
+    )
+    assert banned.choices[0].text != plain.choices[0].text
+    done = Completion()
+    for msg in server.stub().Generate(build_request("Say no.", temperature=0.0, max_tokens=6, logit_bias={yes: 100.0})):
+        done.add(msg)
+    assert done.token_ids == [yes] * 6

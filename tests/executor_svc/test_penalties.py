@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
-from executor_svc.penalties import Penalties, TokenHistory, apply_penalties
+from executor_svc.penalties import LogitBias, Penalties, TokenHistory, apply_penalties
 from executor_svc.plan_check import PlanError
 from executor_svc.sampler import SamplingSpec, sample
 from tests.hf_reference import PENALTIES, hf_greedy
@@ -55,7 +55,8 @@ def test_penalized_logits_equal_the_per_token_rule(rows, seed):
             chosen[r] = (Penalties(pres, freq, rep), TokenHistory(prompt, output), extra)
     if not chosen:
         return
-    got = apply_penalties(logits, chosen)
+    got = logits.clone()
+    apply_penalties(got, chosen)
     for r, (prompt, output, extra, *_rest) in enumerate(rows):
         if r in chosen:
             want = _reference(logits[r].numpy(), chosen[r][0], prompt, output + extra)
@@ -207,5 +208,32 @@ def test_the_plan_check_refuses_penalty_token_ids_it_cannot_use(tiny, new, messa
     runner.reset()
     plan = epb.StepRequest(step_id=1, new_seqs=[epb.NewSequence(seq_id=1, **new)], seqs=[_entry(1, 0, 2, [1, 2], [0])])
     with pytest.raises(PlanError, match=message):
+        runner.execute(plan)
+    assert not runner.seqs
+
+
+def test_logit_bias_comes_before_the_penalties_and_leaves_logprobs_raw():
+    """Token 0 (logit -1, in the prompt) with bias +2 and repetition 2: (-1 + 2) / 2 = 0.5 beats
+    token 1's 0.25; the other order, -1 * 2 + 2 = 0, would not (vLLM's order: bias first)."""
+    logits = torch.tensor([[-1.0, 0.25, -5.0]])
+    spec = SamplingSpec(
+        temperature=0, num_logprobs=0, penalties=Penalties(repetition=2.0), logit_bias=LogitBias.of({0: 2.0, 2: -100.0})
+    )
+    out = sample(logits, [spec], [1], histories={0: (TokenHistory([0], []), [])})
+    assert out.token_ids == [0]
+    assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[0, 0].item())
+    forced = SamplingSpec(temperature=0.7, seed=1, logit_bias=LogitBias.of({2: 100.0}))
+    assert sample(logits.expand(8, -1), [forced] * 8, list(range(8))).token_ids == [2] * 8
+    assert sample(logits, [SamplingSpec(temperature=0)], [1]).token_ids == [1]  # no bias: as it was
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused(tiny):
+    runner = tiny[1].runner
+    runner.reset()
+    sampling = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1, logit_bias={500: 1.0})
+    plan = epb.StepRequest(
+        step_id=1, new_seqs=[epb.NewSequence(seq_id=1, sampling=sampling)], seqs=[_entry(1, 0, 2, [1, 2], [0])]
+    )
+    with pytest.raises(PlanError, match="logit_bias"):
         runner.execute(plan)
     assert not runner.seqs

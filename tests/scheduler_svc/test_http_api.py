@@ -186,6 +186,10 @@ BAD = [  # (endpoint, body, status, param)
     ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {"5": "x"}}, 400, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": [5]}, 400, "logit_bias"),
     (
         "chat/completions",
         {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": "x"},
