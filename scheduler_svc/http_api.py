@@ -203,11 +203,11 @@ class HttpFront:
             _, _, info = self.servicer.ready_state()
             model = self._model(body, info.model_name)
             built = build_request(body, chat, self.settings)
-            engine, stream = await self.servicer.submit(built.proto, built.prompt.ids)
+            engine, streams = await self.servicer.submit_choices(built.proto, built.prompt.ids, built.n)
         except ServingError as exc:
             return error_response(exc, chat)
-        choice = Choice(engine, chat, **built.choice_options)
-        request_id = built.request_id or request.headers.get("x-request-id") or stream.request_id
+        choices = [Choice(engine, chat, index=i, **built.choice_options) for i in range(built.n)]
+        request_id = built.request_id or request.headers.get("x-request-id") or streams[0].request_id
         head = {
             "id": ("chatcmpl-" if chat else "cmpl-") + request_id,
             "object": "chat.completion" if chat else "text_completion",
@@ -215,9 +215,9 @@ class HttpFront:
             "model": model,
         }
         if built.streaming:
-            events = self._events(engine, stream, choice, head, built)
+            events = self._events(engine, list(zip(choices, streams)), head, built)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        collected = asyncio.ensure_future(collect(stream))
+        collected = asyncio.ensure_future(asyncio.gather(*(collect(stream) for stream in streams)))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collected, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -225,47 +225,57 @@ class HttpFront:
             gone.cancel()
             if not collected.done():
                 collected.cancel()
-                engine.abort(stream.request_id)  # the client left: free the request
+                for stream in streams:  # the client left: free its requests
+                    engine.abort(stream.request_id)
         if gone.done() and not collected.done():
             return Response(status_code=499)
-        final = collected.result()
-        if final.error is not None:
-            return error_response(final.error, chat)
-        return JSONResponse({**head, "choices": [choice.body(final, stream=False)], "usage": usage(final)})
+        finals = collected.result()
+        if (error := next((f.error for f in finals if f.error is not None), None)) is not None:
+            return error_response(error, chat)
+        bodies = [choice.body(final, stream=False) for choice, final in zip(choices, finals)]
+        return JSONResponse({**head, "choices": bodies, "usage": usage(*finals)})
 
     async def _events(
-        self, engine: Engine, stream: RequestStream, choice: Choice, head: dict[str, Any], built: OpenAIRequest
+        self, engine: Engine, choices: list[tuple[Choice, RequestStream]], head: dict[str, Any], built: OpenAIRequest
     ) -> AsyncIterator[str]:
-        """Server-sent events ending in `data: [DONE]`; the request is aborted when the
-        response is cancelled (client gone) or closed before its final delta. With
-        stream_options.include_usage a last chunk carries the usage; with
-        continuous_usage_stats every chunk does, counting the tokens so far (as vLLM)."""
-        head = {**head, "object": "chat.completion.chunk" if choice.chat else "text_completion"}
-        prompt_tokens, generated = stream.num_prompt_tokens, 0
+        """Server-sent events ending in `data: [DONE]`, each chunk one choice's delta (with n
+        choices, theirs interleaved as they come); the requests are aborted when the response
+        is cancelled (client gone) or closed before their final deltas. With
+        stream_options.include_usage a last chunk carries the usage of all choices; with
+        continuous_usage_stats every chunk does, counting its choice's tokens so far (as vLLM)."""
+        chat = built.chat
+        head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        prompt_tokens, generated, finals = choices[0][1].num_prompt_tokens, [0] * len(choices), []
 
-        def extra() -> dict[str, Any]:
+        def extra(i: int) -> dict[str, Any]:
             if not built.include_usage:
                 return {}
             if not built.continuous_usage:
                 return {"usage": None}
-            return {"usage": usage(StreamDelta(prompt_tokens=prompt_tokens, completion_tokens=generated))}
+            return {"usage": usage(StreamDelta(prompt_tokens=prompt_tokens, completion_tokens=generated[i]))}
 
         try:
-            if choice.chat:  # OpenAI's first chunk carries the role
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-                yield _sse({**head, "choices": [{**first, "finish_reason": None}], **extra()})
-            async for d in stream_deltas(stream):
-                if d.error is not None:
-                    yield _sse(json.loads(error_response(d.error, choice.chat).body))
-                    break
-                generated += len(d.token_ids)
-                yield _sse({**head, "choices": [choice.body(d, stream=True)], **extra()})
-                if d.finished and built.include_usage:
-                    yield _sse({**head, "choices": [], "usage": usage(d)})
+            if chat:  # OpenAI's first chunk of each choice carries the role
+                for i in range(len(choices)):
+                    first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+                    yield _sse({**head, "choices": [{**first, "finish_reason": None}], **extra(i)})
+            async with contextlib.aclosing(_merged([stream_deltas(stream) for _, stream in choices])) as deltas:
+                async for i, d in deltas:
+                    if d.error is not None:
+                        yield _sse(json.loads(error_response(d.error, chat).body))
+                        break
+                    generated[i] += len(d.token_ids)
+                    yield _sse({**head, "choices": [choices[i][0].body(d, stream=True)], **extra(i)})
+                    if d.finished:
+                        finals.append(d)
+                else:
+                    if built.include_usage:
+                        yield _sse({**head, "choices": [], "usage": usage(*finals)})
             yield "data: [DONE]\n\n"
         finally:
-            if not stream.finished:
-                engine.abort(stream.request_id)
+            for _, stream in choices:
+                if not stream.finished:
+                    engine.abort(stream.request_id)
 
     # ---- serving -----------------------------------------------------------------------
 
@@ -312,6 +322,29 @@ class _Server(uvicorn.Server):
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _merged(sources: list[AsyncIterator[StreamDelta]]) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """(source index, item) from every source as each comes, until all are exhausted; one
+    source alone is read straight through. Closing this generator cancels what still waits."""
+    if len(sources) == 1:
+        async for item in sources[0]:
+            yield 0, item
+        return
+    pending = {asyncio.ensure_future(anext(source)): i for i, source in enumerate(sources)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):  # a fixed order among ready ones
+                i = pending.pop(task)
+                if task.exception() is None:
+                    yield i, task.result()
+                    pending[asyncio.ensure_future(anext(sources[i]))] = i
+                elif not isinstance(task.exception(), StopAsyncIteration):
+                    raise task.exception()
+    finally:
+        for task in pending:
+            task.cancel()
 
 
 async def _disconnected(request: Request) -> None:

@@ -45,6 +45,9 @@ _RENAMES = (
     ("client_request_id", "request_id"),
 )
 _RENAMES_PROMPT = (("prompt.text", "prompt"), ("prompt.token_ids", "prompt"))
+# OpenAI's n: choices per request, each a request of its own on the scheduler; bounded so one
+# body cannot queue unbounded work.
+MAX_CHOICES = 128
 # Sampling defaults a model's generation_config.json may give (vLLM's --generation-config
 # auto): the body field -> its key there.
 GENERATION_DEFAULTS = {
@@ -77,6 +80,7 @@ class OpenAIRequest:
     include_usage: bool = False
     continuous_usage: bool = False
     request_id: str | None = None  # vLLM's request_id: the response's id
+    n: int = 1  # choices: n requests of the one prompt (servicer.submit_choices)
     choice_options: dict[str, bool] = field(default_factory=dict)  # Choice's keyword arguments
 
 
@@ -131,8 +135,8 @@ def build_request(body: dict[str, Any], chat: bool, settings: Settings | None = 
     settings = settings or Settings()
     check_fields(body, chat, settings.reject_unknown_fields)
     n = get(body, "n", (int,), "an integer")
-    if n not in (None, 1):
-        raise bad("n", f"n must be 1 (one choice per request), got {n}")
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise bad("n", f"n must be in [1, {MAX_CHOICES}], got {n}")
     request = pb.GenerateRequest(cache_salt=get(body, "cache_salt", (str,), "a string") or "")
     request_id = get(body, "request_id", (str,), "a string")
     if request_id is not None:
@@ -151,7 +155,7 @@ def build_request(body: dict[str, Any], chat: bool, settings: Settings | None = 
         if not -(2**31) <= priority < 2**31:
             raise bad("priority", f"priority must be a 32-bit integer, got {priority}")
         request.priority = priority
-    out = OpenAIRequest(request, spec, chat, request_id=request_id)
+    out = OpenAIRequest(request, spec, chat, request_id=request_id, n=n or 1)
     _stream_options(body, out)
     out.choice_options = {
         "tools": tools,
@@ -287,12 +291,15 @@ def _stream_options(body: dict[str, Any], out: OpenAIRequest) -> None:
     out.continuous_usage = out.include_usage and bool(options.get("continuous_usage_stats"))
 
 
-def usage(final: StreamDelta) -> dict[str, Any]:
+def usage(*finals: StreamDelta) -> dict[str, Any]:
+    """OpenAI's usage of a response of one or more choices (n): the prompt counted once (the
+    first choice's cached tokens), the completion tokens of all choices (as vLLM)."""
+    first, completion = finals[0], sum(f.completion_tokens for f in finals)
     return {
-        "prompt_tokens": final.prompt_tokens,
-        "completion_tokens": final.completion_tokens,
-        "total_tokens": final.prompt_tokens + final.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     }
 
 
@@ -307,8 +314,10 @@ class Choice:
         return_token_ids: bool = False,
         tokens_as_ids: bool = False,
         tools: ToolPlan | None = None,
+        index: int = 0,
     ) -> None:
         self.engine, self.chat, self.want_logprobs, self.offset = engine, chat, want_logprobs, 0
+        self.index = index  # of this choice in the response (OpenAI's n)
         # vLLM's extra parameter: each choice (each streamed chunk) also names its token ids.
         self.return_token_ids = return_token_ids
         # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N" (any token JSON-safe).
@@ -349,7 +358,7 @@ class Choice:
 
     def body(self, d: StreamDelta, stream: bool) -> dict[str, Any]:
         reason = _FINISH.get(d.finish_reason, "abort") if d.finished else None
-        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(d), "finish_reason": reason}
+        choice: dict[str, Any] = {"index": self.index, "logprobs": self.logprobs(d), "finish_reason": reason}
         if not self.chat:
             choice["text"] = d.text
         elif self.parser is not None:

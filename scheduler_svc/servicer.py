@@ -18,6 +18,7 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -102,9 +103,29 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         chat-template options, openai_prompt.PromptSpec.ids) makes a text or chat prompt's ids
         in place of tokenize_prompt, on the same worker.
         """
-        engine, ids, params = await self.prepare(request, prompt, prefetch=True)
-        stream = engine.add_request(ids, params, request.cache_salt or None, request.priority, request.tenant)
+        engine, [stream] = await self.submit_choices(request, prompt, 1)
         return engine, stream
+
+    async def submit_choices(
+        self, request: pb.GenerateRequest, prompt: Callable[[Tokenizer, Limits], list[int]] | None, n: int
+    ) -> tuple[Engine, list[RequestStream]]:
+        """`submit` for n choices of one prompt (OpenAI's `n`): checked and tokenized once, then
+        n requests queued. Choice i samples with seed + i when the request has a seed (vLLM's
+        parallel sampling), so seeded choices differ and each is reproducible. A choice the
+        engine refuses (a full queue) takes the ones queued before it back."""
+        engine, ids, params = await self.prepare(request, prompt, prefetch=True)
+        streams: list[RequestStream] = []
+        try:
+            for i in range(n):
+                choice = params if params.seed is None else replace(params, seed=(params.seed + i) % 2**64)
+                streams.append(
+                    engine.add_request(ids, choice, request.cache_salt or None, request.priority, request.tenant)
+                )
+        except ServingError:
+            for stream in streams:
+                engine.abort(stream.request_id)
+            raise
+        return engine, streams
 
     async def prepare(
         self,

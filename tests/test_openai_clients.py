@@ -244,3 +244,22 @@ def test_sdk_logit_bias_forces_and_bans_tokens(client, model, server):
     for msg in server.stub().Generate(build_request("Say no.", temperature=0.0, max_tokens=6, logit_bias={yes: 100.0})):
         done.add(msg)
     assert done.token_ids == [yes] * 6
+
+
+def test_sdk_n_seeded_choices_are_the_single_requests_with_seed_plus_i(client, model):
+    """OpenAI's n with a seed: choice i samples as a request of its own with seed + i (vLLM's
+    parallel sampling), so the choices differ from one another and each is reproducible."""
+    ask = dict(model=model, prompt="Once upon a time", max_tokens=12, temperature=1.0)
+    out = client.completions.create(n=3, seed=7, **ask)
+    singles = [client.completions.create(seed=7 + i, **ask).choices[0].text for i in range(3)]
+    assert [c.text for c in out.choices] == singles
+    assert len(set(singles)) > 1
+    chat = client.chat.completions.create(
+        model=model, messages=ASK, max_tokens=8, temperature=1.0, n=2, seed=11, stream=True
+    )
+    texts = ["", ""]
+    for chunk in chat:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    single = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, temperature=1.0, seed=12)
+    assert texts[1] == single.choices[0].message.content

@@ -177,7 +177,7 @@ BAD = [  # (endpoint, body, status, param)
     ("completions", {"prompt": "hi", "return_token_ids": "yes"}, 400, "return_token_ids"),
     ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
-    ("completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("completions", {"prompt": "hi", "max_tokens": 500}, 400, "max_tokens"),
     ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
@@ -200,7 +200,7 @@ BAD = [  # (endpoint, body, status, param)
     ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": "hi"}, 400, "messages"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 200}, 400, "n"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "min_p": 2}, 400, "min_p"),
 ]
 
@@ -219,7 +219,7 @@ def test_bad_requests_get_openai_errors_naming_the_field(fakes, byte_tokenizer_d
                 response = await http.post(f"{base}/v1/completions", content=b"{not json")
                 assert response.status_code == 400
             with pytest.raises(openai.BadRequestError) as err:
-                await sdk(base).completions.create(model="fake", prompt="hi", n=2)
+                await sdk(base).completions.create(model="fake", prompt="hi", n=0)
             assert err.value.body["param"] == "n"
 
     asyncio.run(main())
@@ -280,23 +280,26 @@ def test_queue_full_is_429(fakes, byte_tokenizer_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_closing_the_connection_aborts_the_request(fakes, byte_tokenizer_dir, monkeypatch, stream):
+@pytest.mark.parametrize("n", [1, 3])
+def test_closing_the_connection_aborts_the_request(fakes, byte_tokenizer_dir, monkeypatch, stream, n):
+    """...every one of its n choices' requests (OpenAI's n)."""
+
     async def main():
         async with running(fakes, byte_tokenizer_dir, monkeypatch) as (app, client, base):
             client.hold_after = 3  # tokens flow, then the request stays running
-            body = {"prompt": "hi", "max_tokens": 50, "stream": stream}
+            body = {"prompt": "hi", "max_tokens": 50, "stream": stream, "n": n}
             http = httpx.AsyncClient(timeout=FAILSAFE_S)
             if stream:
                 async with http.stream("POST", base + "/v1/completions", json=body) as response:
                     await asyncio.wait_for(client.held.wait(), FAILSAFE_S)  # running, tokens sent
-                    assert len(app.ready.engine.scheduler.requests) == 1
+                    assert len(app.ready.engine.scheduler.requests) == n
                     lines = response.aiter_lines()
                     assert (await anext(lines)).startswith("data: ")
                     await lines.aclose()  # leaving the block closes the stream
             else:
                 post = asyncio.ensure_future(http.post(base + "/v1/completions", json=body))
                 await asyncio.wait_for(client.held.wait(), FAILSAFE_S)
-                assert len(app.ready.engine.scheduler.requests) == 1
+                assert len(app.ready.engine.scheduler.requests) == n
                 post.cancel()
             await http.aclose()  # the connection is gone
             engine = app.ready.engine
