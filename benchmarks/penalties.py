@@ -4,18 +4,21 @@
 
 (a) cost (in-process, no server): the executor's per-step work for S penalized rows of the
     default model's 49,152-token vocabulary (executor_svc.penalties.apply_penalties with all
-    three penalties, each row's output counts stacked), and the one-off TokenHistory of a
-    sequence with a P-token prompt (what a NewSequence with a penalty costs the executor).
+    three penalties, each row holding a P-token prompt and 64 output tokens), the whole greedy
+    sample() of those rows with and without the penalties (the step's only extra work), and
+    the one-off TokenHistory of a P-token prompt (what a NewSequence with a penalty costs).
 (b) throughput: a real two-process server (started here) on the default model, float32; S
     concurrent gRPC streams of 32-token prompts, exactly --new-tokens greedy tokens each
     (ignore_eos), plain or with all three penalties; rounds alternate, median output tok/s of
-    each and the ratio penalized / plain, both from this run.
+    each and the ratio penalized / plain, both from this run; with `--busy N` the same rounds
+    again while N pure-Python processes spin (a shared machine), each condition's own ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import statistics
 import tempfile
 import time
@@ -29,6 +32,7 @@ def cost(streams: int, prompt_len: int, vocab: int = 49152, repeats: int = 50) -
     import torch
 
     from executor_svc.penalties import Penalties, TokenHistory, apply_penalties
+    from executor_svc.sampler import SamplingSpec, sample
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(streams, vocab, generator=gen)
@@ -49,13 +53,23 @@ def cost(streams: int, prompt_len: int, vocab: int = 49152, repeats: int = 50) -
         return min(times) * 1e3, statistics.median(times) * 1e3
 
     step = best(lambda: apply_penalties(logits.clone(), rows))  # the clone: as the sampler's
+    greedy = [SamplingSpec(temperature=0)] * streams
+    with_penalties = [SamplingSpec(temperature=0, penalties=spec)] * streams
+    histories = {r: (rows[r][1], []) for r in rows}
+    plain_sample = best(lambda: sample(logits, greedy, list(range(streams))))
+    penalized_sample = best(lambda: sample(logits, with_penalties, list(range(streams)), histories=histories))
     prompt = torch.randint(vocab, (prompt_len,), generator=gen).tolist()
     new = best(lambda: TokenHistory(prompt, []))
     print(
         f"cost: {streams} penalized rows x {vocab}: min {step[0]:.2f} ms, median {step[1]:.2f} ms per step", flush=True
     )
     print(f"cost: TokenHistory of a {prompt_len}-token prompt: min {new[0]:.3f} ms, median {new[1]:.3f} ms", flush=True)
-    return {"step_ms": step, "new_sequence_ms": new}
+    print(
+        f"cost: greedy sample() of {streams} rows: plain min {plain_sample[0]:.2f} / median {plain_sample[1]:.2f} ms, "
+        f"penalized min {penalized_sample[0]:.2f} / median {penalized_sample[1]:.2f} ms",
+        flush=True,
+    )
+    return {"step_ms": step, "new_sequence_ms": new, "sample_ms": plain_sample, "penalized_sample_ms": penalized_sample}
 
 
 async def _round(stub, prompts: list[list[int]], new_tokens: int, penalized: bool) -> float:
@@ -75,7 +89,12 @@ async def _round(stub, prompts: list[list[int]], new_tokens: int, penalized: boo
     return total / elapsed
 
 
-def throughput(streams: int, new_tokens: int, rounds: int) -> dict:
+def _spin() -> None:
+    while True:
+        pass
+
+
+def throughput(streams: int, new_tokens: int, rounds: int, busy: int) -> dict:
     import grpc
     from tokenizers import Tokenizer
 
@@ -89,7 +108,7 @@ def throughput(streams: int, new_tokens: int, rounds: int) -> dict:
         Path(tempfile.mkdtemp()), ["--model", str(path), "--dtype", "float32"], ["--max-num-seqs", str(streams)]
     )
 
-    async def run() -> dict:
+    async def run(condition: str) -> dict:
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
             await _round(stub, prompts, 8, True)  # warm-up
@@ -98,13 +117,25 @@ def throughput(streams: int, new_tokens: int, rounds: int) -> dict:
                 for kind in (False, True) if r % 2 == 0 else (True, False):
                     tps = await _round(stub, prompts, new_tokens, kind)
                     (penalized if kind else plain).append(tps)
-                    print(f"throughput {'penalized' if kind else 'plain    '}: {tps:7.1f} output tok/s", flush=True)
+                    name = "penalized" if kind else "plain    "
+                    print(f"{condition} throughput {name}: {tps:7.1f} output tok/s", flush=True)
             p, q = statistics.median(plain), statistics.median(penalized)
-            print(f"throughput median: plain {p:.1f}, penalized {q:.1f} tok/s, ratio {q / p:.3f}x", flush=True)
+            print(f"{condition} median: plain {p:.1f}, penalized {q:.1f} tok/s, ratio {q / p:.3f}x", flush=True)
             return {"plain": plain, "penalized": penalized, "ratio": q / p}
 
+    figures = {}
     try:
-        return asyncio.run(run())
+        figures["idle"] = asyncio.run(run("idle"))
+        if busy:
+            spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(busy)]
+            for proc in spinners:
+                proc.start()
+            try:
+                figures["busy"] = asyncio.run(run(f"busy({busy})"))
+            finally:
+                for proc in spinners:
+                    proc.kill()
+        return figures
     finally:
         server.stop()
 
@@ -115,12 +146,13 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--busy", type=int, default=0, help="then again with this many spinning processes")
     ap.add_argument("--prompt-len", type=int, default=2048, help="(a): the prompt of the one-off history")
     args = ap.parse_args()
     if "cost" in args.parts:
         cost(args.streams, args.prompt_len)
     if "throughput" in args.parts:
-        throughput(args.streams, args.new_tokens, args.rounds)
+        throughput(args.streams, args.new_tokens, args.rounds, args.busy)
 
 
 if __name__ == "__main__":

@@ -187,3 +187,14 @@ def test_plan_kernel_ab_times_both_kernels_in_whole_steps():
     parts = line.replace(",", "").split()
     mm, packed, ratio = float(parts[5]), float(parts[8]), float(parts[11].rstrip("x"))
     assert mm > 0 and packed > 0 and abs(mm / packed - ratio) <= 0.01 + 0.01 * ratio
+
+
+def test_penalties_cost_part_runs():
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "penalties.py"), "--parts", "cost", "--streams", "4", "--prompt-len", "64"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "4 penalized rows x 49152" in out.stdout and "TokenHistory of a 64-token prompt" in out.stdout

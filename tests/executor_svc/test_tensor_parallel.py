@@ -31,6 +31,9 @@ TP_TINY = dict(
 )
 BLOCK = 4
 GREEDY = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=2)
+PENALIZED = epb.SamplingParams(
+    temperature=0.0, top_p=1.0, num_logprobs=2, repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.25
+)
 
 
 def write_model(path: Path, tied: bool, **overrides) -> Path:
@@ -60,7 +63,7 @@ def entry(seq, computed, n, tokens=(), blocks=(), sample=True, replace=False):
 
 
 def mixed_plans() -> list[epb.StepRequest]:
-    """Chunked prefills next to decodes, a prefix-cache hit, a swap-out and swap-in, a
+    """Chunked prefills next to decodes (B with penalties), a prefix-cache hit, a swap-out and swap-in, a
     finished sequence, a refused plan (which must change nothing on any rank), and a
     preemption by recompute: D is dropped (finished_seq_ids) and prefilled again from token 0,
     in two chunks, into a fresh block table (blocks C left behind, stale KV in them)."""
@@ -69,9 +72,11 @@ def mixed_plans() -> list[epb.StepRequest]:
     pc = pa[:8] + torch.randint(0, 127, (5,), generator=g).tolist()
     A, B, C, D, E = 1, 2, 3, 4, 5
     new = lambda *ids: [epb.NewSequence(seq_id=i, sampling=GREEDY) for i in ids]  # noqa: E731
+    # B samples with penalties (rank 0 samples; every rank keeps its counts), swapped out and in
+    penalized = [epb.NewSequence(seq_id=B, sampling=PENALIZED, prompt_token_ids=pb)]
     steps = [
         dict(new_seqs=new(A), seqs=[entry(A, 0, 8, pa[:8], [0, 1], sample=False)]),
-        dict(new_seqs=new(B), seqs=[entry(A, 8, 8, pa[8:16], [2, 3], sample=False), entry(B, 0, 6, pb, [4, 5])]),
+        dict(new_seqs=penalized, seqs=[entry(A, 8, 8, pa[8:16], [2, 3], sample=False), entry(B, 0, 6, pb, [4, 5])]),
         dict(seqs=[entry(A, 16, 4, pa[16:], [6]), entry(B, 6, 1)]),
         dict(new_seqs=new(C), seqs=[entry(A, 20, 1, blocks=[7]), entry(B, 7, 1), entry(C, 8, 5, pc[8:], [0, 1, 8, 9])]),
         dict(
