@@ -42,6 +42,8 @@ class Completion:
     usage: pb.Usage | None = None
     num_messages: int = 0
     logprobs: list[pb.Logprobs] = field(default_factory=list)
+    prompt_logprobs: list[pb.Logprobs] = field(default_factory=list)  # SamplingParams.prompt_logprobs
+    prompt_token_ids: list[int] = field(default_factory=list)
 
     def add(self, msg: pb.GenerateResponse) -> None:
         self.request_id = msg.request_id
@@ -51,6 +53,8 @@ class Completion:
         self.text += msg.text
         self.deltas.append(msg.text)
         self.logprobs += msg.logprobs
+        self.prompt_logprobs += msg.prompt_logprobs
+        self.prompt_token_ids += msg.prompt_token_ids
         self.num_messages += 1
         if msg.finished:
             self.finish_reason = msg.finish_reason

@@ -94,6 +94,9 @@ class CheckedPlan:
     rows: list[int] = field(default_factory=list)  # the flat batch row of each `sampling` item
     masks: dict[int, bytes] = field(default_factory=dict)  # index into `sampling` -> packed allowed tokens
     drafts: dict[int, list[int]] = field(default_factory=dict)  # entry index -> its draft tokens (verify)
+    # Prompt logprobs: (sequence, its flat batch rows, the token each row's logprob is of, that
+    # token's position for the first row).
+    prompt_rows: list[tuple[int, list[int], list[int], int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -116,11 +119,12 @@ def spec_from_proto(p: epb.SamplingParams) -> SamplingSpec:
         min_p=p.min_p,
         seed=p.seed if p.has_seed else None,
         num_logprobs=p.num_logprobs,
+        num_prompt_logprobs=p.num_prompt_logprobs - 1,
         penalties=Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty or 1.0),
         logit_bias=LogitBias.of(dict(p.logit_bias)),
     )
-    if spec.num_logprobs > MAX_NUM_LOGPROBS:
-        raise ValueError(f"num_logprobs must be at most {MAX_NUM_LOGPROBS}, got {spec.num_logprobs}")
+    if max(spec.num_logprobs, spec.num_prompt_logprobs) > MAX_NUM_LOGPROBS:
+        raise ValueError(f"num_logprobs and num_prompt_logprobs - 1 must be at most {MAX_NUM_LOGPROBS}")
     return spec
 
 
@@ -245,6 +249,29 @@ def _check_entry(step: int, i: int, s: epb.ScheduledSequence, st: ExecutorState,
             c.masks[first + offset - (n - 1 - len(draft))] = bits
     elif s.token_masks:
         raise PlanError(f"{_at(step, seq_id)}: token masks on an entry that does not sample")
+    if s.prompt_logprob_rows:
+        spec = c.new[seq_id] if is_new else state.sampling
+        _check_prompt_rows(step, s, spec, e.total - n, st.vocab_size, c)
+
+
+def _check_prompt_rows(
+    step: int, s: epb.ScheduledSequence, spec: SamplingSpec, row0: int, vocab_size: int, c: CheckedPlan
+) -> None:
+    """Prompt logprob rows: a sequence that asked for them, rows inside a chunk of known
+    tokens, and the token after the chunk when its last row is one of them."""
+    first, count, n = s.prompt_logprob_first, s.prompt_logprob_rows, s.num_new_tokens
+    at = _at(step, s.seq_id)
+    if spec.num_prompt_logprobs < 0:
+        raise PlanError(f"{at}: prompt logprob rows for a sequence without num_prompt_logprobs")
+    if s.draft_token_ids or not s.token_ids or first + count > n:
+        raise PlanError(f"{at}: prompt logprob rows {first}..{first + count - 1} are not rows of its chunk of tokens")
+    targets = list(s.token_ids[first + 1 : first + count + 1])
+    if len(targets) < count:
+        if not s.HasField("next_token_id") or s.next_token_id >= vocab_size:
+            raise PlanError(f"{at}: its last row's prompt logprob needs next_token_id inside the vocabulary")
+        targets.append(s.next_token_id)
+    rows = list(range(row0 + first, row0 + first + count))
+    c.prompt_rows.append((s.seq_id, rows, targets, s.num_computed_tokens + first + 1))
 
 
 def _check_masks(step: int, s: epb.ScheduledSequence, vocab_size: int) -> list[tuple[int, bytes]]:

@@ -24,6 +24,8 @@ from executor_svc.plan_check import CheckedPlan, SeqState, check_plan
 from executor_svc.sampler import SampleOutput, sample
 from executor_svc.threads import ThreadGovernor
 
+PROMPT_LOGPROB_SLICE = 128  # rows of prompt logprobs through the head at a time
+
 
 class ModelRunner:
     """Owns the model, the paged KV cache and per-sequence execution state."""
@@ -104,6 +106,8 @@ class ModelRunner:
             with set_forward_context(meta, self.kv_cache):
                 hidden = self.model(input_ids, positions)
         forwarded = time.perf_counter_ns()
+        if checked.prompt_rows:  # every rank: the head is collective under tensor parallelism
+            response.prompt_logprobs.extend(self._prompt_logprobs(hidden, checked))
 
         if checked.sampling:
             if len(checked.rows) == len(checked.token_ids):  # every row samples, in order
@@ -168,6 +172,33 @@ class ModelRunner:
                         entry.logprob = out.logprobs[j]
                         entry.top.extend(epb.TopLogprob(token_id=t, logprob=lp) for t, lp in out.top[j])
             k += len(draft) + 1
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, checked: CheckedPlan) -> list[epb.PromptLogprob]:
+        """The logprob of each prompt token a plan's prompt logprob rows name, from the model's
+        raw distribution at the row before it, with the sequence's top alternatives. Rows go
+        through the head PROMPT_LOGPROB_SLICE at a time: a 2K-token chunk's whole [rows,
+        vocabulary] logprobs would be ~400 MB at a 49K vocabulary."""
+        items = [
+            (seq_id, pos + j, row, token, self.seqs[seq_id].sampling.num_prompt_logprobs)
+            for seq_id, rows, targets, pos in checked.prompt_rows
+            for j, (row, token) in enumerate(zip(rows, targets))
+        ]
+        k = max(n for *_, n in items)
+        out = []
+        for start in range(0, len(items), PROMPT_LOGPROB_SLICE):
+            part = items[start : start + PROMPT_LOGPROB_SLICE]
+            index = torch.tensor([row for _, _, row, _, _ in part], device=self.device)
+            lp = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, index)).float(), dim=-1)
+            targets = torch.tensor([token for *_, token, _ in part], device=self.device)
+            chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
+            top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+            for (seq_id, position, _, token, n), logprob, vals, ids in zip(
+                part, chosen, top_vals.tolist(), top_ids.tolist()
+            ):
+                entry = epb.PromptLogprob(seq_id=seq_id, position=position, token_id=token, logprob=logprob)
+                entry.top.extend(epb.TopLogprob(token_id=t, logprob=v) for t, v in zip(ids[:n], vals[:n]))
+                out.append(entry)
+        return out
 
     def validate(self, plan: epb.StepRequest) -> CheckedPlan:
         """Checks the whole plan against this runner's state (plan_check.py); changes nothing."""

@@ -38,6 +38,7 @@ class SamplingSpec:
     min_p: float = 0.0  # 0 -> off; drop tokens with prob < min_p * max prob
     seed: int | None = None  # None -> the sampler's own (unseeded) generator
     num_logprobs: int = -1  # -1 none; 0 sampled token only; k also the top k
+    num_prompt_logprobs: int = -1  # prompt logprobs: -1 none; k: each one's top k too (runner.py)
     penalties: Penalties = NO_PENALTIES  # presence / frequency / repetition (penalties.py)
     logit_bias: LogitBias | None = None  # OpenAI's logit_bias: added to these tokens' logits
 

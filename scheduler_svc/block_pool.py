@@ -118,8 +118,8 @@ class BlockPool:
         The whole known sequence is matched before any chunking, but never its last token:
         at least one token is always computed, so the step that reaches it can sample.
         """
-        if not self.enable_caching or request.block_ids:
-            return 0
+        if not self.enable_caching or request.block_ids or request.needs_prompt_logprobs:
+            return 0  # prompt logprobs need every prompt row computed
         tokens = request.token_ids(0, request.num_tokens)
         parent: bytes | None = None
         bs = self.block_size

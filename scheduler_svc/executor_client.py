@@ -9,7 +9,7 @@ from chunkserve_contracts.auth import bearer_metadata
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.executor.v1 import executor_pb2_grpc as epb_grpc
 from scheduler_svc.errors import StepFailedError
-from scheduler_svc.plan import Sampled, StepPlan, StepResult
+from scheduler_svc.plan import PromptLogprob, Sampled, StepPlan, StepResult
 from scheduler_svc.request import SamplingParams
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -38,6 +38,7 @@ def sampling_to_proto(params: SamplingParams) -> epb.SamplingParams:
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
         logit_bias=dict(params.logit_bias),
+        num_prompt_logprobs=0 if params.prompt_logprobs is None else params.prompt_logprobs + 1,
     )
 
 
@@ -64,6 +65,9 @@ def plan_to_proto(plan: StepPlan) -> epb.StepRequest:
                 sample=s.sample,
                 token_masks=[epb.TokenMask(position=m.position, bits=m.bits) for m in s.token_masks],
                 draft_token_ids=s.draft_token_ids,
+                prompt_logprob_first=s.prompt_logprob_first,
+                prompt_logprob_rows=s.prompt_logprob_rows,
+                next_token_id=s.next_token_id,
             )
             for s in plan.seqs
         ],
@@ -79,6 +83,10 @@ def result_from_proto(msg: epb.StepResponse) -> StepResult:
         step_id=msg.step_id,
         sampled=[
             Sampled(s.seq_id, s.token_id, s.logprob, [(t.token_id, t.logprob) for t in s.top]) for s in msg.sampled
+        ],
+        prompt_logprobs=[
+            PromptLogprob(p.seq_id, p.position, p.token_id, p.logprob, [(t.token_id, t.logprob) for t in p.top])
+            for p in msg.prompt_logprobs
         ],
         execute_ns=msg.execute_ns,
         forward_ns=msg.forward_ns,

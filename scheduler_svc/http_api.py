@@ -37,16 +37,15 @@ from chunkserve_contracts.auth import token_matches
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServingError
 from scheduler_svc.http_extras import AccessLog, detokenize_ids, http_error, render_response, tokenize_response
+from scheduler_svc.openai_choice import Choice, usage
 from scheduler_svc.openai_fields import HttpError, get
 from scheduler_svc.openai_protocol import (
-    Choice,
     OpenAIRequest,
     Settings,
     accepted_names,
     build_request,
     error_response,
     tokenize_spec,
-    usage,
 )
 from scheduler_svc.output import RequestStream, StreamDelta, collect, stream_deltas
 from scheduler_svc.servicer import GenerationServicer
@@ -206,7 +205,11 @@ class HttpFront:
             engine, streams = await self.servicer.submit_choices(built.proto, built.prompt.ids, built.n)
         except ServingError as exc:
             return error_response(exc, chat)
-        choices = [Choice(engine, chat, index=i, **built.choice_options) for i in range(built.n)]
+        echo = None
+        if built.echo:  # the prompt as sent: a string, or its token ids decoded (as vLLM)
+            ids = built.proto.token_ids.ids
+            echo = built.proto.text if not ids else engine.tokenizer.decode(ids, skip_special_tokens=False)
+        choices = [Choice(engine, chat, index=i, echo=echo, **built.choice_options) for i in range(built.n)]
         request_id = built.request_id or request.headers.get("x-request-id") or streams[0].request_id
         head = {
             "id": ("chatcmpl-" if chat else "cmpl-") + request_id,

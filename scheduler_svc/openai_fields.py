@@ -44,7 +44,7 @@ CHAT_HANDLED = _COMMON_HANDLED | {
     "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents",
     "reasoning_effort",
 }  # fmt: skip
-COMPLETION_HANDLED = _COMMON_HANDLED | {"prompt"}
+COMPLETION_HANDLED = _COMMON_HANDLED | {"prompt", "echo"}
 
 # Any value but this one needs a feature chunkserve does not have.
 NEUTRAL: dict[str, Any] = {
@@ -77,7 +77,8 @@ NO_EFFECT = {
     "prediction": "predicted output is a speed hint at OpenAI (the output is the same without it)",
 }
 REFUSED = {
-    "prompt_logprobs": "prompt logprobs are not computed",
+    "prompt_logprobs": "vLLM's prompt_logprobs answer shape is not produced; ask completions for echo with "
+    "logprobs (the prompt's tokens come first, with theirs), or gRPC SamplingParams.prompt_logprobs",
     "allowed_token_ids": "restricting the vocabulary is not supported (use structured_outputs.choice or regex)",
     "logits_processors": "custom logits processors are not supported",
     "mm_processor_kwargs": "multimodal inputs are not supported",

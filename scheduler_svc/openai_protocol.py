@@ -4,7 +4,7 @@ A request body becomes a chunkserve.v1 GenerateRequest plus a PromptSpec (openai
 the chat-template options gRPC has no fields for): only types and OpenAI-only rules are
 checked here (n, prompt batches, every field rule of openai_fields.py), every range and limit
 by validation.py through the gRPC front's own admission path, whose messages are then renamed
-to the OpenAI field. Outputs become OpenAI choices, usage and error bodies.
+to the OpenAI field. Errors become OpenAI error bodies; outputs become choices in openai_choice.py.
 """
 
 from __future__ import annotations
@@ -17,15 +17,11 @@ import grpc
 from starlette.responses import JSONResponse
 
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
-from scheduler_svc.engine import Engine
 from scheduler_svc.errors import InvalidRequestError, ServingError
 from scheduler_svc.openai_fields import HttpError, bad, check_fields, get, get_uint
 from scheduler_svc.openai_prompt import PromptSpec, chat_options, encoding_options
 from scheduler_svc.openai_structured import set_proto, structured_constraint
-from scheduler_svc.openai_tools import ToolPlan, tool_message, tool_plan
-from scheduler_svc.output import StreamDelta
-from scheduler_svc.request import FinishReason
-from scheduler_svc.tool_parser import ToolParser
+from scheduler_svc.openai_tools import ToolPlan, tool_plan
 from scheduler_svc.validation import DEFAULT_MAX_TOKENS
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = DEFAULT_MAX_TOKENS  # vLLM's and OpenAI's 16, as on gRPC; chat runs to the context
@@ -36,7 +32,6 @@ _STATUS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
 }
-_FINISH = {FinishReason.STOP: "stop", FinishReason.STOP_SEQUENCE: "stop", FinishReason.LENGTH: "length"}
 # validation.py names GenerateRequest fields; say the OpenAI parameter instead.
 _RENAMES = (
     ("sampling.", ""),
@@ -81,6 +76,7 @@ class OpenAIRequest:
     continuous_usage: bool = False
     request_id: str | None = None  # vLLM's request_id: the response's id
     n: int = 1  # choices: n requests of the one prompt (servicer.submit_choices)
+    echo: bool = False  # completions: the prompt before the output (with logprobs: its tokens' too)
     choice_options: dict[str, bool] = field(default_factory=dict)  # Choice's keyword arguments
 
 
@@ -157,6 +153,10 @@ def build_request(body: dict[str, Any], chat: bool, settings: Settings | None = 
         request.priority = priority
     out = OpenAIRequest(request, spec, chat, request_id=request_id, n=n or 1)
     _stream_options(body, out)
+    if not chat and get(body, "echo", (bool,), "a boolean"):
+        out.echo = True
+        if request.sampling.HasField("logprobs"):  # the prompt's tokens get theirs too
+            request.sampling.prompt_logprobs = request.sampling.logprobs
     out.choice_options = {
         "tools": tools,
         "want_logprobs": bool(body.get("logprobs")) if chat else body.get("logprobs") is not None,
@@ -289,89 +289,3 @@ def _stream_options(body: dict[str, Any], out: OpenAIRequest) -> None:
     out.include_usage = bool(options.get("include_usage"))
     # vLLM: usage in every chunk, only together with include_usage
     out.continuous_usage = out.include_usage and bool(options.get("continuous_usage_stats"))
-
-
-def usage(*finals: StreamDelta) -> dict[str, Any]:
-    """OpenAI's usage of a response of one or more choices (n): the prompt counted once (the
-    first choice's cached tokens), the completion tokens of all choices (as vLLM)."""
-    first, completion = finals[0], sum(f.completion_tokens for f in finals)
-    return {
-        "prompt_tokens": first.prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": first.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
-    }
-
-
-class Choice:
-    """One choice being built: text and logprobs in the shape of chat or completions."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        chat: bool,
-        want_logprobs: bool,
-        return_token_ids: bool = False,
-        tokens_as_ids: bool = False,
-        tools: ToolPlan | None = None,
-        index: int = 0,
-    ) -> None:
-        self.engine, self.chat, self.want_logprobs, self.offset = engine, chat, want_logprobs, 0
-        self.index = index  # of this choice in the response (OpenAI's n)
-        # vLLM's extra parameter: each choice (each streamed chunk) also names its token ids.
-        self.return_token_ids = return_token_ids
-        # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N" (any token JSON-safe).
-        self.tokens_as_ids = tokens_as_ids
-        # Tool calls read out of the text (tool_choice auto, required or named), tool_parser.py.
-        self.tools = tools if tools is not None and tools.choice != "none" else None
-        self.parser = ToolParser(tools.choice, tools.names, tools.named) if self.tools else None
-
-    def _text(self, token_id: int, text: str | None = None) -> str:
-        if self.tokens_as_ids:
-            return f"token_id:{token_id}"
-        return self.engine.tokenizer.id_to_text(token_id) if text is None else text
-
-    def logprobs(self, d: StreamDelta) -> dict[str, Any] | None:
-        if not self.want_logprobs:
-            return None
-        texts = [self._text(t) for t in d.token_ids]
-        if self.chat:
-
-            def entry(text: str, logprob: float) -> dict[str, Any]:
-                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-            content = [
-                {**entry(text, lp.logprob), "top_logprobs": [entry(self._text(t, s), v) for t, v, s in lp.top]}
-                for text, lp in zip(texts, d.logprobs)
-            ]
-            return {"content": content}
-        offsets = []
-        for text in texts:
-            offsets.append(self.offset)
-            self.offset += len(text)
-        return {
-            "tokens": texts,
-            "token_logprobs": [lp.logprob for lp in d.logprobs],
-            "top_logprobs": [{self._text(t, s): v for t, v, s in lp.top} for lp in d.logprobs],
-            "text_offset": offsets,
-        }
-
-    def body(self, d: StreamDelta, stream: bool) -> dict[str, Any]:
-        reason = _FINISH.get(d.finish_reason, "abort") if d.finished else None
-        choice: dict[str, Any] = {"index": self.index, "logprobs": self.logprobs(d), "finish_reason": reason}
-        if not self.chat:
-            choice["text"] = d.text
-        elif self.parser is not None:
-            events = self.parser.feed(d.text)
-            if d.finished:
-                events.merge(self.parser.finish())
-            if d.finished and self.parser.calls and self.tools.choice != "named" and reason == "stop":
-                choice["finish_reason"] = "tool_calls"  # as OpenAI (a forced named function says stop)
-            choice["delta" if stream else "message"] = tool_message(events, self.parser, stream, d.finished)
-        elif stream:
-            choice["delta"] = {"content": d.text} if d.text or not d.finished else {}
-        else:
-            choice["message"] = {"role": "assistant", "content": d.text}
-        if self.return_token_ids:
-            choice["token_ids"] = list(d.token_ids)
-        return choice

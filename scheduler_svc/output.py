@@ -34,6 +34,10 @@ class StreamDelta:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # With prompt logprobs, on the first token's delta: one per prompt token from the second
+    # on, and the prompt's ids.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: FinishReason | None = None
     matched_stop: str | None = None
@@ -93,15 +97,22 @@ class LiveRequest:
             top = [(t, lp, tokenizer.id_to_text(t)) for t, lp in out.sampled.top]
             logprobs = [TokenLogprobs(out.sampled.logprob, top)]
         if reason is None:
-            return StreamDelta(token_ids=[token], text=text, logprobs=logprobs)
-        # A verify step (speculative decoding) may have given tokens after this one: they are
-        # not output, and usage does not count them.
-        del self.request.output_token_ids[self.num_emitted :]
-        final = self.final(reason, text + self.detok.flush())
-        final.token_ids, final.logprobs = [token], logprobs
-        if reason is FinishReason.STOP and token in self.request.sampling.stop_token_ids:
-            final.matched_stop_token_id = token
-        return final
+            delta = StreamDelta(token_ids=[token], text=text, logprobs=logprobs)
+        else:
+            # A verify step (speculative decoding) may have given tokens after this one: they are
+            # not output, and usage does not count them.
+            del self.request.output_token_ids[self.num_emitted :]
+            delta = self.final(reason, text + self.detok.flush())
+            delta.token_ids, delta.logprobs = [token], logprobs
+        if self.num_emitted == 1 and params.prompt_logprobs is not None:
+            delta.prompt_token_ids = list(self.request.prompt_token_ids)
+            delta.prompt_logprobs = [
+                TokenLogprobs(lp, [(t, v, tokenizer.id_to_text(t)) for t, v in top])
+                for lp, top in self.request.prompt_logprobs
+            ]
+        if reason is FinishReason.STOP and token in params.stop_token_ids:
+            delta.matched_stop_token_id = token
+        return delta
 
     def final(self, reason: FinishReason, text: str) -> StreamDelta:
         """The request's last delta: why it ended, and its usage."""
@@ -121,10 +132,12 @@ def fold(into: StreamDelta, delta: StreamDelta) -> StreamDelta:
     into.token_ids += delta.token_ids
     into.text += delta.text
     into.logprobs += delta.logprobs
+    into.prompt_logprobs = into.prompt_logprobs or delta.prompt_logprobs
+    into.prompt_token_ids = into.prompt_token_ids or delta.prompt_token_ids
     if delta.finished or delta.error is not None:
-        tokens, text, logprobs = into.token_ids, into.text, into.logprobs
+        kept = into.token_ids, into.text, into.logprobs, into.prompt_logprobs, into.prompt_token_ids
         into = delta
-        into.token_ids, into.text, into.logprobs = tokens, text, logprobs
+        into.token_ids, into.text, into.logprobs, into.prompt_logprobs, into.prompt_token_ids = kept
     return into
 
 

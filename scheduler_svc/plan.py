@@ -47,6 +47,11 @@ class ScheduledSeq:
     # Speculative decoding: guessed tokens after this decode's own, counted in num_new_tokens;
     # every one of the entry's rows samples (a verify entry, scheduler_svc/spec/verify.py).
     draft_token_ids: list[int] = field(default_factory=list)
+    # Prompt logprobs: rows prompt_logprob_first .. + prompt_logprob_rows - 1 report the logprob
+    # of the token after them; next_token_id is the token after the chunk (its last row's).
+    prompt_logprob_first: int = 0
+    prompt_logprob_rows: int = 0
+    next_token_id: int | None = None
 
 
 @dataclass(slots=True)
@@ -59,6 +64,21 @@ class NewSeq:
     # from there); empty otherwise.
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+
+
+def add_prompt_logprob_rows(entry: ScheduledSeq, request: Request) -> None:
+    """Names the rows of an entry whose prompt logprobs the request still needs: row j gives
+    the token at position start + j + 1, wanted from the first one not received (a row the
+    step in flight also computes, under async scheduling, is dropped on arrival) to the
+    prompt's last token."""
+    start, n, last = entry.num_computed_tokens, entry.num_new_tokens, request.num_prompt_tokens - 1
+    first = max(len(request.prompt_logprobs) - start, 0)
+    count = min(n, last - start) - first
+    if count <= 0 or entry.draft_token_ids:
+        return
+    entry.prompt_logprob_first, entry.prompt_logprob_rows = first, count
+    if first + count == n:
+        entry.next_token_id = request.prompt_token_ids[start + n]
 
 
 def new_seq(request: Request) -> NewSeq:
@@ -126,11 +146,23 @@ class Sampled:
 
 
 @dataclass(slots=True)
+class PromptLogprob:
+    """The logprob of the prompt token at `position` given the tokens before it."""
+
+    seq_id: int
+    position: int
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class StepResult:
     """What the executor reports for a step."""
 
     step_id: int
     sampled: list[Sampled]
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     execute_ns: int = 0
     forward_ns: int = 0
     sample_ns: int = 0

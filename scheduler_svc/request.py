@@ -66,6 +66,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # OpenAI's logit_bias: (token id, value added to its logit), ids distinct.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Prompt logprobs with this many alternatives (vLLM's prompt_logprobs); None: none.
+    prompt_logprobs: int | None = None
 
     @property
     def penalized(self) -> bool:
@@ -116,6 +118,9 @@ class Request:
     # A constrained request's grammar state (scheduler_svc/grammar.py): None until its
     # constraint is compiled; it has consumed exactly the output tokens.
     matcher: GrammarMatcher | None = None
+    # Prompt logprobs received so far, for positions 1, 2, ... in order: (logprob, top as
+    # (token id, logprob)), best first.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     # Monotonic timestamps for the latency metrics (one clock: this process's).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -128,6 +133,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and not all in yet: then it never starts on cached blocks."""
+        return self.sampling.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def num_tokens(self) -> int:

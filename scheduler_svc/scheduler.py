@@ -23,7 +23,17 @@ from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.budget import BudgetController
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.grammar import advance_grammar
-from scheduler_svc.plan import Sampled, ScheduledSeq, StepPlan, StepResult, StepStats, TokenMask, TokenOutput, new_seq
+from scheduler_svc.plan import (
+    Sampled,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+    StepStats,
+    TokenMask,
+    TokenOutput,
+    add_prompt_logprob_rows,
+    new_seq,
+)
 from scheduler_svc.policy import Policy
 from scheduler_svc.queues import RequestQueues
 from scheduler_svc.request import Request, RequestStatus
@@ -332,6 +342,8 @@ class Scheduler(RequestQueues):
                 sample=start + n == request.num_tokens,
             )
         )
+        if request.needs_prompt_logprobs:
+            add_prompt_logprob_rows(plan.seqs[-1], request)
         if plan.seqs[-1].sample and request.matcher is not None:  # its grammar's mask for the sampled token
             plan.seqs[-1].token_masks.append(TokenMask(n - 1, request.matcher.token_mask()))
         if self.drafter is not None and not plan.seqs[-1].sample:  # index the prompt as it prefills
@@ -359,6 +371,10 @@ class Scheduler(RequestQueues):
                 self.pool.cache_full_blocks(
                     request, request.cache_salt, entry.num_computed_tokens + entry.num_new_tokens
                 )
+        for p in result.prompt_logprobs:  # in position order; a repeat (async scheduling) is dropped
+            request = self._by_seq.get(p.seq_id)
+            if request is not None and p.position == len(request.prompt_logprobs) + 1:
+                request.prompt_logprobs.append((p.logprob, p.top))
         outputs: list[TokenOutput] = []
         verified = apply_verified(self, plan, result, outputs)  # verify entries: drafts kept or rolled back
         for sampled in result.sampled:

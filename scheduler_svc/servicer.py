@@ -28,7 +28,7 @@ from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServingError, UnavailableError
-from scheduler_svc.output import RequestStream, StreamDelta, stream_deltas
+from scheduler_svc.output import RequestStream, StreamDelta, TokenLogprobs, stream_deltas
 from scheduler_svc.request import SamplingParams
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.validation import (
@@ -45,11 +45,15 @@ log = logging.getLogger(__name__)
 
 
 def delta_to_proto(request_id: str, d: StreamDelta) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(request_id=request_id, token_ids=d.token_ids, text=d.text, finished=d.finished)
-    for lp in d.logprobs:
-        msg.logprobs.append(
-            pb.Logprobs(logprob=lp.logprob, top=[pb.TokenLogprob(token_id=t, logprob=v, text=s) for t, v, s in lp.top])
-        )
+    msg = pb.GenerateResponse(
+        request_id=request_id,
+        token_ids=d.token_ids,
+        text=d.text,
+        finished=d.finished,
+        logprobs=[_logprobs(lp) for lp in d.logprobs],
+        prompt_logprobs=[_logprobs(lp) for lp in d.prompt_logprobs],
+        prompt_token_ids=d.prompt_token_ids,
+    )
     if d.finished:
         msg.finish_reason = d.finish_reason.value if d.finish_reason else 0
         msg.matched_stop = d.matched_stop or ""
@@ -61,6 +65,10 @@ def delta_to_proto(request_id: str, d: StreamDelta) -> pb.GenerateResponse:
             )
         )
     return msg
+
+
+def _logprobs(lp: TokenLogprobs) -> pb.Logprobs:
+    return pb.Logprobs(logprob=lp.logprob, top=[pb.TokenLogprob(token_id=t, logprob=v, text=s) for t, v, s in lp.top])
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):

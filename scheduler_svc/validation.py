@@ -226,6 +226,9 @@ def sampling_params(request: pb.GenerateRequest, num_prompt_tokens: int, limits:
     logprobs = s.logprobs if s.HasField("logprobs") else None
     if logprobs is not None and logprobs > MAX_LOGPROBS:
         _fail(f"sampling.logprobs must be at most {MAX_LOGPROBS}, got {logprobs}")
+    prompt_logprobs = s.prompt_logprobs if s.HasField("prompt_logprobs") else None
+    if prompt_logprobs is not None and prompt_logprobs > MAX_LOGPROBS:
+        _fail(f"sampling.prompt_logprobs must be at most {MAX_LOGPROBS}, got {prompt_logprobs}")
     return SamplingParams(
         temperature=temperature,
         top_k=max(top_k, 0),
@@ -245,6 +248,7 @@ def sampling_params(request: pb.GenerateRequest, num_prompt_tokens: int, limits:
         frequency_penalty=frequency,
         repetition_penalty=repetition,
         logit_bias=tuple(sorted(s.logit_bias.items())),
+        prompt_logprobs=prompt_logprobs,
     )
 
 

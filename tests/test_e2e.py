@@ -580,3 +580,25 @@ def test_executor_killed_under_load_then_restarted(tiny_model_path, tmp_path):
         server.assert_idle_and_no_leaks()
     finally:
         server.stop()
+
+
+def test_prompt_logprobs_equal_transformers_across_chunks(server, hf, prompts):
+    """A 200-token prompt prefilled in chunks of the 128-token budget: each prompt token's
+    logprob (from the second on) and its top 2 equal transformers' log-softmax over the whole
+    prompt; sent once, with the first token, with the prompt's ids. A second request of the
+    same prompt is prefilled from token 0 again (the logits of cached blocks are gone)."""
+    import torch
+
+    prompt = prompts[-1]
+    with torch.inference_mode():
+        want = torch.log_softmax(hf[0](torch.tensor([prompt])).logits[0].float(), -1)
+    stub = server.stub()
+    for _ in range(2):
+        done = run(stub, greedy(prompt, prompt_logprobs=2))
+        assert done.prompt_token_ids == prompt and len(done.prompt_logprobs) == len(prompt) - 1
+        assert done.usage.cached_tokens == 0
+        for position, lp in enumerate(done.prompt_logprobs, start=1):
+            row = want[position - 1]
+            assert lp.logprob == pytest.approx(row[prompt[position]].item(), abs=2e-4)
+            assert [t.token_id for t in lp.top] == row.topk(2).indices.tolist()
+        assert done.token_ids == run(stub, greedy(prompt)).token_ids  # the tokens do not change

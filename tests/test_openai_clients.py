@@ -263,3 +263,21 @@ def test_sdk_n_seeded_choices_are_the_single_requests_with_seed_plus_i(client, m
             texts[c.index] += c.delta.content or ""
     single = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, temperature=1.0, seed=12)
     assert texts[1] == single.choices[0].message.content
+
+
+def test_sdk_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, model, server):
+    """lm-evaluation-harness scores text through a completions API with echo, logprobs 1 and
+    max_tokens 1: the prompt's tokens come back first with their logprobs (the first null),
+    the same values the gRPC API's prompt_logprobs gives."""
+    from chunkserve.client import Completion, build_request
+
+    text = "The capital of France is Paris"
+    out = client.completions.create(model=model, prompt=text, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text.startswith(text)
+    assert len(lp.tokens) == out.usage.prompt_tokens + 1 and lp.token_logprobs[0] is None
+    done = Completion()
+    for msg in server.stub().Generate(build_request(text, temperature=0.0, max_tokens=1, prompt_logprobs=1)):
+        done.add(msg)
+    assert lp.token_logprobs[1:-1] == pytest.approx([p.logprob for p in done.prompt_logprobs], abs=1e-6)
+    assert all(len(t) == 1 for t in lp.top_logprobs[1:])

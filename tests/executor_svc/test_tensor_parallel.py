@@ -74,8 +74,12 @@ def mixed_plans() -> list[epb.StepRequest]:
     new = lambda *ids: [epb.NewSequence(seq_id=i, sampling=GREEDY) for i in ids]  # noqa: E731
     # B samples with penalties (rank 0 samples; every rank keeps its counts), swapped out and in
     penalized = [epb.NewSequence(seq_id=B, sampling=PENALIZED, prompt_token_ids=pb)]
+    # A's first chunk reports prompt logprobs (the head runs on every rank for them)
+    scored = [epb.NewSequence(seq_id=A, sampling=epb.SamplingParams(top_p=1.0, num_logprobs=-1, num_prompt_logprobs=3))]
+    first = entry(A, 0, 8, pa[:8], [0, 1], sample=False)
+    first.prompt_logprob_rows, first.next_token_id = 8, pa[8]
     steps = [
-        dict(new_seqs=new(A), seqs=[entry(A, 0, 8, pa[:8], [0, 1], sample=False)]),
+        dict(new_seqs=scored, seqs=[first]),
         dict(new_seqs=penalized, seqs=[entry(A, 8, 8, pa[8:16], [2, 3], sample=False), entry(B, 0, 6, pb, [4, 5])]),
         dict(seqs=[entry(A, 16, 4, pa[16:], [6]), entry(B, 6, 1)]),
         dict(new_seqs=new(C), seqs=[entry(A, 20, 1, blocks=[7]), entry(B, 7, 1), entry(C, 8, 5, pc[8:], [0, 1, 8, 9])]),
@@ -136,6 +140,10 @@ def test_tp2_greedy_tokens_equal_tp1_on_mixed_steps(tmp_path, tied):
     # after the recompute D samples what it sampled the first time (steps 10, 11 -> 14, 15)
     d = {i: dict(t)[4] for i, t in enumerate(tokens(one)) if 4 in dict(t)}
     assert [d[14], d[15]] == [d[10], d[11]]
+    assert [p.position for p in one[0].prompt_logprobs] == list(range(1, 9))
+    for p1, p2 in zip(one[0].prompt_logprobs, two[0].prompt_logprobs, strict=True):
+        assert (p1.position, p1.token_id) == (p2.position, p2.token_id)
+        assert p2.logprob == pytest.approx(p1.logprob, abs=1e-4)
     for r1, r2 in zip(one, two):
         for s1, s2 in zip(r1.sampled, r2.sampled):
             assert s2.logprob == pytest.approx(s1.logprob, abs=1e-4)

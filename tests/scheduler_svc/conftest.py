@@ -14,13 +14,18 @@ from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from scheduler_svc.block_pool import BlockPool, blocks_needed
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.errors import StepFailedError
-from scheduler_svc.plan import Sampled, ScheduledSeq, StepPlan, StepResult
+from scheduler_svc.plan import PromptLogprob, Sampled, ScheduledSeq, StepPlan, StepResult
 from scheduler_svc.policy import create_policy
 from scheduler_svc.request import Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler
 
 VOCAB = 300  # 256 byte tokens, <eos> = 256, the rest unused
 EOS = 256
+
+
+def prompt_logprob(position: int, token: int) -> float:
+    """The FakeExecutor's logprob of the prompt token `token` at `position`."""
+    return -(position + token / 1000)
 
 
 class FakeExecutor:
@@ -87,7 +92,7 @@ class FakeExecutor:
         for h, d in plan.swap_in:
             assert 0 <= d < self.num_blocks and 0 <= h < self.num_host_blocks
             self.device[d] = list(self.host[h])
-        sampled = []
+        sampled, prompt_logprobs = [], []
         for s in plan.seqs:
             self.seq_of[s.request_id] = s.seq_id
             st = self.seqs[s.seq_id]
@@ -118,6 +123,7 @@ class FakeExecutor:
                 assert block not in others, "a sequence writes into a block another one holds"
                 self.device.setdefault(block, [None] * bs)[pos % bs] = tok
             st["computed"] = total
+            prompt_logprobs += self._prompt_logprobs(s, st, new_tokens)
             if s.sample:
                 history = [self.device[st["blocks"][p // bs]][p % bs] for p in range(total)]
                 assert None not in history, "a sequence reads KV that was never written"
@@ -140,7 +146,25 @@ class FakeExecutor:
                 st["last"] = tok
                 self.drafted += len(draft)
                 self.accepted += kept
-        return StepResult(plan.step_id, sampled, execute_ns=self.step_ns(plan))
+        return StepResult(plan.step_id, sampled, prompt_logprobs, execute_ns=self.step_ns(plan))
+
+    def _prompt_logprobs(self, s: ScheduledSeq, st: dict, new_tokens: list[int]) -> list[PromptLogprob]:
+        """Prompt logprobs of an entry's rows as the executor reports them: the logprob of the
+        token at position p is prompt_logprob(p, token), the token read back from this chunk's
+        KV, or next_token_id for the last row, which the next chunk's first token must equal."""
+        if (expected := st.pop("next", None)) is not None and s.num_computed_tokens == expected[0]:
+            assert new_tokens[0] == expected[1], "next_token_id was not the token after the chunk"
+        out = []
+        for j in range(s.prompt_logprob_first, s.prompt_logprob_first + s.prompt_logprob_rows):
+            position = s.num_computed_tokens + j + 1
+            if j + 1 < len(new_tokens):
+                token = new_tokens[j + 1]
+            else:
+                assert s.next_token_id is not None, "the last row's prompt logprob without next_token_id"
+                token = s.next_token_id
+                st["next"] = (position, token)
+            out.append(PromptLogprob(s.seq_id, position, token, prompt_logprob(position, token)))
+        return out
 
     def _penalty_history(self, new) -> None:
         """A penalized sequence comes with its tokens (the prompt, and the output so far after a
@@ -385,6 +409,7 @@ def fakes():
         fake_handshake = staticmethod(fake_handshake)
         make_scheduler = staticmethod(make_scheduler)
         make_request = staticmethod(make_request)
+        prompt_logprob = staticmethod(prompt_logprob)
         run_to_completion = staticmethod(run_to_completion)
         run_workload = staticmethod(run_workload)
         draw_stops_and_aborts = staticmethod(draw_stops_and_aborts)

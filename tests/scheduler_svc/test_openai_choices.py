@@ -116,3 +116,42 @@ def test_render_and_raw_stream_of_n_choices(fakes, byte_tokenizer_dir, monkeypat
             assert_idle(app)
 
     asyncio.run(main())
+
+
+def test_completions_echo_puts_the_prompt_and_its_logprobs_first(fakes, byte_tokenizer_dir, monkeypatch):
+    """echo: the prompt's text before the output; with logprobs each prompt token's logprob
+    too (the first null, as OpenAI), which the fake executor makes -(position + byte / 1000).
+    A request with prompt logprobs never starts on cached blocks: a repeat gets them all."""
+
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch) as (app, _, base):
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                prompt = "hello there, cache me"
+                plain = {"prompt": prompt, "max_tokens": 3, "temperature": 0}
+                out = (await http.post(base + "/v1/completions", json=plain)).json()["choices"][0]["text"]
+                echoed = (await http.post(base + "/v1/completions", json={**plain, "echo": True})).json()
+                assert echoed["choices"][0]["text"] == prompt + out
+                for _ in range(2):  # the second: the prompt's blocks are cached by now
+                    body = {**plain, "echo": True, "logprobs": 1}
+                    whole = (await http.post(base + "/v1/completions", json=body)).json()
+                    lp = whole["choices"][0]["logprobs"]
+                    assert whole["choices"][0]["text"] == prompt + out
+                    assert lp["tokens"][: len(prompt)] == list(prompt) and len(lp["tokens"]) == len(prompt) + 3
+                    want = [None] + [-(p + ord(c) / 1000) for p, c in enumerate(prompt) if p > 0]
+                    assert lp["token_logprobs"][: len(prompt)] == want
+                    assert lp["top_logprobs"][0] is None and all(isinstance(t, dict) for t in lp["top_logprobs"][1:])
+                    assert lp["text_offset"] == list(range(len(prompt) + 3))
+                    assert whole["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+                again = (await http.post(base + "/v1/completions", json=plain)).json()
+                assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # plain ones do hit
+                stream = {**plain, "echo": True, "logprobs": 1, "stream": True}
+                async with http.stream("POST", base + "/v1/completions", json=stream) as response:
+                    chunks = [
+                        json.loads(x[6:]) for x in [line async for line in response.aiter_lines()] if x[6:7] == "{"
+                    ]
+                assert "".join(c["choices"][0]["text"] for c in chunks) == prompt + out
+                streamed = [v for c in chunks for v in c["choices"][0]["logprobs"]["token_logprobs"]]
+                assert streamed == lp["token_logprobs"]
+            assert_idle(app)
+
+    asyncio.run(main())

@@ -192,7 +192,7 @@ REFUSED = [  # (endpoint, extra fields, param)
     ("completions", {"use_beam_search": True}, "use_beam_search"),
     ("completions", {"logits_processors": ["x.y"]}, "logits_processors"),
     ("completions", {"length_penalty": 2.0}, "length_penalty"),
-    ("completions", {"echo": True}, "echo"),
+    ("chat/completions", {"echo": True}, "echo"),  # chat's echo (prepend the last message) is not completions'
     ("completions", {"bad_words": ["x"]}, "bad_words"),
     ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("chat/completions", {"structural_tag": "{}"}, "structural_tag"),
@@ -323,8 +323,8 @@ def test_render_answers_what_generation_would_run_without_running_it(fakes, byte
                 r = await http.post(base + "/v1/completions/render", json={"prompt": "hi", "guided_choice": ["x", "y"]})
                 assert r.json()["sampling_params"]["structured_outputs"] == {"choice": ["x", "y"]}, r.text
                 # refused as generation refuses it, by name
-                r = await http.post(base + "/v1/completions/render", json={"prompt": "hi", "echo": True})
-                assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+                r = await http.post(base + "/v1/completions/render", json={"prompt": "hi", "best_of": 2})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
                 r = await http.post(base + "/v1/completions/render", json={"prompt": "hi", "model": "nope"})
                 assert r.status_code == 404
                 assert (await http.get(base + "/v1/completions/render")).status_code == 405
@@ -347,7 +347,7 @@ def test_unknown_fields_under_warn_are_accepted_and_logged_once(fakes, byte_toke
                     for _ in range(2):
                         assert (await http.post(base + "/v1/completions", json=ok)).status_code == 200
                 assert sum("frobnicate" in r.getMessage() for r in caplog.records) == 1
-                bad = {"prompt": "hi", "echo": True}  # known and not honoured: refused under warn too
+                bad = {"prompt": "hi", "best_of": 2}  # known and not honoured: refused under warn too
                 assert (await http.post(base + "/v1/completions", json=bad)).status_code == 400
 
     asyncio.run(main())

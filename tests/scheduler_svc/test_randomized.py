@@ -335,7 +335,13 @@ def make_request(i: int, spec: Req, eos: int) -> Request:
         prompt_token_ids=list(spec.prompt),
         # Every third request penalized: the FakeExecutor checks the token ids it is sent for
         # the penalties against its KV through preemption, prefix hits and restarts.
-        sampling=SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, presence_penalty=0.5 * (i % 3 == 0)),
+        # and every fourth asks for prompt logprobs (checked once it has a token).
+        sampling=SamplingParams(
+            temperature=0.0,
+            max_tokens=spec.max_tokens,
+            presence_penalty=0.5 * (i % 3 == 0),
+            prompt_logprobs=1 if i % 4 == 0 else None,
+        ),
         eos_token_ids=frozenset({eos}),
         arrival_time=float(i),
         priority=spec.priority,
@@ -813,6 +819,10 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
     expected = reference if reference is not None else reference_outputs(fakes, sc)
     for r in reqs:
         tokens, reason = expected[r.request_id]
+        if r.sampling.prompt_logprobs is not None and r.output_token_ids:  # complete before the first token
+            want = [fakes.prompt_logprob(p, t) for p, t in enumerate(r.prompt_token_ids) if p > 0]
+            assert [lp for lp, _ in r.prompt_logprobs] == want, f"{r.request_id}: prompt logprobs"
+            event("prompt logprobs")
         if r.request_id in trace.aborted | trace.failed:
             assert r.finish_reason is FinishReason.ABORTED
             violation(

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from scheduler_svc.openai_choice import Choice
 from scheduler_svc.openai_fields import HttpError
-from scheduler_svc.openai_protocol import Choice, build_request
+from scheduler_svc.openai_protocol import build_request
 from scheduler_svc.openai_tools import fallback_messages, native_messages, tool_plan
 from scheduler_svc.output import StreamDelta
 from scheduler_svc.request import FinishReason

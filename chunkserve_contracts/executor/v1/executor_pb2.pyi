@@ -63,7 +63,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelConfig, _Mapping]] = ..., model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., attention_backend: _Optional[str] = ..., max_num_batched_tokens: _Optional[int] = ..., version: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "has_seed", "seed", "num_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "has_seed", "seed", "num_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "num_prompt_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class SamplingParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -93,7 +94,8 @@ class SamplingParams(_message.Message):
     frequency_penalty: float
     repetition_penalty: float
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    num_prompt_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., num_prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("seq_id", "sampling", "prompt_token_ids", "output_token_ids")
@@ -108,7 +110,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
-    __slots__ = ("seq_id", "num_computed_tokens", "num_new_tokens", "token_ids", "block_ids", "replace_block_table", "sample", "token_masks", "draft_token_ids")
+    __slots__ = ("seq_id", "num_computed_tokens", "num_new_tokens", "token_ids", "block_ids", "replace_block_table", "sample", "token_masks", "draft_token_ids", "prompt_logprob_first", "prompt_logprob_rows", "next_token_id")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +120,9 @@ class ScheduledSequence(_message.Message):
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_FIRST_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_computed_tokens: int
     num_new_tokens: int
@@ -127,7 +132,10 @@ class ScheduledSequence(_message.Message):
     sample: bool
     token_masks: _containers.RepeatedCompositeFieldContainer[TokenMask]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., replace_block_table: _Optional[bool] = ..., sample: _Optional[bool] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_logprob_first: int
+    prompt_logprob_rows: int
+    next_token_id: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., replace_block_table: _Optional[bool] = ..., sample: _Optional[bool] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprob_first: _Optional[int] = ..., prompt_logprob_rows: _Optional[int] = ..., next_token_id: _Optional[int] = ...) -> None: ...
 
 class TokenMask(_message.Message):
     __slots__ = ("position", "bits")
@@ -184,7 +192,7 @@ class SampledToken(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled", "execute_ns", "swap_ns", "forward_ns", "sample_ns", "num_tokens", "start_unix_ns", "num_threads")
+    __slots__ = ("step_id", "sampled", "execute_ns", "swap_ns", "forward_ns", "sample_ns", "num_tokens", "start_unix_ns", "num_threads", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_NS_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +202,7 @@ class StepResponse(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     execute_ns: int
@@ -203,7 +212,22 @@ class StepResponse(_message.Message):
     num_tokens: int
     start_unix_ns: int
     num_threads: int
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_ns: _Optional[int] = ..., swap_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., num_tokens: _Optional[int] = ..., start_unix_ns: _Optional[int] = ..., num_threads: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprob]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_ns: _Optional[int] = ..., swap_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., num_tokens: _Optional[int] = ..., start_unix_ns: _Optional[int] = ..., num_threads: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ...) -> None: ...
+
+class PromptLogprob(_message.Message):
+    __slots__ = ("seq_id", "position", "token_id", "logprob", "top")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    position: int
+    token_id: int
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, seq_id: _Optional[int] = ..., position: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()
