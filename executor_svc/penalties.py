@@ -1,8 +1,9 @@
-"""Logit bias and presence, frequency and repetition penalties: what a sequence holds, and the
-logits they change.
+"""Allowed tokens, logit bias and presence, frequency and repetition penalties: what a
+sequence holds, and the logits they change.
 
-OpenAI's logit_bias adds a fixed value to listed tokens' logits (after a structured-output
-mask, before the penalties, as vLLM orders them).
+vLLM's allowed_token_ids leaves only the listed tokens; OpenAI's logit_bias adds a fixed value
+to listed tokens' logits; both after a structured-output mask and before the penalties, in
+vLLM's order.
 
 vLLM's (and OpenAI's) meaning, applied to the logits after a structured-output mask and
 before temperature, so greedy rows see them too:
@@ -118,6 +119,15 @@ class LogitBias:
         if not bias:
             return None
         return LogitBias(np.fromiter(bias, dtype=np.int64), np.fromiter(bias.values(), dtype=np.float32))
+
+
+def apply_allowed(out: torch.Tensor, rows: dict[int, np.ndarray]) -> None:
+    """Leaves each listed row of `out` [N, V] only its allowed token ids (the rest -inf), in place."""
+    for r, ids in rows.items():
+        index = torch.from_numpy(ids).to(out.device)
+        keep = out[r].index_select(0, index)
+        out[r].fill_(float("-inf"))
+        out[r].index_copy_(0, index, keep)
 
 
 def apply_logit_bias(out: torch.Tensor, rows: dict[int, LogitBias]) -> None:

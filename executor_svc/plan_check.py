@@ -6,10 +6,9 @@ dropped, no cursor moved, no KV byte copied; its finished ids and swaps included
 happen.
 
 The rules: new sequences are unknown (after this plan's finished ids), once each, with valid
-sampling parameters (SamplingSpec's ranges, at most MAX_NUM_LOGPROBS, a logit bias of
-vocabulary ids), their token ids when and only when they have a penalty (inside the
-vocabulary), and an entry; entries
-name known sequences once each, match their cursor, compute >= 1 token, stay below
+sampling parameters (sequence_spec.py: SamplingSpec's ranges, a bounded number of logprobs,
+logit bias and allowed tokens of the vocabulary), their token ids when and only when they
+have a penalty, and an entry; entries name known sequences once each, match their cursor, compute >= 1 token, stay below
 max_model_len, bring token ids inside the vocabulary (or decode the token sampled last) and
 in-range block ids, never one twice in a table, enough for their tokens; the tokens fit the
 budget; copies stay in range, with distinct destinations; draft tokens (speculative
@@ -35,15 +34,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
-from executor_svc.penalties import LogitBias, Penalties, TokenHistory
+from executor_svc.penalties import TokenHistory
 from executor_svc.sampler import SamplingSpec
-
-# The scheduler never asks for more (scheduler_svc/validation.py MAX_LOGPROBS; a test keeps
-# the two equal): anything larger is a bad plan, and would make the response vocab-sized.
-MAX_NUM_LOGPROBS = 20
+from executor_svc.sequence_spec import check_token_ids, spec_from_proto
 
 
 class PlanError(ValueError):
@@ -110,24 +104,6 @@ class _EntryPass:
     replaced: set[int] = field(default_factory=set)  # blocks of the tables replace_block_table installs
 
 
-def spec_from_proto(p: epb.SamplingParams) -> SamplingSpec:
-    """SamplingSpec of a NewSequence; ValueError on a parameter the sampler cannot honour."""
-    spec = SamplingSpec(
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p,
-        min_p=p.min_p,
-        seed=p.seed if p.has_seed else None,
-        num_logprobs=p.num_logprobs,
-        num_prompt_logprobs=p.num_prompt_logprobs - 1,
-        penalties=Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty or 1.0),
-        logit_bias=LogitBias.of(dict(p.logit_bias)),
-    )
-    if max(spec.num_logprobs, spec.num_prompt_logprobs) > MAX_NUM_LOGPROBS:
-        raise ValueError(f"num_logprobs and num_prompt_logprobs - 1 must be at most {MAX_NUM_LOGPROBS}")
-    return spec
-
-
 def _at(step: int, seq_id: int) -> str:
     return f"step {step}, sequence {seq_id}"
 
@@ -165,29 +141,9 @@ def _check_finished_and_new(plan: epb.StepRequest, st: ExecutorState, c: Checked
             raise PlanError(f"step {step}: sequence {new.seq_id} is already known")
         try:
             c.new[new.seq_id] = spec = spec_from_proto(new.sampling)
-            _check_token_ids(new, spec, st.vocab_size, c)
+            c.histories.update(check_token_ids(new, spec, st.vocab_size))
         except ValueError as exc:
             raise PlanError(f"step {step}, new sequence {new.seq_id}: {exc}") from None
-
-
-def _check_token_ids(new: epb.NewSequence, spec: SamplingSpec, vocab_size: int, c: CheckedPlan) -> None:
-    """Its logit bias names tokens of the vocabulary; a sequence with a penalty comes with its
-    prompt's token ids (and its output so far), one without sends none (a scheduler that
-    sends them anyway has lost track of which is which)."""
-    bias = spec.logit_bias
-    if bias is not None and (bias.ids.max() >= vocab_size or not np.isfinite(bias.values).all()):
-        raise ValueError(f"logit_bias: ids inside the vocabulary (size {vocab_size}) and finite values only")
-    prompt, output = list(new.prompt_token_ids), list(new.output_token_ids)
-    if not spec.penalties.active:
-        if prompt or output:
-            raise ValueError("token ids sent with a sequence that has no penalty")
-        return
-    if not prompt:
-        raise ValueError("a sequence with a penalty needs its prompt_token_ids")
-    bad = next((t for t in prompt + output if t >= vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"token id {bad} is outside the vocabulary (size {vocab_size})")
-    c.histories[new.seq_id] = (prompt, output)
 
 
 def _check_entry(step: int, i: int, s: epb.ScheduledSequence, st: ExecutorState, c: CheckedPlan, e: _EntryPass) -> None:

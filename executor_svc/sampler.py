@@ -11,8 +11,8 @@ Logprobs describe the model, not the sampler: they come from the raw logits, bef
 temperature and filtering (what OpenAI-style APIs report) — but after a structured-output
 token mask, which comes before everything: a token the grammar forbids has probability 0 for
 greedy, temperature, top-k/p, min-p and logprobs alike (-inf logprob, never among the top).
-A logit bias, then presence, frequency and repetition penalties (penalties.py), come after the
-mask and before temperature, greedy included; logprobs stay the model's own, before them
+Allowed tokens, a logit bias, then presence, frequency and repetition penalties (penalties.py),
+come after the mask and before temperature, greedy included; logprobs stay the model's own, before them
 (vLLM's default, "raw" logprobs). Rows without a mask, a bias or a penalty cost nothing extra.
 """
 
@@ -24,7 +24,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor_svc.penalties import NO_PENALTIES, LogitBias, Penalties, TokenHistory, apply_logit_bias, apply_penalties
+from executor_svc.penalties import (
+    NO_PENALTIES,
+    LogitBias,
+    Penalties,
+    TokenHistory,
+    apply_allowed,
+    apply_logit_bias,
+    apply_penalties,
+)
 
 _MASK64 = (1 << 64) - 1
 _GREEDY_BELOW = 1e-5
@@ -41,6 +49,7 @@ class SamplingSpec:
     num_prompt_logprobs: int = -1  # prompt logprobs: -1 none; k: each one's top k too (runner.py)
     penalties: Penalties = NO_PENALTIES  # presence / frequency / repetition (penalties.py)
     logit_bias: LogitBias | None = None  # OpenAI's logit_bias: added to these tokens' logits
+    allowed: np.ndarray | None = None  # vLLM's allowed_token_ids (int64): only these may be sampled
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -159,8 +168,11 @@ def sample(
         logits = apply_token_masks(logits, masks)
     raw = logits  # logprobs describe the model: before the bias and the penalties
     biased = {r: s.logit_bias for r, s in enumerate(params) if s.logit_bias is not None}
-    if biased or histories:
+    allowed = {r: s.allowed for r, s in enumerate(params) if s.allowed is not None}
+    if biased or histories or allowed:
         logits = logits.clone(memory_format=torch.contiguous_format)
+        if allowed:
+            apply_allowed(logits, allowed)
         if biased:
             apply_logit_bias(logits, biased)
         if histories:

@@ -108,6 +108,7 @@ def render_response(request_id: str, ids: list[int], params: SamplingParams) -> 
         "frequency_penalty": params.frequency_penalty,
         "repetition_penalty": params.repetition_penalty,
         "logit_bias": {str(t): v for t, v in params.logit_bias} or None,
+        "allowed_token_ids": list(params.allowed_token_ids) or None,
         "structured_outputs": _structured(params),
     }
     return {"request_id": request_id, "token_ids": ids, "features": None, "sampling_params": sampling}

@@ -37,7 +37,7 @@ _COMMON_HANDLED = {
     "truncate_prompt_tokens", "add_special_tokens", "response_format", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "guided_decoding_backend", "structured_outputs", "priority",
     "request_id", "return_tokens_as_token_ids", "cache_salt", "return_token_ids", "logprobs",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
 }  # fmt: skip
 CHAT_HANDLED = _COMMON_HANDLED | {
     "messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
@@ -79,7 +79,6 @@ NO_EFFECT = {
 REFUSED = {
     "prompt_logprobs": "vLLM's prompt_logprobs answer shape is not produced; ask completions for echo with "
     "logprobs (the prompt's tokens come first, with theirs), or gRPC SamplingParams.prompt_logprobs",
-    "allowed_token_ids": "restricting the vocabulary is not supported (use structured_outputs.choice or regex)",
     "logits_processors": "custom logits processors are not supported",
     "mm_processor_kwargs": "multimodal inputs are not supported",
     "kv_transfer_params": "disaggregated serving is not supported",

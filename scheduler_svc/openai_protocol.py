@@ -245,6 +245,10 @@ def _sampling(body: dict[str, Any], chat: bool, s: pb.SamplingParams, defaults: 
     if not all(isinstance(x, str) for x in stop):
         raise bad("stop", "stop must be a string or a list of strings")
     s.stop.extend(stop)
+    allowed = body.get("allowed_token_ids") or []
+    if not _ids(allowed) or not all(0 <= t < 1 << 32 for t in allowed):
+        raise bad("allowed_token_ids", "allowed_token_ids must be a list of token ids")
+    s.allowed_token_ids.extend(allowed)
     stop_ids = body.get("stop_token_ids") or []
     if not _ids(stop_ids) or not all(0 <= t < 1 << 32 for t in stop_ids):
         raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")

@@ -68,6 +68,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Prompt logprobs with this many alternatives (vLLM's prompt_logprobs); None: none.
     prompt_logprobs: int | None = None
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these may be generated; () any
 
     @property
     def penalized(self) -> bool:

@@ -190,11 +190,7 @@ def sampling_params(request: pb.GenerateRequest, num_prompt_tokens: int, limits:
     if not (0 <= min_p <= 1):
         _fail(f"sampling.min_p must be in [0, 1], got {min_p}")
     presence, frequency, repetition = _penalties(s)
-    for token, bias in s.logit_bias.items():
-        if token >= limits.vocab_size:
-            _fail(f"sampling.logit_bias: id {token} is outside the vocabulary (size {limits.vocab_size})")
-        if not -100 <= bias <= 100:  # NaN fails too
-            _fail(f"sampling.logit_bias[{token}] must be in [-100, 100], got {bias}")
+    allowed, logit_bias = _token_choices(s, limits)
     if s.HasField("max_tokens"):
         max_tokens = s.max_tokens
     elif request.WhichOneof("prompt") == "chat":
@@ -247,9 +243,23 @@ def sampling_params(request: pb.GenerateRequest, num_prompt_tokens: int, limits:
         presence_penalty=presence,
         frequency_penalty=frequency,
         repetition_penalty=repetition,
-        logit_bias=tuple(sorted(s.logit_bias.items())),
+        logit_bias=logit_bias,
         prompt_logprobs=prompt_logprobs,
+        allowed_token_ids=allowed,
     )
+
+
+def _token_choices(s: pb.SamplingParams, limits: Limits) -> tuple[tuple[int, ...], tuple[tuple[int, float], ...]]:
+    """(allowed_token_ids, logit_bias), sorted: ids inside the vocabulary, biases in [-100, 100]."""
+    bad = next((t for t in s.allowed_token_ids if t >= limits.vocab_size), None)
+    if bad is not None:
+        _fail(f"sampling.allowed_token_ids: id {bad} is outside the vocabulary (size {limits.vocab_size})")
+    for token, bias in s.logit_bias.items():
+        if token >= limits.vocab_size:
+            _fail(f"sampling.logit_bias: id {token} is outside the vocabulary (size {limits.vocab_size})")
+        if not -100 <= bias <= 100:  # NaN fails too
+            _fail(f"sampling.logit_bias[{token}] must be in [-100, 100], got {bias}")
+    return tuple(sorted(set(s.allowed_token_ids))), tuple(sorted(s.logit_bias.items()))
 
 
 def _penalties(s: pb.SamplingParams) -> tuple[float, float, float]:

@@ -244,6 +244,10 @@ def test_sdk_logit_bias_forces_and_bans_tokens(client, model, server):
     for msg in server.stub().Generate(build_request("Say no.", temperature=0.0, max_tokens=6, logit_bias={yes: 100.0})):
         done.add(msg)
     assert done.token_ids == [yes] * 6
+    only = client.completions.create(
+        model=model, prompt="Say no.", max_tokens=4, temperature=1.0, seed=2, extra_body={"allowed_token_ids": [yes]}
+    )
+    assert only.choices[0].text == " yes" * 4  # vLLM's allowed_token_ids: nothing else can be drawn
 
 
 def test_sdk_n_seeded_choices_are_the_single_requests_with_seed_plus_i(client, model):

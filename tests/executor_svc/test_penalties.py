@@ -237,3 +237,15 @@ def test_a_logit_bias_outside_the_vocabulary_is_refused(tiny):
     with pytest.raises(PlanError, match="logit_bias"):
         runner.execute(plan)
     assert not runner.seqs
+
+
+def test_allowed_tokens_leave_only_those_and_logprobs_raw():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.5], [3.0, 2.0, 1.0, 0.5]])
+    only = SamplingSpec(temperature=0, num_logprobs=0, allowed=np.array([2, 3]))
+    out = sample(logits, [only, SamplingSpec(temperature=0)], [1, 1])
+    assert out.token_ids == [2, 0]  # the best allowed one; the other row untouched
+    assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[2].item())
+    drawn = sample(
+        logits[:1].expand(16, -1), [SamplingSpec(temperature=5.0, allowed=np.array([3]))] * 16, list(range(16))
+    )
+    assert drawn.token_ids == [3] * 16

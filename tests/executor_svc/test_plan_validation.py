@@ -392,7 +392,7 @@ def test_bad_sampling_params_are_invalid_argument_over_grpc(loaded, runner):
 
 
 def test_the_logprobs_bound_is_the_schedulers():
-    from executor_svc.plan_check import MAX_NUM_LOGPROBS
+    from executor_svc.sequence_spec import MAX_NUM_LOGPROBS
 
     assert MAX_NUM_LOGPROBS == MAX_LOGPROBS
 

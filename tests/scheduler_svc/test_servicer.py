@@ -35,6 +35,8 @@ BAD = {
     "repetition_penalty 0": (build_request("hi", repetition_penalty=0.0), "repetition_penalty"),
     "logit_bias id outside vocab": (build_request("hi", logit_bias={400: 1.0}), "logit_bias"),
     "logit_bias > 100": (build_request("hi", logit_bias={5: 101.0}), "logit_bias"),
+    "allowed id outside vocab": (build_request("hi", allowed_token_ids=[5, 400]), "allowed_token_ids"),
+    "too many prompt logprobs": (build_request("hi", prompt_logprobs=21), "prompt_logprobs"),
     "token id outside vocab": (build_request([1, 2, 400]), "token_ids"),
     "stop id outside vocab": (build_request("hi", stop_token_ids=[999]), "stop_token_ids"),
     "empty stop string": (build_request("hi", stop=[""]), "stop"),
