@@ -175,7 +175,7 @@ class ModelRunner:
 
     def _prompt_logprobs(self, hidden: torch.Tensor, checked: CheckedPlan) -> list[epb.PromptLogprob]:
         """The logprob of each prompt token a plan's prompt logprob rows name, from the model's
-        raw distribution at the row before it, with the sequence's top alternatives. Rows go
+        raw distribution at the row before it, its rank and the sequence's top alternatives. Rows go
         through the head PROMPT_LOGPROB_SLICE at a time: a 2K-token chunk's whole [rows,
         vocabulary] logprobs would be ~400 MB at a 49K vocabulary."""
         items = [
@@ -190,12 +190,13 @@ class ModelRunner:
             index = torch.tensor([row for _, _, row, _, _ in part], device=self.device)
             lp = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, index)).float(), dim=-1)
             targets = torch.tensor([token for *_, token, _ in part], device=self.device)
-            chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
+            chosen = lp.gather(1, targets[:, None])
+            ranks = (lp > chosen).sum(dim=-1).add_(1).tolist()
             top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
-            for (seq_id, position, _, token, n), logprob, vals, ids in zip(
-                part, chosen, top_vals.tolist(), top_ids.tolist()
+            for (seq_id, position, _, token, n), logprob, rank, vals, ids in zip(
+                part, chosen.squeeze(1).tolist(), ranks, top_vals.tolist(), top_ids.tolist()
             ):
-                entry = epb.PromptLogprob(seq_id=seq_id, position=position, token_id=token, logprob=logprob)
+                entry = epb.PromptLogprob(seq_id=seq_id, position=position, token_id=token, logprob=logprob, rank=rank)
                 entry.top.extend(epb.TopLogprob(token_id=t, logprob=v) for t, v in zip(ids[:n], vals[:n]))
                 out.append(entry)
         return out

@@ -86,7 +86,7 @@ def result_from_proto(msg: epb.StepResponse) -> StepResult:
             Sampled(s.seq_id, s.token_id, s.logprob, [(t.token_id, t.logprob) for t in s.top]) for s in msg.sampled
         ],
         prompt_logprobs=[
-            PromptLogprob(p.seq_id, p.position, p.token_id, p.logprob, [(t.token_id, t.logprob) for t in p.top])
+            PromptLogprob(p.seq_id, p.position, p.token_id, p.logprob, [(t.token_id, t.logprob) for t in p.top], p.rank)
             for p in msg.prompt_logprobs
         ],
         execute_ns=msg.execute_ns,

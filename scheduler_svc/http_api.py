@@ -37,7 +37,7 @@ from chunkserve_contracts.auth import token_matches
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServingError
 from scheduler_svc.http_extras import AccessLog, detokenize_ids, http_error, render_response, tokenize_response
-from scheduler_svc.openai_choice import Choice, usage
+from scheduler_svc.openai_choice import Choice, prompt_logprobs_json, usage
 from scheduler_svc.openai_fields import HttpError, get
 from scheduler_svc.openai_protocol import (
     OpenAIRequest,
@@ -236,7 +236,15 @@ class HttpFront:
         if (error := next((f.error for f in finals if f.error is not None), None)) is not None:
             return error_response(error, chat)
         bodies = [choice.body(final, stream=False) for choice, final in zip(choices, finals)]
-        return JSONResponse({**head, "choices": bodies, "usage": usage(*finals)})
+        answer = {**head, "choices": bodies, "usage": usage(*finals)}
+        if built.prompt_logprobs:  # vLLM's: per choice on completions, once on chat
+            scored = [prompt_logprobs_json(f, choices[0].token_text) for f in finals]
+            if chat:
+                answer["prompt_logprobs"] = scored[0]
+            else:
+                for body, one in zip(bodies, scored):
+                    body["prompt_logprobs"] = one
+        return JSONResponse(answer)
 
     async def _events(
         self, engine: Engine, choices: list[tuple[Choice, RequestStream]], head: dict[str, Any], built: OpenAIRequest

@@ -4,6 +4,7 @@ either API's shape, tool calls, completions' echo), and the usage of a response.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from scheduler_svc.engine import Engine
@@ -52,7 +53,7 @@ class Choice:
         self.tools = tools if tools is not None and tools.choice != "none" else None
         self.parser = ToolParser(tools.choice, tools.names, tools.named) if self.tools else None
 
-    def _text(self, token_id: int, text: str | None = None) -> str:
+    def token_text(self, token_id: int, text: str | None = None) -> str:
         if self.tokens_as_ids:
             return f"token_id:{token_id}"
         return self.engine.tokenizer.id_to_text(token_id) if text is None else text
@@ -60,14 +61,14 @@ class Choice:
     def logprobs(self, d: StreamDelta) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
-        texts = [self._text(t) for t in d.token_ids]
+        texts = [self.token_text(t) for t in d.token_ids]
         if self.chat:
 
             def entry(text: str, logprob: float) -> dict[str, Any]:
                 return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
             content = [
-                {**entry(text, lp.logprob), "top_logprobs": [entry(self._text(t, s), v) for t, v, s in lp.top]}
+                {**entry(text, lp.logprob), "top_logprobs": [entry(self.token_text(t, s), v) for t, v, s in lp.top]}
                 for text, lp in zip(texts, d.logprobs)
             ]
             return {"content": content}
@@ -78,7 +79,7 @@ class Choice:
         return {
             "tokens": texts,
             "token_logprobs": [lp.logprob for lp in d.logprobs],
-            "top_logprobs": [{self._text(t, s): v for t, v, s in lp.top} for lp in d.logprobs],
+            "top_logprobs": [{self.token_text(t, s): v for t, v, s in lp.top} for lp in d.logprobs],
             "text_offset": offsets,
         }
 
@@ -89,7 +90,7 @@ class Choice:
         if not self.want_logprobs:
             return prompt + d.text, None
         lps = [None, *d.prompt_logprobs]
-        tokens = [self._text(t) for t in d.prompt_token_ids[: len(lps)]]
+        tokens = [self.token_text(t) for t in d.prompt_token_ids[: len(lps)]]
         offsets = []
         for text in tokens:
             offsets.append(self.offset)
@@ -98,7 +99,8 @@ class Choice:
         return prompt + d.text, {
             "tokens": tokens + out["tokens"],
             "token_logprobs": [lp and lp.logprob for lp in lps] + out["token_logprobs"],
-            "top_logprobs": [lp and {self._text(t, s): v for t, v, s in lp.top} for lp in lps] + out["top_logprobs"],
+            "top_logprobs": [lp and {self.token_text(t, s): v for t, v, s in lp.top} for lp in lps]
+            + out["top_logprobs"],
             "text_offset": offsets + out["text_offset"],
         }
 
@@ -129,3 +131,15 @@ class Choice:
         if self.return_token_ids:
             choice["token_ids"] = list(d.token_ids)
         return choice
+
+
+def prompt_logprobs_json(d: StreamDelta, text: Callable[[int, str | None], str]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` answer: null for the first prompt token, then per token a map
+    from token id to its logprob, rank and text: the prompt's own token and the top ones."""
+    out: list[dict[str, Any] | None] = [None]
+    for token, lp in zip(d.prompt_token_ids[1:], d.prompt_logprobs):
+        entry = {str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": text(token, None)}}
+        for rank, (t, v, s) in enumerate(lp.top, start=1):
+            entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": text(t, s)})
+        out.append(entry)
+    return out

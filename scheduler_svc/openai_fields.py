@@ -38,6 +38,7 @@ _COMMON_HANDLED = {
     "guided_choice", "guided_grammar", "guided_decoding_backend", "structured_outputs", "priority",
     "request_id", "return_tokens_as_token_ids", "cache_salt", "return_token_ids", "logprobs",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
+    "prompt_logprobs",
 }  # fmt: skip
 CHAT_HANDLED = _COMMON_HANDLED | {
     "messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
@@ -77,8 +78,6 @@ NO_EFFECT = {
     "prediction": "predicted output is a speed hint at OpenAI (the output is the same without it)",
 }
 REFUSED = {
-    "prompt_logprobs": "vLLM's prompt_logprobs answer shape is not produced; ask completions for echo with "
-    "logprobs (the prompt's tokens come first, with theirs), or gRPC SamplingParams.prompt_logprobs",
     "logits_processors": "custom logits processors are not supported",
     "mm_processor_kwargs": "multimodal inputs are not supported",
     "kv_transfer_params": "disaggregated serving is not supported",

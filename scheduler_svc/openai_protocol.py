@@ -77,6 +77,7 @@ class OpenAIRequest:
     request_id: str | None = None  # vLLM's request_id: the response's id
     n: int = 1  # choices: n requests of the one prompt (servicer.submit_choices)
     echo: bool = False  # completions: the prompt before the output (with logprobs: its tokens' too)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field: the answer carries them
     choice_options: dict[str, bool] = field(default_factory=dict)  # Choice's keyword arguments
 
 
@@ -157,6 +158,11 @@ def build_request(body: dict[str, Any], chat: bool, settings: Settings | None = 
         out.echo = True
         if request.sampling.HasField("logprobs"):  # the prompt's tokens get theirs too
             request.sampling.prompt_logprobs = request.sampling.logprobs
+    if (k := get_uint(body, "prompt_logprobs")) is not None:  # vLLM's: in the answer, by token id
+        if out.streaming:
+            raise bad("prompt_logprobs", "prompt_logprobs is not available with stream (as vLLM)")
+        request.sampling.prompt_logprobs = max(k, request.sampling.prompt_logprobs)
+        out.prompt_logprobs = True
     out.choice_options = {
         "tools": tools,
         "want_logprobs": bool(body.get("logprobs")) if chat else body.get("logprobs") is not None,

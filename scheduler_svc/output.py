@@ -25,6 +25,7 @@ class TokenLogprobs:
 
     logprob: float
     top: list[tuple[int, float, str]]
+    rank: int = 0  # prompt logprobs: 1 + the number of tokens more likely; 0 unknown
 
 
 @dataclass(slots=True)
@@ -107,8 +108,8 @@ class LiveRequest:
         if self.num_emitted == 1 and params.prompt_logprobs is not None:
             delta.prompt_token_ids = list(self.request.prompt_token_ids)
             delta.prompt_logprobs = [
-                TokenLogprobs(lp, [(t, v, tokenizer.id_to_text(t)) for t, v in top])
-                for lp, top in self.request.prompt_logprobs
+                TokenLogprobs(lp, [(t, v, tokenizer.id_to_text(t)) for t, v in top], rank)
+                for lp, top, rank in self.request.prompt_logprobs
             ]
         if reason is FinishReason.STOP and token in params.stop_token_ids:
             delta.matched_stop_token_id = token

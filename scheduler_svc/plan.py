@@ -154,6 +154,7 @@ class PromptLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int = 0  # 1 + the number of tokens more likely at that position
 
 
 @dataclass(slots=True)

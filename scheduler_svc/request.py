@@ -120,8 +120,8 @@ class Request:
     # constraint is compiled; it has consumed exactly the output tokens.
     matcher: GrammarMatcher | None = None
     # Prompt logprobs received so far, for positions 1, 2, ... in order: (logprob, top as
-    # (token id, logprob)), best first.
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # (token id, logprob) best first, rank).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]], int]] = field(default_factory=list)
     # Monotonic timestamps for the latency metrics (one clock: this process's).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

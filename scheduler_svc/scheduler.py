@@ -374,7 +374,7 @@ class Scheduler(RequestQueues):
         for p in result.prompt_logprobs:  # in position order; a repeat (async scheduling) is dropped
             request = self._by_seq.get(p.seq_id)
             if request is not None and p.position == len(request.prompt_logprobs) + 1:
-                request.prompt_logprobs.append((p.logprob, p.top))
+                request.prompt_logprobs.append((p.logprob, p.top, p.rank))
         outputs: list[TokenOutput] = []
         verified = apply_verified(self, plan, result, outputs)  # verify entries: drafts kept or rolled back
         for sampled in result.sampled:

@@ -68,7 +68,8 @@ def delta_to_proto(request_id: str, d: StreamDelta) -> pb.GenerateResponse:
 
 
 def _logprobs(lp: TokenLogprobs) -> pb.Logprobs:
-    return pb.Logprobs(logprob=lp.logprob, top=[pb.TokenLogprob(token_id=t, logprob=v, text=s) for t, v, s in lp.top])
+    top = [pb.TokenLogprob(token_id=t, logprob=v, text=s) for t, v, s in lp.top]
+    return pb.Logprobs(logprob=lp.logprob, top=top, rank=lp.rank)
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):

@@ -600,5 +600,8 @@ def test_prompt_logprobs_equal_transformers_across_chunks(server, hf, prompts):
         for position, lp in enumerate(done.prompt_logprobs, start=1):
             row = want[position - 1]
             assert lp.logprob == pytest.approx(row[prompt[position]].item(), abs=2e-4)
+            # its rank: 1 + tokens more likely, up to ties within float noise
+            t = row[prompt[position]]
+            assert 1 + int((row > t + 2e-4).sum()) <= lp.rank <= 1 + int((row > t - 2e-4).sum())
             assert [t.token_id for t in lp.top] == row.topk(2).indices.tolist()
         assert done.token_ids == run(stub, greedy(prompt)).token_ids  # the tokens do not change

@@ -285,3 +285,12 @@ def test_sdk_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, model,
         done.add(msg)
     assert lp.token_logprobs[1:-1] == pytest.approx([p.logprob for p in done.prompt_logprobs], abs=1e-6)
     assert all(len(t) == 1 for t in lp.top_logprobs[1:])
+    # vLLM's own prompt_logprobs field: by token id, with rank and text, the same values
+    raw = client.completions.create(
+        model=model, prompt=text, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 1}
+    )
+    scored = raw.choices[0].model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(done.prompt_token_ids)
+    for token, entry, p in zip(done.prompt_token_ids[1:], scored[1:], done.prompt_logprobs):
+        assert entry[str(token)]["logprob"] == pytest.approx(p.logprob, abs=1e-6)
+        assert entry[str(token)]["rank"] == p.rank >= 1

@@ -163,7 +163,7 @@ class FakeExecutor:
                 assert s.next_token_id is not None, "the last row's prompt logprob without next_token_id"
                 token = s.next_token_id
                 st["next"] = (position, token)
-            out.append(PromptLogprob(s.seq_id, position, token, prompt_logprob(position, token)))
+            out.append(PromptLogprob(s.seq_id, position, token, prompt_logprob(position, token), rank=1 + token % 5))
         return out
 
     def _penalty_history(self, new) -> None:

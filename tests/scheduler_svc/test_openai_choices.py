@@ -155,3 +155,47 @@ def test_completions_echo_puts_the_prompt_and_its_logprobs_first(fakes, byte_tok
             assert_idle(app)
 
     asyncio.run(main())
+
+
+def test_vllm_prompt_logprobs_field_by_token_id(fakes, byte_tokenizer_dir, monkeypatch):
+    """vLLM's prompt_logprobs: null first, then per prompt token a map from token id to its
+    logprob, rank and text (the fake executor: -(position + byte / 1000), rank 1 + byte % 5);
+    per choice on completions, once on chat; refused with stream (as vLLM)."""
+
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch) as (app, _, base):
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                body = {"prompt": "abc", "max_tokens": 2, "prompt_logprobs": 0, "n": 2}
+                out = (await http.post(base + "/v1/completions", json=body)).json()
+                for choice in out["choices"]:
+                    assert choice["prompt_logprobs"] == [
+                        None,
+                        {
+                            str(ord("b")): {
+                                "logprob": -(1 + ord("b") / 1000),
+                                "rank": 1 + ord("b") % 5,
+                                "decoded_token": "b",
+                            }
+                        },
+                        {
+                            str(ord("c")): {
+                                "logprob": -(2 + ord("c") / 1000),
+                                "rank": 1 + ord("c") % 5,
+                                "decoded_token": "c",
+                            }
+                        },
+                    ]
+                chat = {"messages": HI, "max_tokens": 2, "prompt_logprobs": 1}
+                out = (await http.post(base + "/v1/chat/completions", json=chat)).json()
+                prompt_tokens = out["usage"]["prompt_tokens"]
+                assert out["prompt_logprobs"][0] is None and len(out["prompt_logprobs"]) == prompt_tokens
+                assert "prompt_logprobs" not in out["choices"][0]
+                streamed = {**body, "stream": True}
+                response = await http.post(base + "/v1/completions", json=streamed)
+                assert response.status_code == 400 and response.json()["error"]["param"] == "prompt_logprobs"
+                too_many = {**body, "prompt_logprobs": 21}
+                response = await http.post(base + "/v1/completions", json=too_many)
+                assert response.status_code == 400 and response.json()["error"]["param"] == "prompt_logprobs"
+            assert_idle(app)
+
+    asyncio.run(main())

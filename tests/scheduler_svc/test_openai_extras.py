@@ -187,7 +187,6 @@ def test_continuous_usage_stats_count_tokens_in_every_chunk(fakes, byte_tokenize
 
 REFUSED = [  # (endpoint, extra fields, param)
     ("completions", {"suffix": "x"}, "suffix"),
-    ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
     ("completions", {"use_beam_search": True}, "use_beam_search"),
     ("completions", {"logits_processors": ["x.y"]}, "logits_processors"),
     ("completions", {"length_penalty": 2.0}, "length_penalty"),

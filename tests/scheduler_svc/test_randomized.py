@@ -821,7 +821,7 @@ def simulate(fakes, sc: Scenario, strict: bool = True, reference=None) -> Trace:
         tokens, reason = expected[r.request_id]
         if r.sampling.prompt_logprobs is not None and r.output_token_ids:  # complete before the first token
             want = [fakes.prompt_logprob(p, t) for p, t in enumerate(r.prompt_token_ids) if p > 0]
-            assert [lp for lp, _ in r.prompt_logprobs] == want, f"{r.request_id}: prompt logprobs"
+            assert [lp for lp, *_ in r.prompt_logprobs] == want, f"{r.request_id}: prompt logprobs"
             event("prompt logprobs")
         if r.request_id in trace.aborted | trace.failed:
             assert r.finish_reason is FinishReason.ABORTED
