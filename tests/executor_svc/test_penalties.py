@@ -15,6 +15,7 @@ from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.penalties import LogitBias, Penalties, TokenHistory, apply_penalties
 from executor_svc.plan_check import PlanError
 from executor_svc.sampler import SamplingSpec, sample
+from tests.executor_svc.test_runner import entry as _entry
 from tests.hf_reference import PENALTIES, hf_greedy
 
 VOCAB = 40
@@ -94,17 +95,6 @@ def test_out_of_range_penalties_are_refused(bad):
 
 def _greedy(**penalties):
     return epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1, **penalties)
-
-
-def _entry(seq_id, computed, n, tokens=(), blocks=(), sample=False):
-    return epb.ScheduledSequence(
-        seq_id=seq_id,
-        num_computed_tokens=computed,
-        num_new_tokens=n,
-        token_ids=list(tokens),
-        block_ids=list(blocks),
-        sample=sample,
-    )
 
 
 def _decode(runner, seq_id, n, step):

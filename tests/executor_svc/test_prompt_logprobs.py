@@ -10,6 +10,7 @@ import torch
 
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from executor_svc.plan_check import PlanError
+from tests.executor_svc.test_runner import entry
 
 PROMPT = [5, 9, 5, 17, 5, 30, 9, 2, 44, 5, 71, 3]
 
@@ -19,15 +20,11 @@ def _sampling(k: int) -> epb.SamplingParams:
 
 
 def _entry(computed, n, tokens, blocks=(), sample=False, **fields):
-    return epb.ScheduledSequence(
-        seq_id=1,
-        num_computed_tokens=computed,
-        num_new_tokens=n,
-        token_ids=list(tokens),
-        block_ids=list(blocks),
-        sample=sample,
-        **fields,
-    )
+    """Sequence 1's entry (test_runner.entry) with prompt logprob fields."""
+    out = entry(1, computed, n, tokens, blocks, sample)
+    for name, value in fields.items():
+        setattr(out, name, value)
+    return out
 
 
 def test_prompt_logprobs_across_chunks_equal_transformers(tiny):
