@@ -115,16 +115,21 @@ class Router:
             return list(request.token_ids.ids)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._token_ids, request)
 
-    def place(self, token_ids: list[int] | None, salt: str | None, exclude: set[str] = frozenset()) -> Ticket:
+    def place(
+        self, token_ids: list[int] | None, salt: str | None, exclude: set[str] = frozenset(), cacheable: bool = True
+    ) -> Ticket:
         """Chooses a replica (not in `exclude`: those a retry already failed on) and counts the
-        request there. Raises NoReplicaError."""
+        request there. `cacheable` False: the request computes its whole prompt wherever it goes
+        (prompt logprobs need every prompt row), so no replica's cache counts for it; the blocks
+        it leaves are still recorded where it goes. Raises NoReplicaError."""
         started = time.perf_counter()
         candidates = [r for r in self.replicas.routable() if r.name not in exclude]
         if not candidates:
             raise NoReplicaError("no replica is serving" + (" (the others failed this request)" if exclude else ""))
         block_size = next((r.info.block_size for r in candidates if r.info is not None), 16)
         hashes = prompt_block_hashes(token_ids, block_size, salt) if token_ids else []
-        views = [self._view(r, hashes, cost) for r, cost in zip(candidates, self._step_costs(candidates))]
+        match = hashes if cacheable else []
+        views = [self._view(r, match, cost) for r, cost in zip(candidates, self._step_costs(candidates))]
         decision = choose(
             views,
             len(token_ids) if token_ids else 0,

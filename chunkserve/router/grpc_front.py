@@ -75,6 +75,7 @@ class GenerationProxy:
         except DecodeError:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request is not a valid GenerateRequest")
         token_ids = await self.router.token_ids(request)
+        cacheable = not request.sampling.HasField("prompt_logprobs")  # those prefill the whole prompt
         rid = f"rt-{uuid.uuid4().hex[:20]}"
         rid_field = request_id_field(rid)
         placed = self._placed[rid] = _Placed()
@@ -83,7 +84,7 @@ class GenerationProxy:
         try:
             while True:
                 try:
-                    ticket = placed.ticket = self.router.place(token_ids, request.cache_salt or None, tried)
+                    ticket = placed.ticket = self.router.place(token_ids, request.cache_salt or None, tried, cacheable)
                 except NoReplicaError as exc:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
                 replica = ticket.replica

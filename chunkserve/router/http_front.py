@@ -33,6 +33,14 @@ RETRY_STATUS = (429, 503)
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 
 
+def _scores_prompt(body: Any) -> bool:
+    """Whether an OpenAI body asks for prompt logprobs (vLLM's prompt_logprobs, or completions'
+    echo with logprobs): then the replica prefills the whole prompt, cached or not."""
+    if not isinstance(body, dict):
+        return False
+    return body.get("prompt_logprobs") is not None or (bool(body.get("echo")) and body.get("logprobs") is not None)
+
+
 def prompt_request(body: dict[str, Any], chat: bool) -> pb.GenerateRequest | None:
     """The body's prompt as the GenerateRequest the router tokenizes (None: not one it reads)."""
     if chat:
@@ -111,10 +119,11 @@ class HttpProxy:
         parsed = prompt_request(body, chat) if isinstance(body, dict) else None
         token_ids = await self.router.token_ids(parsed) if parsed is not None else None
         salt = body.get("cache_salt") if isinstance(body, dict) and isinstance(body.get("cache_salt"), str) else None
+        cacheable = not _scores_prompt(body)
         tried = {r.name for r in self.router.replicas.routable() if not r.address.http}
         while True:
             try:
-                ticket = self.router.place(token_ids, salt, tried)
+                ticket = self.router.place(token_ids, salt, tried, cacheable)
             except NoReplicaError as exc:
                 return _error(503, str(exc))
             url = ticket.replica.address.http + request.url.path  # type: ignore[operator]

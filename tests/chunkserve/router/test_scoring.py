@@ -204,3 +204,56 @@ def test_the_router_pools_fits_per_kind_and_pools_again_only_when_a_report_chang
             router.close()
 
     asyncio.run(main())
+
+
+def test_a_request_for_prompt_logprobs_is_placed_as_if_nothing_were_cached():
+    """Replica 1 holds the prompt's blocks and has work queued; replica 2 is idle. A request
+    that can use the cache goes to replica 1; one asking for prompt logprobs prefills its whole
+    prompt wherever it goes, so the cache does not count and the idle replica wins (its
+    blocks are still recorded there)."""
+    import asyncio
+
+    from chunkserve.router.core import Router
+    from chunkserve.router.metrics import RouterMetrics
+    from chunkserve.router.replicas import Replica, ReplicaAddress, ReplicaSet
+    from chunkserve_contracts.block_hash import prompt_block_hashes
+    from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+    from chunkserve_contracts.v1 import replica_pb2 as rpb
+
+    prompt = list(range(3, 3 + 64 * BS))
+
+    async def main() -> None:
+        replicas = ReplicaSet([])
+        rs = [Replica(ReplicaAddress("127.0.0.1", port, 0)) for port in (1, 2)]
+        for r in rs:
+            r.healthy = True
+            r.info = pb.GetInfoResponse(model_name="m", dtype="float32", attention_backend="torch", block_size=BS)
+            r.load = rpb.ReplicaLoad(token_budget=256, step_cost=[0.002, 1e-4, 0.0, 0.0, 0.0], step_cost_fitted=True)
+            replicas.replicas[r.name] = r
+        rs[0].routed.update(prompt_block_hashes(prompt, BS, None))
+        rs[0].pending_tokens = 8 * BS  # some queued prefill: less than the prompt it holds
+        router = Router(replicas, RouterMetrics(lambda: rs), None)
+        try:
+            cached = router.place(prompt, None)
+            assert cached.replica is rs[0] and cached.uncached_tokens < len(prompt)
+            cached.release()
+            scored = router.place(prompt, None, cacheable=False)
+            assert scored.replica is rs[1] and scored.uncached_tokens == len(prompt)
+            assert set(prompt_block_hashes(prompt, BS, None)) <= set(rs[1].routed)
+            scored.release()
+        finally:
+            await replicas.close()
+            router.close()
+
+    asyncio.run(main())
+
+
+def test_the_http_front_tells_prompt_scoring_bodies_apart():
+    from chunkserve.router.http_front import _scores_prompt
+
+    assert _scores_prompt({"prompt": "x", "prompt_logprobs": 0})
+    assert _scores_prompt({"prompt": "x", "echo": True, "logprobs": 0})
+    assert not _scores_prompt({"prompt": "x", "echo": True})
+    assert not _scores_prompt({"prompt": "x", "logprobs": 2})
+    assert not _scores_prompt({"messages": [], "prompt_logprobs": None})
+    assert not _scores_prompt(["not", "a", "body"])
