@@ -188,7 +188,10 @@ class ModelRunner:
         for start in range(0, len(items), PROMPT_LOGPROB_SLICE):
             part = items[start : start + PROMPT_LOGPROB_SLICE]
             index = torch.tensor([row for _, _, row, _, _ in part], device=self.device)
-            lp = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, index)).float(), dim=-1)
+            logits = self.model.compute_logits(hidden.index_select(0, index))  # collective under TP
+            if self.tp.rank != 0:  # rank 0 reports them
+                continue
+            lp = torch.log_softmax(logits.float(), dim=-1)
             targets = torch.tensor([token for *_, token, _ in part], device=self.device)
             chosen = lp.gather(1, targets[:, None])
             ranks = (lp > chosen).sum(dim=-1).add_(1).tolist()

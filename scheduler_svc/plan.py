@@ -74,7 +74,7 @@ def add_prompt_logprob_rows(entry: ScheduledSeq, request: Request) -> None:
     start, n, last = entry.num_computed_tokens, entry.num_new_tokens, request.num_prompt_tokens - 1
     first = max(len(request.prompt_logprobs) - start, 0)
     count = min(n, last - start) - first
-    if count <= 0 or entry.draft_token_ids:
+    if count <= 0:  # a decode (drafts come only on decodes) or nothing left to ask for
         return
     entry.prompt_logprob_first, entry.prompt_logprob_rows = first, count
     if first + count == n:

@@ -301,7 +301,9 @@ def test_serve_restarts_the_whole_group_after_a_rank_dies(tiny_model_path, tmp_p
     cmd += ["--tensor-parallel-size", "2", "--tensor-parallel-timeout-s", "60"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
-    def wait_for(predicate, what, deadline_s=120.0):
+    def wait_for(predicate, what, deadline_s=300.0):
+        """Polls until `predicate`; the deadline is a failsafe against a hang (a restart takes up
+        to the 60 s collectives' timeout plus a reload), not a time limit."""
         deadline = time.monotonic() + deadline_s
         while not predicate():
             assert proc.poll() is None, f"chunkserve serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}"

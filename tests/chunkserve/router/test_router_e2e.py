@@ -47,7 +47,7 @@ def start_router(tmp_path, servers, model, *extra: str) -> tuple[subprocess.Pope
     log = open(LOGS[port], "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     admin_stub = rpb_grpc.RouterStub(grpc.insecure_channel(f"127.0.0.1:{admin}"))
-    deadline = time.time() + 120
+    deadline = time.time() + 180  # a failsafe against a hang, not a time limit
     while True:  # ready: every replica healthy with its event stream up
         assert proc.poll() is None, (tmp_path / f"router-{port}.log").read_text()
         try:
