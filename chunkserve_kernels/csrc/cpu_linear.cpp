@@ -12,8 +12,13 @@
 // sequential stream per core is what the hardware prefetcher follows best. With several rows
 // of x (a speculative verify step's 1 + k) the loop does more arithmetic per weight line and
 // the hardware prefetcher falls behind; asking for the line 4 weight rows ahead kept it fed
-// (one thread, a 28 MB weight, 3 runs: 1 row 0.76-1.00 ms vs 0.97-1.27 without, 4 rows
-// 1.6-2.0 vs 1.7-2.4, 8 rows 2.9-3.1 vs 3.9-4.9). From ~4 rows of x on, oneDNN's blocked
+// (a 2-core Zen 5 EPYC with AVX-512, one thread, a 28 MB weight, 3 runs: 1 row 0.76-1.00 ms
+// vs 0.97-1.27 without, 4 rows 1.6-2.0 vs 1.7-2.4, 8 rows 2.9-3.1 vs 3.9-4.9). On a 2-core
+// AVX2 EPYC (the 8-float build) the prefetch helps from 2 rows as well (the default model's
+// linears, two threads: 2 rows 9-12% shorter, 4 rows 10-11%, 8 rows 4%) but costs 4-7% at one
+// row, where it only repeats what the hardware prefetcher asks for (benchmarks/RESULTS.md,
+// "Batch 1: the one-row product without software prefetch"); so the 8-float build streams one
+// row without it (kPrefetchOneRow). From ~4 rows of x on, oneDNN's blocked
 // product is still faster (it reuses each weight line across more rows); which kernel serves
 // which step size is measured at start-up (executor_svc/models/linear_plan.py, kernel "gemv").
 //
@@ -55,6 +60,9 @@ constexpr int64_t kVec = 16;
 #else
 constexpr int64_t kVec = 8;
 #endif
+// Whether one row of x asks for weight lines ahead: measured faster with AVX-512 on Zen 5 and
+// slower with AVX2 on a 2-core EPYC (top of the file); the build's width stands for the two.
+constexpr bool kPrefetchOneRow = kVec == 16;
 typedef float Vec __attribute__((vector_size(kVec * sizeof(float))));
 constexpr int kParts = kLanes / kVec;  // vectors of partial sums per row of x
 static_assert(kLanes % kVec == 0, "whole vectors of partial sums");
@@ -87,8 +95,10 @@ void rows(const float* __restrict x, int64_t K, const float* __restrict w, const
       for (int p = 0; p < kParts; ++p) acc[m][p] = Vec{};
     int64_t k = 0;
     for (; k + kLanes <= K; k += kLanes) {
-      __builtin_prefetch(wr + kAhead * K + k);
-      __builtin_prefetch(wr + kAhead * K + k + 16);  // the 32 lanes' second cache line
+      if constexpr (M > 1 || kPrefetchOneRow) {
+        __builtin_prefetch(wr + kAhead * K + k);
+        __builtin_prefetch(wr + kAhead * K + k + 16);  // the 32 lanes' second cache line
+      }
       Vec wv[kParts];
       for (int p = 0; p < kParts; ++p) wv[p] = load(wr + k + p * kVec);
       for (int m = 0; m < M; ++m)
