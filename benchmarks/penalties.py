@@ -6,7 +6,9 @@
     default model's 49,152-token vocabulary (executor_svc.penalties.apply_penalties with all
     three penalties, each row holding a P-token prompt and 64 output tokens), the whole greedy
     sample() of those rows with and without the penalties (the step's only extra work), and
-    the one-off TokenHistory of a P-token prompt (what a NewSequence with a penalty costs).
+    the one-off TokenHistory of a P-token prompt (what a NewSequence with a penalty costs), and
+    sample() with 16 of vLLM's bad words a row instead (8 of 1-3 tokens, 8 of three whose first
+    two end the row's output).
 (b) throughput: a real two-process server (started here) on the default model, float32; S
     concurrent gRPC streams of 32-token prompts, exactly --new-tokens greedy tokens each
     (ignore_eos), plain or with all three penalties; rounds alternate, median output tok/s of
@@ -58,6 +60,16 @@ def cost(streams: int, prompt_len: int, vocab: int = 49152, repeats: int = 50) -
     histories = {r: (rows[r][1], []) for r in rows}
     plain_sample = best(lambda: sample(logits, greedy, list(range(streams))))
     penalized_sample = best(lambda: sample(logits, with_penalties, list(range(streams)), histories=histories))
+    # vLLM's bad_words: 16 words a row, 8 of 1-3 tokens (k, k + 1, ...) and 8 of three tokens
+    # whose first two end the row's output, so that they ban.
+    worded = []
+    for r in range(streams):
+        tail = rows[r][1].ordered
+        words = tuple(
+            tuple(tail[-(1 + k % 2) :]) + (k,) if k % 2 else tuple(range(k, k + 1 + k % 3)) for k in range(16)
+        )
+        worded.append(SamplingSpec(temperature=0, bad_words=words))
+    bad_words_sample = best(lambda: sample(logits, worded, list(range(streams)), histories=histories))
     prompt = torch.randint(vocab, (prompt_len,), generator=gen).tolist()
     new = best(lambda: TokenHistory(prompt, []))
     print(
@@ -66,10 +78,17 @@ def cost(streams: int, prompt_len: int, vocab: int = 49152, repeats: int = 50) -
     print(f"cost: TokenHistory of a {prompt_len}-token prompt: min {new[0]:.3f} ms, median {new[1]:.3f} ms", flush=True)
     print(
         f"cost: greedy sample() of {streams} rows: plain min {plain_sample[0]:.2f} / median {plain_sample[1]:.2f} ms, "
-        f"penalized min {penalized_sample[0]:.2f} / median {penalized_sample[1]:.2f} ms",
+        f"penalized min {penalized_sample[0]:.2f} / median {penalized_sample[1]:.2f} ms, "
+        f"16 bad words a row min {bad_words_sample[0]:.2f} / median {bad_words_sample[1]:.2f} ms",
         flush=True,
     )
-    return {"step_ms": step, "new_sequence_ms": new, "sample_ms": plain_sample, "penalized_sample_ms": penalized_sample}
+    return {
+        "step_ms": step,
+        "new_sequence_ms": new,
+        "sample_ms": plain_sample,
+        "penalized_sample_ms": penalized_sample,
+        "bad_words_sample_ms": bad_words_sample,
+    }
 
 
 async def _round(stub, prompts: list[list[int]], new_tokens: int, penalized: bool) -> float:

@@ -1,9 +1,10 @@
-"""Allowed tokens, logit bias and presence, frequency and repetition penalties: what a
-sequence holds, and the logits they change.
+"""Allowed tokens, bad words, logit bias and presence, frequency and repetition penalties:
+what a sequence holds, and the logits they change.
 
-vLLM's allowed_token_ids leaves only the listed tokens; OpenAI's logit_bias adds a fixed value
-to listed tokens' logits; both after a structured-output mask and before the penalties, in
-vLLM's order.
+vLLM's allowed_token_ids leaves only the listed tokens; vLLM's bad_words (token sequences) ban
+a sequence's last token where the output so far ends with the ones before it; OpenAI's
+logit_bias adds a fixed value to listed tokens' logits; all after a structured-output mask and
+before the penalties, in vLLM's order.
 
 vLLM's (and OpenAI's) meaning, applied to the logits after a structured-output mask and
 before temperature, so greedy rows see them too:
@@ -91,20 +92,31 @@ class _Tokens:
 
 
 class TokenHistory:
-    """What one sequence holds, as the penalties read it: the distinct tokens of its prompt and
-    output (the repetition penalty's), and each output token's count (presence, frequency)."""
+    """What one sequence holds, as the sampler reads it: the distinct tokens of its prompt and
+    output (the repetition penalty's), each output token's count (presence, frequency), and the
+    output in order (bad words)."""
 
-    __slots__ = ("seen", "output")
+    __slots__ = ("seen", "output", "ordered")
 
     def __init__(self, prompt: Sequence[int], output: Sequence[int]) -> None:
         self.seen = _Tokens(list(prompt) + list(output))  # counts unused: membership
         self.output = _Tokens(output)
+        self.ordered = list(output)
 
     def add(self, tokens: Sequence[int]) -> None:
         """Counts output tokens (the ones a step accepted)."""
         for t in tokens:
             self.seen.add(t)
             self.output.add(t)
+        self.ordered.extend(tokens)
+
+    def ends_with(self, tokens: Sequence[int], extra: Sequence[int] = ()) -> bool:
+        """Whether the output, with `extra` after it, ends with `tokens` (an empty one: always)."""
+        n = len(tokens)
+        if n == 0:
+            return True
+        tail = self.ordered[max(0, len(self.ordered) - n) :] + list(extra)
+        return len(tail) >= n and tail[-n:] == list(tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +140,19 @@ def apply_allowed(out: torch.Tensor, rows: dict[int, np.ndarray]) -> None:
         keep = out[r].index_select(0, index)
         out[r].fill_(float("-inf"))
         out[r].index_copy_(0, index, keep)
+
+
+def apply_bad_words(
+    out: torch.Tensor, rows: dict[int, tuple[tuple[tuple[int, ...], ...], TokenHistory, Sequence[int]]]
+) -> None:
+    """Bans, in each listed row of `out` [N, V] (contiguous), the last token of every bad word
+    whose other tokens end the output (with the row's `extra` drafts after it), in place.
+    `rows`: row -> (its bad words as token sequences, its history, drafts before the row)."""
+    vocab, index = out.shape[1], []
+    for r, (words, history, extra) in rows.items():
+        index += [r * vocab + w[-1] for w in words if history.ends_with(w[:-1], extra)]
+    if index:
+        out.view(-1)[torch.tensor(index, device=out.device)] = float("-inf")
 
 
 def apply_logit_bias(out: torch.Tensor, rows: dict[int, LogitBias]) -> None:

@@ -7,8 +7,8 @@ happen.
 
 The rules: new sequences are unknown (after this plan's finished ids), once each, with valid
 sampling parameters (sequence_spec.py: SamplingSpec's ranges, a bounded number of logprobs,
-logit bias and allowed tokens of the vocabulary), their token ids when and only when they
-have a penalty, and an entry; entries name known sequences once each, match their cursor, compute >= 1 token, stay below
+logit bias, allowed tokens and bad words of the vocabulary), their token ids when and only
+when they have a penalty or bad words, and an entry; entries name known sequences once each, match their cursor, compute >= 1 token, stay below
 max_model_len, bring token ids inside the vocabulary (or decode the token sampled last) and
 in-range block ids, never one twice in a table, enough for their tokens; the tokens fit the
 budget; copies stay in range, with distinct destinations; draft tokens (speculative
@@ -74,7 +74,7 @@ class CheckedPlan:
 
     finished: set[int] = field(default_factory=set)  # known sequences to drop
     new: dict[int, SamplingSpec] = field(default_factory=dict)
-    # New sequences with a penalty: (prompt token ids, output token ids so far).
+    # New sequences with a penalty or bad words: (prompt token ids, output token ids so far).
     histories: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
     swapped_out: set[int] = field(default_factory=set)  # sequences whose claims end
     # Per entry: the replacing table (new sequence or replace_block_table), else None.

@@ -244,9 +244,9 @@ class ModelRunner:
 
 
 def _histories(checked: CheckedPlan, states: list[SeqState]) -> dict[int, tuple[TokenHistory, list[int]]] | None:
-    """Sampled row -> (its sequence's TokenHistory, drafts before it) for rows with a penalty:
-    a verify entry's row j counts its first j drafts as output, the tokens plain decoding
-    would hold at that row's position (penalties.py)."""
+    """Sampled row -> (its sequence's TokenHistory, drafts before it) for rows with a penalty
+    or bad words: a verify entry's row j counts its first j drafts as output, the tokens plain
+    decoding would hold at that row's position (penalties.py)."""
     rows: dict[int, tuple[TokenHistory, list[int]]] = {}
     first: dict[int, int] = {}  # entry -> position its first sampled row takes
     for row, (i, pos) in enumerate(checked.sampling):

@@ -11,9 +11,10 @@ Logprobs describe the model, not the sampler: they come from the raw logits, bef
 temperature and filtering (what OpenAI-style APIs report) — but after a structured-output
 token mask, which comes before everything: a token the grammar forbids has probability 0 for
 greedy, temperature, top-k/p, min-p and logprobs alike (-inf logprob, never among the top).
-Allowed tokens, a logit bias, then presence, frequency and repetition penalties (penalties.py),
-come after the mask and before temperature, greedy included; logprobs stay the model's own, before them
-(vLLM's default, "raw" logprobs). Rows without a mask, a bias or a penalty cost nothing extra.
+Allowed tokens, bad words, a logit bias, then presence, frequency and repetition penalties
+(penalties.py), come after the mask and before temperature, greedy included; logprobs stay the
+model's own, before them (vLLM's default, "raw" logprobs). Rows without any of these cost
+nothing extra.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from executor_svc.penalties import (
     Penalties,
     TokenHistory,
     apply_allowed,
+    apply_bad_words,
     apply_logit_bias,
     apply_penalties,
 )
@@ -50,6 +52,7 @@ class SamplingSpec:
     penalties: Penalties = NO_PENALTIES  # presence / frequency / repetition (penalties.py)
     logit_bias: LogitBias | None = None  # OpenAI's logit_bias: added to these tokens' logits
     allowed: np.ndarray | None = None  # vLLM's allowed_token_ids (int64): only these may be sampled
+    bad_words: tuple[tuple[int, ...], ...] = ()  # vLLM's bad_words as token sequences (penalties.py)
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -157,7 +160,7 @@ def sample(
     with the request seed it keys the row's random stream. `masks` (structured output): row
     -> packed allowed-token bits (apply_token_masks), applied before anything else.
     `histories`: row -> (its sequence's TokenHistory, output tokens to count on top of it),
-    for every row whose spec has active penalties.
+    for every row whose spec has active penalties or bad words.
     """
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(positions):
         raise ValueError(
@@ -173,6 +176,10 @@ def sample(
         logits = logits.clone(memory_format=torch.contiguous_format)
         if allowed:
             apply_allowed(logits, allowed)
+        if histories and (
+            banned := {r: (params[r].bad_words, *h) for r, h in histories.items() if params[r].bad_words}
+        ):
+            apply_bad_words(logits, banned)
         if biased:
             apply_logit_bias(logits, biased)
         if histories:

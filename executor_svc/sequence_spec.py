@@ -29,7 +29,10 @@ def spec_from_proto(p: epb.SamplingParams) -> SamplingSpec:
         penalties=Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty or 1.0),
         logit_bias=LogitBias.of(dict(p.logit_bias)),
         allowed=np.unique(np.asarray(p.allowed_token_ids, dtype=np.int64)) if p.allowed_token_ids else None,
+        bad_words=tuple(tuple(w.token_ids) for w in p.bad_words),
     )
+    if not all(spec.bad_words):
+        raise ValueError("bad_words: every word needs at least one token id")
     if max(spec.num_logprobs, spec.num_prompt_logprobs) > MAX_NUM_LOGPROBS:
         raise ValueError(f"num_logprobs and num_prompt_logprobs - 1 must be at most {MAX_NUM_LOGPROBS}")
     return spec
@@ -38,22 +41,25 @@ def spec_from_proto(p: epb.SamplingParams) -> SamplingSpec:
 def check_token_ids(
     new: epb.NewSequence, spec: SamplingSpec, vocab_size: int
 ) -> dict[int, tuple[list[int], list[int]]]:
-    """Its logit bias names tokens of the vocabulary; a sequence with a penalty comes with its
-    prompt's token ids (and its output so far), one without sends none (a scheduler that
-    sends them anyway has lost track of which is which). Returns {sequence: (prompt, output)}
-    for a penalized one."""
+    """Its logit bias and bad words name tokens of the vocabulary; a sequence with a penalty or
+    bad words comes with its prompt's token ids (and its output so far), one without sends none
+    (a scheduler that sends them anyway has lost track of which is which). Returns {sequence:
+    (prompt, output)} for one that has them."""
     bias = spec.logit_bias
     if bias is not None and (bias.ids.max() >= vocab_size or not np.isfinite(bias.values).all()):
         raise ValueError(f"logit_bias: ids inside the vocabulary (size {vocab_size}) and finite values only")
     if spec.allowed is not None and spec.allowed[-1] >= vocab_size:
         raise ValueError(f"allowed_token_ids: id {spec.allowed[-1]} is outside the vocabulary (size {vocab_size})")
+    words = [t for w in spec.bad_words for t in w]
+    if words and max(words) >= vocab_size:
+        raise ValueError(f"bad_words: id {max(words)} is outside the vocabulary (size {vocab_size})")
     prompt, output = list(new.prompt_token_ids), list(new.output_token_ids)
-    if not spec.penalties.active:
+    if not spec.penalties.active and not spec.bad_words:
         if prompt or output:
-            raise ValueError("token ids sent with a sequence that has no penalty")
+            raise ValueError("token ids sent with a sequence that has no penalty or bad words")
         return {}
     if not prompt:
-        raise ValueError("a sequence with a penalty needs its prompt_token_ids")
+        raise ValueError("a sequence with a penalty or bad words needs its prompt_token_ids")
     bad = next((t for t in prompt + output if t >= vocab_size), None)
     if bad is not None:
         raise ValueError(f"token id {bad} is outside the vocabulary (size {vocab_size})")

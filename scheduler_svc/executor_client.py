@@ -40,6 +40,7 @@ def sampling_to_proto(params: SamplingParams) -> epb.SamplingParams:
         logit_bias=dict(params.logit_bias),
         num_prompt_logprobs=0 if params.prompt_logprobs is None else params.prompt_logprobs + 1,
         allowed_token_ids=params.allowed_token_ids,
+        bad_words=[epb.BadWord(token_ids=ids) for ids in params.bad_words],
     )
 
 

@@ -251,6 +251,10 @@ def _sampling(body: dict[str, Any], chat: bool, s: pb.SamplingParams, defaults: 
     if not all(isinstance(x, str) for x in stop):
         raise bad("stop", "stop must be a string or a list of strings")
     s.stop.extend(stop)
+    bad_words = get(body, "bad_words", (list,), "a list of strings") or []
+    if not all(isinstance(w, str) for w in bad_words):
+        raise bad("bad_words", "bad_words must be a list of strings")
+    s.bad_words.extend(bad_words)
     allowed = body.get("allowed_token_ids") or []
     if not _ids(allowed) or not all(0 <= t < 1 << 32 for t in allowed):
         raise bad("allowed_token_ids", "allowed_token_ids must be a list of token ids")

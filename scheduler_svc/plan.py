@@ -60,8 +60,8 @@ class NewSeq:
 
     seq_id: int
     sampling: SamplingParams
-    # With a penalty: the prompt's token ids and the output so far (the executor counts on
-    # from there); empty otherwise.
+    # With a penalty or bad words: the prompt's token ids and the output so far (the executor
+    # counts on from there); empty otherwise.
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
 
@@ -83,9 +83,9 @@ def add_prompt_logprob_rows(entry: ScheduledSeq, request: Request) -> None:
 
 def new_seq(request: Request) -> NewSeq:
     """The NewSeq of a request the executor does not know (first scheduled, or after a
-    recompute preemption): with a penalty, every token it holds goes along, because its chunks
-    skip what the prefix cache holds and the penalties count it all."""
-    if not request.sampling.penalized:
+    recompute preemption): with a penalty or bad words, every token it holds goes along, because
+    its chunks skip what the prefix cache holds and the sampler reads it all."""
+    if not request.sampling.needs_tokens:
         return NewSeq(request.seq_id, request.sampling)
     if request.num_inflight_tokens:  # waiting and swapped requests are skipped while they have one
         raise RuntimeError(f"request {request.request_id}: scheduled anew with a token in flight")

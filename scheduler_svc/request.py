@@ -69,11 +69,20 @@ class SamplingParams:
     # Prompt logprobs with this many alternatives (vLLM's prompt_logprobs); None: none.
     prompt_logprobs: int | None = None
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these may be generated; () any
+    # vLLM's bad_words, tokenized (validation.bad_words_token_ids): the last id of each is never
+    # generated right after the ones before it.
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def penalized(self) -> bool:
-        """Whether a penalty is on: then the executor needs the sequence's token ids."""
+        """Whether a penalty is on."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether the executor needs the sequence's token ids: a penalty counts them, bad words
+        look at the output's last ones."""
+        return self.penalized or bool(self.bad_words)
 
 
 @dataclass(slots=True)

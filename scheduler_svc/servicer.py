@@ -33,6 +33,7 @@ from scheduler_svc.request import SamplingParams
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.validation import (
     Limits,
+    bad_words_token_ids,
     check_client_request_id,
     check_known_fields,
     needs_tokenizer,
@@ -156,7 +157,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             )
         else:  # token ids: bounded by max_model_len, cheap
             ids = tokenize_prompt(request, engine.tokenizer, limits)
-        return engine, ids, sampling_params(request, len(ids), limits)
+        sampling = sampling_params(request, len(ids), limits)
+        if request.sampling.bad_words:
+            words = bad_words_token_ids(list(request.sampling.bad_words), engine.tokenizer, limits.vocab_size)
+            sampling = replace(sampling, bad_words=words)
+        return engine, ids, sampling
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext

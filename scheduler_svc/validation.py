@@ -41,7 +41,10 @@ DEFAULT_MAX_TOKENS = 16
 # stop_token_ids, and the protobuf framing of chat messages.
 # Plus a structured-output spec (sampling.structured): at most MAX_SPEC_CHARS characters of
 # up to 4 UTF-8 bytes (a choice list's strings count as their JSON list).
-MAX_NON_PROMPT_BYTES = 64 * 1024 + 4 * MAX_SPEC_CHARS
+# Plus bad words (sampling.bad_words): up to 4 UTF-8 bytes a character and a field's framing.
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 100
+MAX_NON_PROMPT_BYTES = 64 * 1024 + 4 * MAX_SPEC_CHARS + MAX_BAD_WORDS * (4 * MAX_BAD_WORD_CHARS + 3)
 # A token id is a uint32: at most 5 bytes as a varint in a packed repeated field.
 _MAX_VARINT_BYTES = 5
 
@@ -296,3 +299,26 @@ def structured_constraint(s: pb.SamplingParams) -> Constraint | None:
         return Constraint.make(kind, spec)
     except ValueError as exc:
         raise InvalidRequestError(f"sampling.structured.{exc}") from None
+
+
+def bad_words_token_ids(words: list[str], tokenizer: Tokenizer, vocab_size: int) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token sequences: each word as written without its leading spaces,
+    and with one leading space where that tokenizes to other tokens of the same count (the
+    word inside text, for a tokenizer that folds the space into the word's first token);
+    distinct, in order. Refuses more than MAX_BAD_WORDS, a blank or too long word, and an id
+    the model's vocabulary lacks."""
+    if len(words) > MAX_BAD_WORDS:
+        _fail(f"sampling.bad_words has {len(words)} words; at most {MAX_BAD_WORDS}")
+    out: dict[tuple[int, ...], None] = {}
+    for word in words:
+        if not word.strip():
+            _fail("sampling.bad_words contains an empty or blank word")
+        if len(word) > MAX_BAD_WORD_CHARS:
+            _fail(f"sampling.bad_words: words must be at most {MAX_BAD_WORD_CHARS} characters")
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        for ids in (plain, spaced) if spaced[0] != plain[0] and len(spaced) == len(plain) else (plain,):
+            if max(ids) >= vocab_size:
+                _fail(f"sampling.bad_words: {word!r} has token id {max(ids)}, outside the vocabulary")
+            out[ids] = None
+    return tuple(out)

@@ -12,9 +12,13 @@ from __future__ import annotations
 PENALTIES = {"repetition_penalty": 1.25, "frequency_penalty": 0.5, "presence_penalty": 0.25}
 
 
-def hf_greedy(model, prompt: list[int], n: int, **penalties: float) -> list[int]:
+def hf_greedy(
+    model, prompt: list[int], n: int, bad_words: tuple[tuple[int, ...], ...] = (), **penalties: float
+) -> list[int]:
     """transformers' greedy generate, exactly n new tokens (no stop on EOS), with `penalties`
-    (repetition_penalty, frequency_penalty, presence_penalty; any subset)."""
+    (repetition_penalty, frequency_penalty, presence_penalty; any subset) and vLLM's
+    `bad_words` as token sequences (OutputBadWords: transformers' own bad_words_ids also looks
+    at the prompt, vLLM only at the output)."""
     import copy
 
     import torch
@@ -28,6 +32,14 @@ def hf_greedy(model, prompt: list[int], n: int, **penalties: float) -> list[int]
             presence = torch.tensor(penalties.get("presence_penalty", 0.0), dtype=scores.dtype)
             return scores - freq * counts - presence * (counts > 0).to(scores.dtype)
 
+    class OutputBadWords(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            out = input_ids[0, len(prompt) :].tolist()
+            for word in bad_words:
+                if len(out) >= len(word) - 1 and out[len(out) - len(word) + 1 :] == list(word[:-1]):
+                    scores[:, word[-1]] = float("-inf")
+            return scores
+
     config = copy.deepcopy(model.generation_config)
     config.eos_token_id = None
     config.do_sample = False
@@ -36,6 +48,8 @@ def hf_greedy(model, prompt: list[int], n: int, **penalties: float) -> list[int]
     config.pad_token_id = 0
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt]), generation_config=config, logits_processor=LogitsProcessorList([OutputPenalties()])
+            torch.tensor([prompt]),
+            generation_config=config,
+            logits_processor=LogitsProcessorList([OutputBadWords(), OutputPenalties()]),
         )
     return out[0, len(prompt) :].tolist()

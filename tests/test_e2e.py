@@ -123,12 +123,21 @@ def expected(hf, prompts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected_penalized(hf, prompts, expected) -> list[int]:
-    """The longest prompt with all three penalties (tests/hf_reference.py): a request the
-    suites below add to their load, so its chunks, preemptions and prefix hits are checked too."""
+def penalized(hf, prompts, expected, default_model_path) -> tuple[pb.GenerateRequest, list[int]]:
+    """A request the suites below add to their load, so its chunks, preemptions and prefix hits
+    are checked too, with its expected tokens: the longest prompt with all three penalties
+    (tests/hf_reference.py) and a bad word, one its penalized output holds (as the scheduler
+    tokenizes it: validation.bad_words_token_ids)."""
+    from scheduler_svc.tokenizer import Tokenizer
+    from scheduler_svc.validation import bad_words_token_ids
+
     out = hf_penalized(hf[0], prompts[-1], NEW_TOKENS, **PENALTIES)
     assert out != expected[-1], "the penalties change nothing on this prompt: a weak check"
-    return out
+    word = next(w for w in (hf[1].decode([t]) for t in out[2:]) if len(w.strip()) > 1)
+    ids = bad_words_token_ids([word], Tokenizer(default_model_path), hf[0].config.vocab_size)
+    want = hf_penalized(hf[0], prompts[-1], NEW_TOKENS, bad_words=ids, **PENALTIES)
+    assert want != out, "the bad word changes nothing: a weak check"
+    return greedy(prompts[-1], bad_words=[word], **PENALTIES), want
 
 
 def test_greedy_tokens_equal_transformers(server, prompts, expected):
@@ -317,10 +326,10 @@ def test_chunkserve_serve_and_generate_cli(default_model_path, tmp_path):
     ids=["budget16", "budget64", "budget256", "unchunked", "auto", "async-output", "async-scheduling-speculative"],
 )
 def test_greedy_tokens_do_not_depend_on_chunking(
-    default_model_path, prompts, expected, expected_penalized, tmp_path, scheduler_args
+    default_model_path, prompts, expected, penalized, tmp_path, scheduler_args
 ):
     """All prompts at once, so steps mix prefill chunks and decodes differently per budget;
-    one more request with penalties, whose tokens must not depend on it either."""
+    one more request with penalties and a bad word, whose tokens must not depend on it either."""
     from chunkserve.launch import start_server
 
     server = start_server(
@@ -339,10 +348,10 @@ def test_greedy_tokens_do_not_depend_on_chunking(
     )
     try:
         stub = server.stub()
-        requests = [greedy(p) for p in prompts] + [greedy(prompts[-1], **PENALTIES)]
+        requests = [greedy(p) for p in prompts] + [penalized[0]]
         with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
             got = list(pool.map(lambda r: run(stub, r).token_ids, requests))
-        assert got == expected + [expected_penalized]
+        assert got == expected + [penalized[1]]
         server.assert_idle_and_no_leaks()
     finally:
         server.stop()
@@ -354,10 +363,10 @@ def test_greedy_tokens_do_not_depend_on_chunking(
     ids=["recompute", "swap", "swap-async-scheduling"],
 )
 def test_forced_preemption_gives_the_same_tokens(
-    default_model_path, prompts, expected, expected_penalized, tmp_path, mode, extra
+    default_model_path, prompts, expected, penalized, tmp_path, mode, extra
 ):
     """A 16-block pool (256 tokens) for 6 concurrent requests of 49..232 tokens (one with
-    penalties, which a recompute must send its output so far): preemption is certain; greedy
+    penalties and a bad word, which a recompute must send its output so far): preemption is certain; greedy
     tokens must not change (under async scheduling a victim may be in the step in flight when
     it is preempted)."""
     import urllib.request
@@ -382,10 +391,10 @@ def test_forced_preemption_gives_the_same_tokens(
     )
     try:
         stub = server.stub()
-        requests = [greedy(p) for p in prompts[3:]] + [greedy(prompts[-1], **PENALTIES)]
+        requests = [greedy(p) for p in prompts[3:]] + [penalized[0]]
         with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
             got = list(pool.map(lambda r: run(stub, r).token_ids, requests))
-        assert got == expected[3:] + [expected_penalized]
+        assert got == expected[3:] + [penalized[1]]
         server.assert_idle_and_no_leaks()
         metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
         values = {

@@ -219,6 +219,46 @@ def test_sdk_penalties_reach_the_sampler(client, model, server):
     assert http() != done.text
 
 
+def test_sdk_bad_words_keep_a_word_out(client, model, server):
+    """vLLM's bad_words (extra_body): a word whose token (with its leading space) the plain
+    greedy output holds is never generated with it, where the word alone is one token too;
+    the gRPC API gives the same text."""
+    import httpx
+
+    from chunkserve.client import Completion, build_request
+
+    prompt = "one two one two one two"
+
+    def grpc_run(**sampling: object) -> Completion:
+        done = Completion()
+        for msg in server.stub().Generate(
+            build_request(prompt, temperature=0.0, max_tokens=24, **sampling), timeout=120
+        ):
+            done.add(msg)
+        return done
+
+    plain = grpc_run()
+    root = server.http_url.removesuffix("/v1")
+    texts = [httpx.post(root + "/detokenize", json={"tokens": [t]}).json()["prompt"] for t in plain.token_ids]
+
+    def tokens(text: str) -> list[int]:
+        body = {"prompt": text, "add_special_tokens": False}
+        return httpx.post(root + "/tokenize", json=body).json()["tokens"]
+
+    # " word" is banned with "word" only where both are one token (vLLM's rule: same length).
+    token, word = next(
+        (t, x[1:])
+        for t, x in zip(plain.token_ids, texts)
+        if x[:1] == " " and x[1:].isalpha() and len(tokens(x[1:])) == 1
+    )
+    banned = grpc_run(bad_words=[word])
+    assert token not in banned.token_ids and banned.token_ids != plain.token_ids
+    http = client.completions.create(
+        model=model, prompt=prompt, max_tokens=24, temperature=0, extra_body={"bad_words": [word]}
+    )
+    assert http.choices[0].text == banned.text
+
+
 def test_sdk_logit_bias_forces_and_bans_tokens(client, model, server):
     """+100 on one token makes greedy output that token every time, whatever else is likely;
     -100 on the plain greedy output's first token moves it; values past 100 are clamped (as

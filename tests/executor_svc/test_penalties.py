@@ -194,7 +194,12 @@ def test_a_sequence_that_starts_on_cached_blocks_counts_the_prompt_it_skipped(ti
     ],
 )
 def test_the_plan_check_refuses_penalty_token_ids_it_cannot_use(tiny, new, message):
-    runner = tiny[1].runner
+    assert_refused(tiny[1].runner, new, message)
+
+
+def assert_refused(runner, new: dict, message: str) -> None:
+    """A plan whose one NewSequence (`new`: its fields) the check refuses with `message`,
+    leaving the runner without the sequence."""
     runner.reset()
     plan = epb.StepRequest(step_id=1, new_seqs=[epb.NewSequence(seq_id=1, **new)], seqs=[_entry(1, 0, 2, [1, 2], [0])])
     with pytest.raises(PlanError, match=message):

@@ -170,7 +170,7 @@ class FakeExecutor:
         """A penalized sequence comes with its tokens (the prompt, and the output so far after a
         recompute), as executor_svc/penalties.py needs; one without a penalty with none. A
         recompute sends the same prompt (the split between prompt and output stays)."""
-        if not new.sampling.penalized:
+        if not new.sampling.needs_tokens:
             assert not new.prompt_token_ids and not new.output_token_ids, "token ids without a penalty"
             return
         assert new.prompt_token_ids, "a penalized sequence without its prompt"

@@ -190,6 +190,9 @@ BAD = [  # (endpoint, body, status, param)
     ("completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
     ("completions", {"prompt": "hi", "logit_bias": {"5": "x"}}, 400, "logit_bias"),
     ("completions", {"prompt": "hi", "logit_bias": [5]}, 400, "logit_bias"),
+    ("completions", {"prompt": "hi", "bad_words": "x"}, 400, "bad_words"),
+    ("completions", {"prompt": "hi", "bad_words": [1]}, 400, "bad_words"),
+    ("completions", {"prompt": "hi", "bad_words": [" "]}, 400, "bad_words"),
     ("completions", {"prompt": "hi", "allowed_token_ids": [999999]}, 400, "allowed_token_ids"),
     ("completions", {"prompt": "hi", "allowed_token_ids": "5"}, 400, "allowed_token_ids"),
     (

@@ -191,7 +191,6 @@ REFUSED = [  # (endpoint, extra fields, param)
     ("completions", {"logits_processors": ["x.y"]}, "logits_processors"),
     ("completions", {"length_penalty": 2.0}, "length_penalty"),
     ("chat/completions", {"echo": True}, "echo"),  # chat's echo (prepend the last message) is not completions'
-    ("completions", {"bad_words": ["x"]}, "bad_words"),
     ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("chat/completions", {"structural_tag": "{}"}, "structural_tag"),
     ("chat/completions", {"vllm_xargs": {"a": 1}}, "vllm_xargs"),

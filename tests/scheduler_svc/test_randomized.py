@@ -335,12 +335,14 @@ def make_request(i: int, spec: Req, eos: int) -> Request:
         prompt_token_ids=list(spec.prompt),
         # Every third request penalized: the FakeExecutor checks the token ids it is sent for
         # the penalties against its KV through preemption, prefix hits and restarts.
-        # and every fourth asks for prompt logprobs (checked once it has a token).
+        # and every fourth asks for prompt logprobs (checked once it has a token); every fifth
+        # has bad words, which need the same token ids.
         sampling=SamplingParams(
             temperature=0.0,
             max_tokens=spec.max_tokens,
             presence_penalty=0.5 * (i % 3 == 0),
             prompt_logprobs=1 if i % 4 == 0 else None,
+            bad_words=((3, 4),) if i % 5 == 0 else (),
         ),
         eos_token_ids=frozenset({eos}),
         arrival_time=float(i),

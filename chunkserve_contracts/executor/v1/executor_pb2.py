@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%chunkserve/executor/v1/executor.proto\x12\x16\x63hunkserve.executor.v1\"-\n\x10HandshakeRequest\x12\x19\n\x11scheduler_version\x18\x01 \x01(\t\"\xdd\x01\n\x0bModelConfig\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x1b\n\x13num_attention_heads\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\"\xc0\x02\n\x11HandshakeResponse\x12\x32\n\x05model\x18\x01 \x01(\x0b\x32#.chunkserve.executor.v1.ModelConfig\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x12\n\nmodel_path\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x19\n\x11num_device_blocks\x18\x07 \x01(\r\x12\x17\n\x0fnum_host_blocks\x18\x08 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\r\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0c \x01(\r\"\x8e\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x14\n\x0cnum_logprobs\x18\x07 \x01(\x05\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12I\n\nlogit_bias\x18\x0b \x03(\x0b\x32\x35.chunkserve.executor.v1.SamplingParams.LogitBiasEntry\x12\x1b\n\x13num_prompt_logprobs\x18\x0c \x01(\r\x12\x19\n\x11\x61llowed_token_ids\x18\r \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x8b\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x38\n\x08sampling\x18\x02 \x01(\x0b\x32&.chunkserve.executor.v1.SamplingParams\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\"\xe5\x02\n\x11ScheduledSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13replace_block_table\x18\x06 \x01(\x08\x12\x0e\n\x06sample\x18\x07 \x01(\x08\x12\x36\n\x0btoken_masks\x18\x08 \x03(\x0b\x32!.chunkserve.executor.v1.TokenMask\x12\x17\n\x0f\x64raft_token_ids\x18\t \x03(\r\x12\x1c\n\x14prompt_logprob_first\x18\n \x01(\r\x12\x1b\n\x13prompt_logprob_rows\x18\x0b \x01(\r\x12\x1a\n\rnext_token_id\x18\x0c \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_next_token_id\"+\n\tTokenMask\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x0c\n\x04\x62its\x18\x02 \x01(\x0c\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xc3\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x35\n\x08new_seqs\x18\x02 \x03(\x0b\x32#.chunkserve.executor.v1.NewSequence\x12\x37\n\x04seqs\x18\x03 \x03(\x0b\x32).chunkserve.executor.v1.ScheduledSequence\x12\x18\n\x10\x66inished_seq_ids\x18\x04 \x03(\x04\x12\x33\n\x08swap_out\x18\x05 \x03(\x0b\x32!.chunkserve.executor.v1.BlockCopy\x12\x32\n\x07swap_in\x18\x06 \x03(\x0b\x32!.chunkserve.executor.v1.BlockCopy\x12\x1c\n\x0f\x66ollows_step_id\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\x12\n\x10_follows_step_id\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"r\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12/\n\x03top\x18\x04 \x03(\x0b\x32\".chunkserve.executor.v1.TopLogprob\"\xa2\x02\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x35\n\x07sampled\x18\x02 \x03(\x0b\x32$.chunkserve.executor.v1.SampledToken\x12\x12\n\nexecute_ns\x18\x03 \x01(\x04\x12\x0f\n\x07swap_ns\x18\x04 \x01(\x04\x12\x12\n\nforward_ns\x18\x05 \x01(\x04\x12\x11\n\tsample_ns\x18\x06 \x01(\x04\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x15\n\rstart_unix_ns\x18\x08 \x01(\x04\x12\x13\n\x0bnum_threads\x18\t \x01(\r\x12>\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32%.chunkserve.executor.v1.PromptLogprob\"\x93\x01\n\rPromptLogprob\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x10\n\x08token_id\x18\x03 \x01(\r\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12/\n\x03top\x18\x05 \x03(\x0b\x32\".chunkserve.executor.v1.TopLogprob\x12\x0c\n\x04rank\x18\x06 \x01(\r\"\x0e\n\x0cResetRequest\"\x0f\n\rResetResponse2\x95\x02\n\x08\x45xecutor\x12`\n\tHandshake\x12(.chunkserve.executor.v1.HandshakeRequest\x1a).chunkserve.executor.v1.HandshakeResponse\x12Q\n\x04Step\x12#.chunkserve.executor.v1.StepRequest\x1a$.chunkserve.executor.v1.StepResponse\x12T\n\x05Reset\x12$.chunkserve.executor.v1.ResetRequest\x1a%.chunkserve.executor.v1.ResetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%chunkserve/executor/v1/executor.proto\x12\x16\x63hunkserve.executor.v1\"-\n\x10HandshakeRequest\x12\x19\n\x11scheduler_version\x18\x01 \x01(\t\"\xdd\x01\n\x0bModelConfig\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x1b\n\x13num_attention_heads\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\"\xc0\x02\n\x11HandshakeResponse\x12\x32\n\x05model\x18\x01 \x01(\x0b\x32#.chunkserve.executor.v1.ModelConfig\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x12\n\nmodel_path\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x19\n\x11num_device_blocks\x18\x07 \x01(\r\x12\x17\n\x0fnum_host_blocks\x18\x08 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\r\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0c \x01(\r\"\xc2\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x14\n\x0cnum_logprobs\x18\x07 \x01(\x05\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12I\n\nlogit_bias\x18\x0b \x03(\x0b\x32\x35.chunkserve.executor.v1.SamplingParams.LogitBiasEntry\x12\x1b\n\x13num_prompt_logprobs\x18\x0c \x01(\r\x12\x19\n\x11\x61llowed_token_ids\x18\r \x03(\r\x12\x32\n\tbad_words\x18\x0e \x03(\x0b\x32\x1f.chunkserve.executor.v1.BadWord\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x1c\n\x07\x42\x61\x64Word\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x8b\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x38\n\x08sampling\x18\x02 \x01(\x0b\x32&.chunkserve.executor.v1.SamplingParams\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\"\xe5\x02\n\x11ScheduledSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13replace_block_table\x18\x06 \x01(\x08\x12\x0e\n\x06sample\x18\x07 \x01(\x08\x12\x36\n\x0btoken_masks\x18\x08 \x03(\x0b\x32!.chunkserve.executor.v1.TokenMask\x12\x17\n\x0f\x64raft_token_ids\x18\t \x03(\r\x12\x1c\n\x14prompt_logprob_first\x18\n \x01(\r\x12\x1b\n\x13prompt_logprob_rows\x18\x0b \x01(\r\x12\x1a\n\rnext_token_id\x18\x0c \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_next_token_id\"+\n\tTokenMask\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x0c\n\x04\x62its\x18\x02 \x01(\x0c\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xc3\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x35\n\x08new_seqs\x18\x02 \x03(\x0b\x32#.chunkserve.executor.v1.NewSequence\x12\x37\n\x04seqs\x18\x03 \x03(\x0b\x32).chunkserve.executor.v1.ScheduledSequence\x12\x18\n\x10\x66inished_seq_ids\x18\x04 \x03(\x04\x12\x33\n\x08swap_out\x18\x05 \x03(\x0b\x32!.chunkserve.executor.v1.BlockCopy\x12\x32\n\x07swap_in\x18\x06 \x03(\x0b\x32!.chunkserve.executor.v1.BlockCopy\x12\x1c\n\x0f\x66ollows_step_id\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\x12\n\x10_follows_step_id\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"r\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12/\n\x03top\x18\x04 \x03(\x0b\x32\".chunkserve.executor.v1.TopLogprob\"\xa2\x02\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x35\n\x07sampled\x18\x02 \x03(\x0b\x32$.chunkserve.executor.v1.SampledToken\x12\x12\n\nexecute_ns\x18\x03 \x01(\x04\x12\x0f\n\x07swap_ns\x18\x04 \x01(\x04\x12\x12\n\nforward_ns\x18\x05 \x01(\x04\x12\x11\n\tsample_ns\x18\x06 \x01(\x04\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x15\n\rstart_unix_ns\x18\x08 \x01(\x04\x12\x13\n\x0bnum_threads\x18\t \x01(\r\x12>\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32%.chunkserve.executor.v1.PromptLogprob\"\x93\x01\n\rPromptLogprob\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x10\n\x08token_id\x18\x03 \x01(\r\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12/\n\x03top\x18\x05 \x03(\x0b\x32\".chunkserve.executor.v1.TopLogprob\x12\x0c\n\x04rank\x18\x06 \x01(\r\"\x0e\n\x0cResetRequest\"\x0f\n\rResetResponse2\x95\x02\n\x08\x45xecutor\x12`\n\tHandshake\x12(.chunkserve.executor.v1.HandshakeRequest\x1a).chunkserve.executor.v1.HandshakeResponse\x12Q\n\x04Step\x12#.chunkserve.executor.v1.StepRequest\x1a$.chunkserve.executor.v1.StepResponse\x12T\n\x05Reset\x12$.chunkserve.executor.v1.ResetRequest\x1a%.chunkserve.executor.v1.ResetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,31 +40,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKERESPONSE']._serialized_start=337
   _globals['_HANDSHAKERESPONSE']._serialized_end=657
   _globals['_SAMPLINGPARAMS']._serialized_start=660
-  _globals['_SAMPLINGPARAMS']._serialized_end=1058
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1010
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1058
-  _globals['_NEWSEQUENCE']._serialized_start=1061
-  _globals['_NEWSEQUENCE']._serialized_end=1200
-  _globals['_SCHEDULEDSEQUENCE']._serialized_start=1203
-  _globals['_SCHEDULEDSEQUENCE']._serialized_end=1560
-  _globals['_TOKENMASK']._serialized_start=1562
-  _globals['_TOKENMASK']._serialized_end=1605
-  _globals['_BLOCKCOPY']._serialized_start=1607
-  _globals['_BLOCKCOPY']._serialized_end=1644
-  _globals['_STEPREQUEST']._serialized_start=1647
-  _globals['_STEPREQUEST']._serialized_end=1970
-  _globals['_TOPLOGPROB']._serialized_start=1972
-  _globals['_TOPLOGPROB']._serialized_end=2019
-  _globals['_SAMPLEDTOKEN']._serialized_start=2021
-  _globals['_SAMPLEDTOKEN']._serialized_end=2135
-  _globals['_STEPRESPONSE']._serialized_start=2138
-  _globals['_STEPRESPONSE']._serialized_end=2428
-  _globals['_PROMPTLOGPROB']._serialized_start=2431
-  _globals['_PROMPTLOGPROB']._serialized_end=2578
-  _globals['_RESETREQUEST']._serialized_start=2580
-  _globals['_RESETREQUEST']._serialized_end=2594
-  _globals['_RESETRESPONSE']._serialized_start=2596
-  _globals['_RESETRESPONSE']._serialized_end=2611
-  _globals['_EXECUTOR']._serialized_start=2614
-  _globals['_EXECUTOR']._serialized_end=2891
+  _globals['_SAMPLINGPARAMS']._serialized_end=1110
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1062
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1110
+  _globals['_BADWORD']._serialized_start=1112
+  _globals['_BADWORD']._serialized_end=1140
+  _globals['_NEWSEQUENCE']._serialized_start=1143
+  _globals['_NEWSEQUENCE']._serialized_end=1282
+  _globals['_SCHEDULEDSEQUENCE']._serialized_start=1285
+  _globals['_SCHEDULEDSEQUENCE']._serialized_end=1642
+  _globals['_TOKENMASK']._serialized_start=1644
+  _globals['_TOKENMASK']._serialized_end=1687
+  _globals['_BLOCKCOPY']._serialized_start=1689
+  _globals['_BLOCKCOPY']._serialized_end=1726
+  _globals['_STEPREQUEST']._serialized_start=1729
+  _globals['_STEPREQUEST']._serialized_end=2052
+  _globals['_TOPLOGPROB']._serialized_start=2054
+  _globals['_TOPLOGPROB']._serialized_end=2101
+  _globals['_SAMPLEDTOKEN']._serialized_start=2103
+  _globals['_SAMPLEDTOKEN']._serialized_end=2217
+  _globals['_STEPRESPONSE']._serialized_start=2220
+  _globals['_STEPRESPONSE']._serialized_end=2510
+  _globals['_PROMPTLOGPROB']._serialized_start=2513
+  _globals['_PROMPTLOGPROB']._serialized_end=2660
+  _globals['_RESETREQUEST']._serialized_start=2662
+  _globals['_RESETREQUEST']._serialized_end=2676
+  _globals['_RESETRESPONSE']._serialized_start=2678
+  _globals['_RESETRESPONSE']._serialized_end=2693
+  _globals['_EXECUTOR']._serialized_start=2696
+  _globals['_EXECUTOR']._serialized_end=2973
 # @@protoc_insertion_point(module_scope)
