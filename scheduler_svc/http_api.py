@@ -206,7 +206,9 @@ class HttpFront:
         except ServingError as exc:
             return error_response(exc, chat)
         echo = None
-        if built.echo:  # the prompt as sent: a string, or its token ids decoded (as vLLM)
+        if built.echo and chat:
+            echo = built.chat_echo
+        elif built.echo:  # the prompt as sent: a string, or its token ids decoded (as vLLM)
             ids = built.proto.token_ids.ids
             echo = built.proto.text if not ids else engine.tokenizer.decode(ids, skip_special_tokens=False)
         choices = [Choice(engine, chat, index=i, echo=echo, **built.choice_options) for i in range(built.n)]

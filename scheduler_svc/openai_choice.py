@@ -1,6 +1,6 @@
 """OpenAI's answer shapes for the HTTP front (http_api.py): one choice of a completion or
 chat completion as it is built from a request's stream deltas (text or message, logprobs in
-either API's shape, tool calls, completions' echo), and the usage of a response."""
+either API's shape, tool calls, echo), and the usage of a response."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ class Choice:
     ) -> None:
         self.engine, self.chat, self.want_logprobs, self.offset = engine, chat, want_logprobs, 0
         self.index = index  # of this choice in the response (OpenAI's n)
-        self.echo = echo  # completions' echo: the prompt's text, put before the first delta's
+        # echo: the prompt's text (completions) or the last message's (chat), before the first delta's.
+        self.echo = echo
         # vLLM's extra parameter: each choice (each streamed chunk) also names its token ids.
         self.return_token_ids = return_token_ids
         # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N" (any token JSON-safe).
@@ -114,6 +115,9 @@ class Choice:
                 choice["text"], choice["logprobs"] = d.text, self.logprobs(d)
             return self._with_ids(choice, d)
         choice["logprobs"] = self.logprobs(d)
+        text = d.text
+        if self.echo is not None and (d.token_ids or d.finished):  # chat's echo (no tools with it)
+            text, self.echo = self.echo + text, None
         if self.parser is not None:
             events = self.parser.feed(d.text)
             if d.finished:
@@ -122,9 +126,9 @@ class Choice:
                 choice["finish_reason"] = "tool_calls"  # as OpenAI (a forced named function says stop)
             choice["delta" if stream else "message"] = tool_message(events, self.parser, stream, d.finished)
         elif stream:
-            choice["delta"] = {"content": d.text} if d.text or not d.finished else {}
+            choice["delta"] = {"content": text} if text or not d.finished else {}
         else:
-            choice["message"] = {"role": "assistant", "content": d.text}
+            choice["message"] = {"role": "assistant", "content": text}
         return self._with_ids(choice, d)
 
     def _with_ids(self, choice: dict[str, Any], d: StreamDelta) -> dict[str, Any]:

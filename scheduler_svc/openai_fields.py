@@ -43,13 +43,12 @@ _COMMON_HANDLED = {
 CHAT_HANDLED = _COMMON_HANDLED | {
     "messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
     "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents",
-    "reasoning_effort",
+    "reasoning_effort", "echo",
 }  # fmt: skip
 COMPLETION_HANDLED = _COMMON_HANDLED | {"prompt", "echo"}
 
 # Any value but this one needs a feature chunkserve does not have.
 NEUTRAL: dict[str, Any] = {
-    "echo": False,
     "best_of": 1,
     "use_beam_search": False,
     "length_penalty": 1,

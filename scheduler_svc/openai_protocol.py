@@ -77,6 +77,9 @@ class OpenAIRequest:
     request_id: str | None = None  # vLLM's request_id: the response's id
     n: int = 1  # choices: n requests of the one prompt (servicer.submit_choices)
     echo: bool = False  # completions: the prompt before the output (with logprobs: its tokens' too)
+    # chat's echo (vLLM): the last message's content, put before the answer's, where its role is
+    # the answer's (assistant; with add_generation_prompt false, whatever the last one's is).
+    chat_echo: str = ""
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field: the answer carries them
     choice_options: dict[str, bool] = field(default_factory=dict)  # Choice's keyword arguments
 
@@ -154,7 +157,9 @@ def build_request(body: dict[str, Any], chat: bool, settings: Settings | None = 
         request.priority = priority
     out = OpenAIRequest(request, spec, chat, request_id=request_id, n=n or 1)
     _stream_options(body, out)
-    if not chat and get(body, "echo", (bool,), "a boolean"):
+    if chat and get(body, "echo", (bool,), "a boolean"):
+        _chat_echo(out, tools)
+    elif not chat and get(body, "echo", (bool,), "a boolean"):
         out.echo = True
         if request.sampling.HasField("logprobs"):  # the prompt's tokens get theirs too
             request.sampling.prompt_logprobs = request.sampling.logprobs
@@ -170,6 +175,17 @@ def build_request(body: dict[str, Any], chat: bool, settings: Settings | None = 
         "tokens_as_ids": bool(get(body, "return_tokens_as_token_ids", (bool,), "a boolean")),
     }
     return out
+
+
+def _chat_echo(out: OpenAIRequest, tools: ToolPlan | None) -> None:
+    """vLLM's chat echo: the answer starts with the last message's content when that message
+    has the answer's role (a partial assistant message continued, for one)."""
+    if tools is not None and tools.choice != "none":
+        raise bad("echo", "echo with tools is not supported")
+    last = (out.prompt.messages or [{}])[-1]
+    if out.prompt.add_generation_prompt and last.get("role") != "assistant":
+        return
+    out.echo, out.chat_echo = True, last.get("content") or ""
 
 
 def _constrain(body: dict[str, Any], chat: bool, s: pb.SamplingParams, spec: PromptSpec) -> ToolPlan | None:

@@ -147,6 +147,37 @@ async def completion_text(http: httpx.AsyncClient, base: str, body: dict, stream
     return "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines)
 
 
+async def chat_text(http: httpx.AsyncClient, base: str, body: dict, stream: bool) -> str:
+    if not stream:
+        response = await http.post(base + "/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["message"]["content"]
+    async with http.stream("POST", base + "/v1/chat/completions", json={**body, "stream": True}) as response:
+        lines = [line async for line in response.aiter_lines() if line.startswith("data: {")]
+    return "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or "" for line in lines)
+
+
+def test_chat_echo_puts_the_last_message_first_where_its_role_is_the_answers(fakes, byte_tokenizer_dir, monkeypatch):
+    """vLLM's chat echo: a continued assistant message (or, without a generation prompt, any
+    last message) comes back before the answer, streamed or not; after a user message the
+    answer is unchanged. The prompt, so the answer, is the same with echo or without."""
+
+    async def main():
+        async with running(fakes, byte_tokenizer_dir, monkeypatch) as (app, _, base):
+            async with httpx.AsyncClient(timeout=FAILSAFE_S) as http:
+                partial = {"messages": [*HI, {"role": "assistant", "content": "Sure"}], "max_tokens": 5}
+                continued = {**partial, "continue_final_message": True, "add_generation_prompt": False}
+                plain_user = {"messages": HI, "max_tokens": 5}
+                no_prompt = {**plain_user, "add_generation_prompt": False}
+                for stream in (False, True):
+                    for body, echoed in ((continued, "Sure"), (no_prompt, "hi"), (plain_user, "")):
+                        answer = await chat_text(http, base, body, stream)
+                        assert answer and await chat_text(http, base, {**body, "echo": True}, stream) == echoed + answer
+            assert_idle(app)
+
+    asyncio.run(main())
+
+
 def test_detokenizer_options_on_fixed_ids(byte_tokenizer_dir):
     tok = Tokenizer(byte_tokenizer_dir)
     ids = [*b"ab", 256, *b"cd"]
@@ -190,7 +221,7 @@ REFUSED = [  # (endpoint, extra fields, param)
     ("completions", {"use_beam_search": True}, "use_beam_search"),
     ("completions", {"logits_processors": ["x.y"]}, "logits_processors"),
     ("completions", {"length_penalty": 2.0}, "length_penalty"),
-    ("chat/completions", {"echo": True}, "echo"),  # chat's echo (prepend the last message) is not completions'
+    ("chat/completions", {"echo": True, "tools": [{"type": "function", "function": {"name": "f"}}]}, "echo"),
     ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("chat/completions", {"structural_tag": "{}"}, "structural_tag"),
     ("chat/completions", {"vllm_xargs": {"a": 1}}, "vllm_xargs"),
