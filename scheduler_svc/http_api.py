@@ -34,6 +34,7 @@ from starlette.routing import Route
 
 from chunkserve_contracts import __version__
 from chunkserve_contracts.auth import token_matches
+from scheduler_svc import beam_search
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ServingError
 from scheduler_svc.http_extras import AccessLog, detokenize_ids, http_error, render_response, tokenize_response
@@ -202,6 +203,8 @@ class HttpFront:
             _, _, info = self.servicer.ready_state()
             model = self._model(body, info.model_name)
             built = build_request(body, chat, self.settings)
+            if built.beam is not None:
+                return await self._beam_search(request, built, model)
             engine, streams = await self.servicer.submit_choices(built.proto, built.prompt.ids, built.n)
         except ServingError as exc:
             return error_response(exc, chat)
@@ -247,6 +250,21 @@ class HttpFront:
                 for body, one in zip(bodies, scored):
                     body["prompt_logprobs"] = one
         return JSONResponse(answer)
+
+    async def _beam_search(self, request: Request, built: OpenAIRequest, model: str) -> Response:
+        """vLLM's use_beam_search: the whole answer once the search ends (beam_search.py)."""
+        engine, ids, params = await self.servicer.prepare(built.proto, built.prompt.ids)
+        gone = _disconnected(request)
+        beams = await beam_search.run(engine, ids, built.beam, params.max_tokens, built.proto, gone)
+        if beams is None:
+            return Response(status_code=499)
+        tokens_out = built.choice_options["return_token_ids"]
+        body = beam_search.answer(engine, beams, len(ids), built.chat, params.skip_special_tokens, tokens_out)
+        kind = ("chatcmpl-", "chat.completion") if built.chat else ("cmpl-", "text_completion")
+        request_id = built.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+        return JSONResponse(
+            {"id": kind[0] + request_id, "object": kind[1], "created": int(time.time()), "model": model, **body}
+        )
 
     async def _events(
         self, engine: Engine, choices: list[tuple[Choice, RequestStream]], head: dict[str, Any], built: OpenAIRequest

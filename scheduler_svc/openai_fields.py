@@ -38,7 +38,7 @@ _COMMON_HANDLED = {
     "guided_choice", "guided_grammar", "guided_decoding_backend", "structured_outputs", "priority",
     "request_id", "return_tokens_as_token_ids", "cache_salt", "return_token_ids", "logprobs",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
-    "prompt_logprobs", "bad_words",
+    "prompt_logprobs", "bad_words", "use_beam_search", "length_penalty",
 }  # fmt: skip
 CHAT_HANDLED = _COMMON_HANDLED | {
     "messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
@@ -50,8 +50,6 @@ COMPLETION_HANDLED = _COMMON_HANDLED | {"prompt", "echo"}
 # Any value but this one needs a feature chunkserve does not have.
 NEUTRAL: dict[str, Any] = {
     "best_of": 1,
-    "use_beam_search": False,
-    "length_penalty": 1,
     # OpenAI's own fields (its API reference, Chat Completions) that vLLM's request omits:
     "store": False,  # store the completion for OpenAI's evals and distillation: nothing is stored here
     "modalities": ["text"],  # audio output

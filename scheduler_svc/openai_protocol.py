@@ -17,6 +17,8 @@ import grpc
 from starlette.responses import JSONResponse
 
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+from scheduler_svc.beam_search import BeamOptions
+from scheduler_svc.beam_search import options as beam_options
 from scheduler_svc.errors import InvalidRequestError, ServingError
 from scheduler_svc.openai_fields import HttpError, bad, check_fields, get, get_uint
 from scheduler_svc.openai_prompt import PromptSpec, chat_options, encoding_options
@@ -80,6 +82,7 @@ class OpenAIRequest:
     # chat's echo (vLLM): the last message's content, put before the answer's, where its role is
     # the answer's (assistant; with add_generation_prompt false, whatever the last one's is).
     chat_echo: str = ""
+    beam: BeamOptions | None = None  # vLLM's use_beam_search (beam_search.py)
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field: the answer carries them
     choice_options: dict[str, bool] = field(default_factory=dict)  # Choice's keyword arguments
 
@@ -156,6 +159,10 @@ def build_request(body: dict[str, Any], chat: bool, settings: Settings | None = 
             raise bad("priority", f"priority must be a 32-bit integer, got {priority}")
         request.priority = priority
     out = OpenAIRequest(request, spec, chat, request_id=request_id, n=n or 1)
+    if get(body, "use_beam_search", (bool,), "a boolean"):
+        out.beam = beam_options(body, n or 1)
+    elif body.get("length_penalty") not in (None, 1):
+        raise bad("length_penalty", "length_penalty needs use_beam_search")
     _stream_options(body, out)
     if chat and get(body, "echo", (bool,), "a boolean"):
         _chat_echo(out, tools)

@@ -259,6 +259,48 @@ def test_sdk_bad_words_keep_a_word_out(client, model, server):
     assert http.choices[0].text == banned.text
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_beam_search_equals_transformers(client, model, server, tiny_model_path, chat):
+    """vLLM's use_beam_search (n = the beam width) gives transformers' beam search: with
+    ignore_eos (and transformers' end token off) every beam has the same length, so the
+    length penalty orders nothing and both keep the best W by summed logprob each step; the
+    W beams come back best first, with their token ids. Refused with a field it would not
+    honour, with stream, and a length_penalty without it."""
+    import httpx
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    root = server.http_url.removesuffix("/v1")
+    body = {"model": model, "max_tokens": 6, "n": 3, "use_beam_search": True, "ignore_eos": True}
+    body |= {"length_penalty": 0.5, "return_token_ids": True}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "one two one two"}]
+        prompt = httpx.post(root + "/tokenize", json={"messages": body["messages"]}).json()["tokens"]
+    else:
+        body["prompt"] = "one two one two"
+        prompt = httpx.post(root + "/tokenize", json={"prompt": body["prompt"]}).json()["tokens"]
+    answer = httpx.post(f"{server.http_url}/{'chat/' if chat else ''}completions", json=body, timeout=300).json()
+    got = [c["token_ids"] for c in answer["choices"]]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.float32)
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt]), num_beams=3, num_return_sequences=3, do_sample=False, max_new_tokens=6,
+            min_new_tokens=6, eos_token_id=None, pad_token_id=0, length_penalty=0.5,
+        )  # fmt: skip
+    assert got == [row[len(prompt) :] for row in out.tolist()]
+    assert len({tuple(g) for g in got}) == 3 and all(c["finish_reason"] == "length" for c in answer["choices"])
+    assert answer["usage"]["completion_tokens"] == 18 and answer["usage"]["prompt_tokens"] == len(prompt)
+    for extra, param in (({"top_p": 0.5}, "top_p"), ({"stream": True}, "stream"), ({"n": 11}, "n")):
+        beams = {"model": model, "prompt": "x", "max_tokens": 2, "n": 2, "use_beam_search": True, **extra}
+        refused = httpx.post(server.http_url + "/completions", json=beams, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    plain = {"model": model, "prompt": "x", "length_penalty": 2.0}
+    assert (
+        httpx.post(server.http_url + "/completions", json=plain, timeout=60).json()["error"]["param"]
+        == "length_penalty"
+    )
+
+
 def test_sdk_logit_bias_forces_and_bans_tokens(client, model, server):
     """+100 on one token makes greedy output that token every time, whatever else is likely;
     -100 on the plain greedy output's first token moves it; values past 100 are clamped (as

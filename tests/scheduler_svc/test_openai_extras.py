@@ -218,7 +218,7 @@ def test_continuous_usage_stats_count_tokens_in_every_chunk(fakes, byte_tokenize
 
 REFUSED = [  # (endpoint, extra fields, param)
     ("completions", {"suffix": "x"}, "suffix"),
-    ("completions", {"use_beam_search": True}, "use_beam_search"),
+    ("completions", {"use_beam_search": True, "temperature": 0.5}, "temperature"),  # beam search chooses the tokens
     ("completions", {"logits_processors": ["x.y"]}, "logits_processors"),
     ("completions", {"length_penalty": 2.0}, "length_penalty"),
     ("chat/completions", {"echo": True, "tools": [{"type": "function", "function": {"name": "f"}}]}, "echo"),
