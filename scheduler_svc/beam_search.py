@@ -136,7 +136,9 @@ def answer(engine: Engine, beams: list[Beam], prompt_tokens: int, chat: bool, sk
     return {"choices": choices, "usage": usage}
 
 
-async def run(engine: Engine, prompt: list[int], options: BeamOptions, max_tokens: int, base: Any, gone: Awaitable):
+async def run(
+    engine: Engine, prompt: list[int], options: BeamOptions, max_tokens: int, base: Any, gone: Awaitable[None]
+) -> list[Beam] | None:
     """The search, or None when `gone` (the client's disconnect) comes first: then every step
     request still queued is aborted."""
     task = asyncio.ensure_future(search(engine, prompt, options, max_tokens, base))
