@@ -115,6 +115,9 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repetition-penalty", type=float, help="> 0; > 1 discourages repeats (default 1)")
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--bad-word", action="append", default=[], help="a word never to generate, vLLM's bad_words (repeatable)"
+    )
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--logprobs", type=int, help="print each token's logprob and this many alternatives")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")

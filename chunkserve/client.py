@@ -84,6 +84,7 @@ def generate_cli(args: argparse.Namespace) -> int:
         logprobs=args.logprobs,
     )
     req.sampling.stop.extend(args.stop)
+    req.sampling.bad_words.extend(args.bad_word)
     target = args.address or f"{args.host}:{args.port}"  # --host/--port: the old spelling, still taken
     host, _, port = target.rpartition(":")
     if host in ("0.0.0.0", "::", "[::]", ""):

@@ -188,6 +188,35 @@ def test_generate_at_another_port_says_so(token, capsys):
         assert code == 1 and f"the server at {address} does not serve" in one_line(err)
 
 
+def test_generate_sends_the_sampling_flags(capsys):
+    """`chunkserve generate`'s sampling flags reach the request: penalties, stop strings and
+    bad words (repeatable), as a stub Generation server receives them."""
+    from chunkserve_contracts.v1 import chunkserve_pb2 as pb
+    from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
+
+    got: list[pb.GenerateRequest] = []
+
+    class Stub(pb_grpc.GenerationServicer):
+        def Generate(self, request, context):
+            got.append(request)
+            yield pb.GenerateResponse(request_id="r", text="ok", finished=True)
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_GenerationServicer_to_server(Stub(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        flags = ["--presence-penalty", "0.5", "--frequency-penalty", "0.25", "--repetition-penalty", "1.5"]
+        flags += ["--stop", "x", "--bad-word", "cat", "--bad-word", "hot dog"]
+        code, out, _ = run_main(["generate", "--address", f"127.0.0.1:{port}", *flags, "hi"], capsys)
+    finally:
+        server.stop(None)
+    s = got[0].sampling
+    assert code == 0 and out.startswith("ok")
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, 0.25, 1.5)
+    assert list(s.stop) == ["x"] and list(s.bad_words) == ["cat", "hot dog"]
+
+
 def test_generate_with_no_server_says_so(capsys):
     address = f"127.0.0.1:{closed_port()}"
     code, _, err = run_main(["generate", "--address", address, "hi"], capsys)
