@@ -105,6 +105,22 @@ def wait_for_index(admin: int, blocks: int) -> None:
     assert total == blocks, cached_blocks(admin)
 
 
+def wait_for_quiet(admin: int) -> None:
+    """Until the router sees no request anywhere: none of its own in flight and every
+    replica's last load report empty. A report taken while the previous request still decoded
+    makes its replica look busy, and the TTFT score may then send a follow-up elsewhere, so a
+    test that expects the cached replica waits for this state first (the deadline only stops
+    a hang)."""
+    stub = rpb_grpc.RouterStub(grpc.insecure_channel(f"127.0.0.1:{admin}"))
+    deadline = time.time() + 180  # a failsafe against a hang, not a time limit
+    while True:
+        replicas = stub.ListReplicas(rpb.ListReplicasRequest(), timeout=5).replicas
+        if all(not r.in_flight and not (r.load.num_running or r.load.num_waiting) for r in replicas):
+            return
+        assert time.time() < deadline, replicas
+        time.sleep(0.05)
+
+
 def test_tokens_equal_direct_and_follow_ups_go_to_the_cached_prefix(replicas, router):
     port, _, admin = router
     prefix = [(i * 7) % 100 + 3 for i in range(6 * BLOCK)]
@@ -123,6 +139,7 @@ def test_tokens_equal_direct_and_follow_ups_go_to_the_cached_prefix(replicas, ro
     run(f"127.0.0.1:{port}", greedy(other + [1]))
     wait_for_index(admin, stored + 8)
     for suffix in range(6):
+        wait_for_quiet(admin)
         out, _ = run(f"127.0.0.1:{port}", greedy(other + [9, suffix]))
         assert out.usage.cached_tokens == 8 * BLOCK
 
