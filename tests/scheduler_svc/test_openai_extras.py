@@ -137,24 +137,18 @@ def test_stop_string_kept_and_special_tokens_decoded_when_asked(fakes, byte_toke
     asyncio.run(main())
 
 
-async def completion_text(http: httpx.AsyncClient, base: str, body: dict, stream: bool) -> str:
+async def completion_text(http: httpx.AsyncClient, base: str, body: dict, stream: bool, chat: bool = False) -> str:
+    """The first choice's whole text (chat: its message content), streamed or not."""
+    url = base + ("/v1/chat/completions" if chat else "/v1/completions")
     if not stream:
-        response = await http.post(base + "/v1/completions", json=body)
+        response = await http.post(url, json=body)
         assert response.status_code == 200, response.text
-        return response.json()["choices"][0]["text"]
-    async with http.stream("POST", base + "/v1/completions", json={**body, "stream": True}) as response:
+        choice = response.json()["choices"][0]
+        return choice["message"]["content"] if chat else choice["text"]
+    async with http.stream("POST", url, json={**body, "stream": True}) as response:
         lines = [line async for line in response.aiter_lines() if line.startswith("data: {")]
-    return "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines)
-
-
-async def chat_text(http: httpx.AsyncClient, base: str, body: dict, stream: bool) -> str:
-    if not stream:
-        response = await http.post(base + "/v1/chat/completions", json=body)
-        assert response.status_code == 200, response.text
-        return response.json()["choices"][0]["message"]["content"]
-    async with http.stream("POST", base + "/v1/chat/completions", json={**body, "stream": True}) as response:
-        lines = [line async for line in response.aiter_lines() if line.startswith("data: {")]
-    return "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or "" for line in lines)
+    choices = [json.loads(line[6:])["choices"][0] for line in lines]
+    return "".join((c["delta"].get("content") or "") if chat else c["text"] for c in choices)
 
 
 def test_chat_echo_puts_the_last_message_first_where_its_role_is_the_answers(fakes, byte_tokenizer_dir, monkeypatch):
@@ -171,8 +165,9 @@ def test_chat_echo_puts_the_last_message_first_where_its_role_is_the_answers(fak
                 no_prompt = {**plain_user, "add_generation_prompt": False}
                 for stream in (False, True):
                     for body, echoed in ((continued, "Sure"), (no_prompt, "hi"), (plain_user, "")):
-                        answer = await chat_text(http, base, body, stream)
-                        assert answer and await chat_text(http, base, {**body, "echo": True}, stream) == echoed + answer
+                        answer = await completion_text(http, base, body, stream, chat=True)
+                        echo = {**body, "echo": True}
+                        assert answer and await completion_text(http, base, echo, stream, chat=True) == echoed + answer
             assert_idle(app)
 
     asyncio.run(main())
