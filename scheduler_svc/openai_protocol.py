@@ -164,12 +164,13 @@ def build_request(body: dict[str, Any], chat: bool, settings: Settings | None = 
     elif body.get("length_penalty") not in (None, 1):
         raise bad("length_penalty", "length_penalty needs use_beam_search")
     _stream_options(body, out)
-    if chat and get(body, "echo", (bool,), "a boolean"):
-        _chat_echo(out, tools)
-    elif not chat and get(body, "echo", (bool,), "a boolean"):
-        out.echo = True
-        if request.sampling.HasField("logprobs"):  # the prompt's tokens get theirs too
-            request.sampling.prompt_logprobs = request.sampling.logprobs
+    if get(body, "echo", (bool,), "a boolean"):
+        if chat:
+            _chat_echo(out, tools)
+        else:
+            out.echo = True
+            if request.sampling.HasField("logprobs"):  # the prompt's tokens get theirs too
+                request.sampling.prompt_logprobs = request.sampling.logprobs
     if (k := get_uint(body, "prompt_logprobs")) is not None:  # vLLM's: in the answer, by token id
         if out.streaming:
             raise bad("prompt_logprobs", "prompt_logprobs is not available with stream (as vLLM)")
