@@ -131,6 +131,7 @@ class SyncBearerTokenInterceptor(grpc.ServerInterceptor):
 
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+        self._deny_bidi = grpc.stream_stream_rpc_method_handler(deny)  # the step stream: no read first
 
     def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler], details: grpc.HandlerCallDetails
@@ -140,4 +141,6 @@ class SyncBearerTokenInterceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None:  # no such method here: UNIMPLEMENTED, so a client at the wrong port can say so
             return None
+        if handler.request_streaming:
+            return self._deny_bidi
         return self._deny_stream if handler.response_streaming else self._deny_unary

@@ -1,11 +1,11 @@
 """The executor process: load the model (worker.py, in named phases), serve chunkserve.executor.v1.
 
-A plain threaded gRPC server: steps arrive one at a time from the one scheduler, and every
-torch call runs on one compute thread (see ExecutorServicer), which serialises them even if
-a second caller appears. Torch work blocks the handling thread, not the server, so health
-and handshake calls still answer during a long step. With an
-executor token (always, under `chunkserve serve`) only the scheduler that holds it gets past
-the interceptor: no second scheduler drives this KV cache.
+A plain threaded gRPC server: steps arrive from the one scheduler (over one StepStream, or
+as unary Step calls), and every torch call runs on one compute thread (see
+ExecutorServicer), which serialises them even if a second caller appears. Torch work blocks
+the handling thread, not the server, so health and handshake calls still answer during a
+long step. With an executor token (always, under `chunkserve serve`) only the scheduler that
+holds it gets past the interceptor: no second scheduler drives this KV cache.
 
 With --tensor-parallel-size N > 1 this process is rank 0 of a group (executor_svc/tp_group.py):
 it forwards every step and reset to ranks 1..N-1 before running it on its own shard.
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
+from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
@@ -83,13 +85,52 @@ class ExecutorServicer(epb_grpc.ExecutorServicer):
             self._order.notify_all()
         try:
             return step.result()
-        except PlanError as exc:
-            log.error("rejected plan: %s", exc)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except torch.OutOfMemoryError as exc:
-            log.error("out of memory in step %d: %s", request.step_id, exc)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory in step {request.step_id}")
+        except (PlanError, torch.OutOfMemoryError) as exc:
+            context.abort(*_refusal(request.step_id, exc))
         raise AssertionError("unreachable: abort raises")
+
+    def StepStream(
+        self, requests: Iterator[epb.StepRequest], context: grpc.ServicerContext
+    ) -> Iterator[epb.StepOutcome]:
+        """Steps over one stream (the scheduler's way). A reader thread queues each step on the
+        compute thread as it arrives, so a step sent while the one before runs (async
+        scheduling) starts the moment that one ends; this thread answers them in order."""
+        pending: queue.SimpleQueue[tuple[epb.StepRequest, futures.Future | str] | None] = queue.SimpleQueue()
+        context.add_callback(lambda: pending.put(None))  # cancelled or gone: stop answering
+
+        def read() -> None:
+            try:
+                for request in requests:
+                    pending.put((request, self._queue_in_stream(request)))
+            except Exception:  # noqa: BLE001 - the stream broke: the callback above ends the answers
+                pass
+            finally:
+                pending.put(None)
+
+        threading.Thread(target=read, name="step-stream", daemon=True).start()
+        while (item := pending.get()) is not None:
+            request, step = item
+            if isinstance(step, str):
+                yield _error(request.step_id, grpc.StatusCode.FAILED_PRECONDITION, step)
+                continue
+            try:
+                yield epb.StepOutcome(result=step.result())
+            except (PlanError, torch.OutOfMemoryError) as exc:
+                yield _error(request.step_id, *_refusal(request.step_id, exc))
+
+    def _queue_in_stream(self, request: epb.StepRequest) -> futures.Future | str:
+        """Queues a streamed step on the compute thread; why not, when it follows a step other
+        than the one queued last (a stream's steps arrive in order, so it never should)."""
+        with self._order:
+            if request.HasField("follows_step_id") and request.follows_step_id != self._last_queued:
+                return (
+                    f"step {request.step_id} follows step {request.follows_step_id}, "
+                    f"but the step queued before it was {self._last_queued}"
+                )
+            step = self._compute.submit(self._loaded.step, request)
+            self._last_queued = request.step_id
+            self._order.notify_all()
+        return step
 
     def _notify(self) -> None:
         with self._order:  # reentrant: gRPC may call this on the thread that holds it
@@ -101,6 +142,19 @@ class ExecutorServicer(epb_grpc.ExecutorServicer):
             reset = self._compute.submit(self._loaded.reset)
         reset.result()
         return epb.ResetResponse()
+
+
+def _refusal(step_id: int, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status a refused plan or an out-of-memory step ends with (the executor lives on)."""
+    if isinstance(exc, PlanError):
+        log.error("rejected plan: %s", exc)
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    log.error("out of memory in step %d: %s", step_id, exc)
+    return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory in step {step_id}"
+
+
+def _error(step_id: int, code: grpc.StatusCode, message: str) -> epb.StepOutcome:
+    return epb.StepOutcome(error=epb.StepError(step_id=step_id, code=code.value[0], message=message))
 
 
 def serve(config: ExecutorConfig, stop: threading.Event | None = None) -> None:
@@ -147,7 +201,9 @@ def _listen(config: ExecutorConfig, loaded: Loaded, compute: futures.ThreadPoolE
             address,
         )
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=4),
+        # The scheduler's step stream holds a thread for its lifetime; the rest answer health,
+        # handshakes, resets and unary steps.
+        futures.ThreadPoolExecutor(max_workers=8),
         interceptors=interceptors,
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -104,3 +104,29 @@ def test_a_cancelled_follower_stops_waiting(servicer):
     context.cancel()
     waiting.join(60)  # only a hang reaches this
     assert not waiting.is_alive() and errors and loaded.ran == []
+
+
+def test_a_stream_answers_in_order_and_ends_when_cancelled(servicer):
+    """StepStream: each step queued as it arrives and answered in order; a scheduler that goes
+    away (the call cancelled while no step is pending) ends the answering thread at once."""
+    import queue
+
+    svc, loaded = servicer
+    arrivals: queue.SimpleQueue = queue.SimpleQueue()
+
+    def requests():
+        while (request := arrivals.get()) is not None:
+            yield request
+
+    context = _Context(None)
+    answers = svc.StepStream(requests(), context)
+    arrivals.put(epb.StepRequest(step_id=0))
+    arrivals.put(epb.StepRequest(step_id=1, follows_step_id=0))
+    assert [next(answers).result.step_id for _ in range(2)] == [0, 1]
+    arrivals.put(epb.StepRequest(step_id=3, follows_step_id=2))  # not the step before it
+    refused = next(answers)
+    assert refused.error.step_id == 3 and refused.error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    context.cancel()  # the request iterator still blocks: only the cancellation can end this
+    assert list(answers) == []
+    assert loaded.ran == [0, 1]
+    arrivals.put(None)  # let the reader thread go too

@@ -45,6 +45,11 @@ class ExecutorStub:
                 request_serializer=chunkserve_dot_executor_dot_v1_dot_executor__pb2.StepRequest.SerializeToString,
                 response_deserializer=chunkserve_dot_executor_dot_v1_dot_executor__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/chunkserve.executor.v1.Executor/StepStream',
+                request_serializer=chunkserve_dot_executor_dot_v1_dot_executor__pb2.StepRequest.SerializeToString,
+                response_deserializer=chunkserve_dot_executor_dot_v1_dot_executor__pb2.StepOutcome.FromString,
+                _registered_method=True)
         self.Reset = channel.unary_unary(
                 '/chunkserve.executor.v1.Executor/Reset',
                 request_serializer=chunkserve_dot_executor_dot_v1_dot_executor__pb2.ResetRequest.SerializeToString,
@@ -75,6 +80,17 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepStream(self, request_iterator, context):
+        """The same steps over one long-lived stream, as the scheduler sends them: one StepOutcome
+        per StepRequest, in the order written, and the steps run in that order (a follows_step_id
+        must name the step written just before; the stream does not wait for one). It saves the
+        setup of a call per step (~0.3 ms on loopback). A refused plan or an out-of-memory step
+        answers with a StepError and the stream goes on; an executor failure ends the stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Reset(self, request, context):
         """Drops every sequence's state (the scheduler restarted or recovered); KV contents are
         left as they are, since the scheduler owns which blocks mean anything.
@@ -95,6 +111,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=chunkserve_dot_executor_dot_v1_dot_executor__pb2.StepRequest.FromString,
                     response_serializer=chunkserve_dot_executor_dot_v1_dot_executor__pb2.StepResponse.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
+                    request_deserializer=chunkserve_dot_executor_dot_v1_dot_executor__pb2.StepRequest.FromString,
+                    response_serializer=chunkserve_dot_executor_dot_v1_dot_executor__pb2.StepOutcome.SerializeToString,
             ),
             'Reset': grpc.unary_unary_rpc_method_handler(
                     servicer.Reset,
@@ -157,6 +178,33 @@ class Executor:
             '/chunkserve.executor.v1.Executor/Step',
             chunkserve_dot_executor_dot_v1_dot_executor__pb2.StepRequest.SerializeToString,
             chunkserve_dot_executor_dot_v1_dot_executor__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/chunkserve.executor.v1.Executor/StepStream',
+            chunkserve_dot_executor_dot_v1_dot_executor__pb2.StepRequest.SerializeToString,
+            chunkserve_dot_executor_dot_v1_dot_executor__pb2.StepOutcome.FromString,
             options,
             channel_credentials,
             insecure,
