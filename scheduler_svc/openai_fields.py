@@ -35,9 +35,9 @@ _COMMON_HANDLED = {
     "model", "max_tokens", "n", "seed", "stop", "stream", "stream_options", "temperature", "top_p", "top_k",
     "min_p", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
     "truncate_prompt_tokens", "add_special_tokens", "response_format", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar", "guided_decoding_backend", "structured_outputs", "priority",
-    "request_id", "return_tokens_as_token_ids", "cache_salt", "return_token_ids", "logprobs",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
+    "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
+    "structured_outputs", "priority", "request_id", "return_tokens_as_token_ids", "cache_salt", "return_token_ids",
+    "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
     "prompt_logprobs", "bad_words", "use_beam_search", "length_penalty",
 }  # fmt: skip
 CHAT_HANDLED = _COMMON_HANDLED | {
@@ -78,7 +78,6 @@ REFUSED = {
     "mm_processor_kwargs": "multimodal inputs are not supported",
     "kv_transfer_params": "disaggregated serving is not supported",
     "vllm_xargs": "no extension reads extra arguments",
-    "guided_whitespace_pattern": "the JSON whitespace pattern cannot be changed",
     "structural_tag": "structural tags are not supported (use tools or structured_outputs)",
     "prompt_embeds": "prompt embeddings are not supported",
     "suffix": "suffix is not supported (as vLLM)",

@@ -14,13 +14,15 @@ from typing import Any
 
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from scheduler_svc.openai_fields import bad, get
-from scheduler_svc.structured import Constraint
+from scheduler_svc.structured import Constraint, with_json_options
 
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 # structured_outputs options: accepted where they change nothing here, else refused by name.
 _OUTPUT_NO_EFFECT = {"disable_fallback": "llguidance never falls back", "backend": None}
-_OUTPUT_REFUSED = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern", "structural_tag")
+_OUTPUT_REFUSED = ("structural_tag",)
+# structured_outputs options of a JSON constraint (structured.with_json_options): name -> type.
+_JSON_OPTIONS = {"disable_any_whitespace": bool, "whitespace_pattern": str, "disable_additional_properties": bool}
 BACKENDS = (None, "auto", "guidance", "llguidance")  # what chunkserve compiles with (guidance = llguidance)
 
 
@@ -43,7 +45,41 @@ def structured_constraint(body: dict[str, Any]) -> tuple[str, Constraint] | None
     if len(found) > 1:
         names = " and ".join(sorted({n for n, _ in found}))
         raise bad(found[1][0], f"one structured-output constraint per request: got {names}")
-    return found[0] if found else None
+    return _with_options(body, outputs or {}, found[0] if found else None)
+
+
+def _with_options(
+    body: dict[str, Any], outputs: dict[str, Any], found: tuple[str, Constraint] | None
+) -> tuple[str, Constraint] | None:
+    """The constraint with the request's JSON options (structured_outputs' whitespace and
+    additional-properties switches, the older guided_whitespace_pattern) applied, whichever
+    field the constraint came from; options with no JSON constraint to apply to are a 400."""
+    options = {k: outputs[k] for k in _JSON_OPTIONS if outputs.get(k) is not None}
+    for key, kind in _JSON_OPTIONS.items():
+        if key in options and not isinstance(options[key], kind):
+            raise bad("structured_outputs", f"structured_outputs.{key} must be a {kind.__name__}")
+    field = "structured_outputs"
+    if (pattern := body.get("guided_whitespace_pattern")) is not None:
+        if not isinstance(pattern, str) or "whitespace_pattern" in options:
+            raise bad("guided_whitespace_pattern", "guided_whitespace_pattern must be a string (and given once)")
+        options["whitespace_pattern"], field = pattern, "guided_whitespace_pattern"
+    if not options:
+        return found
+    if found is None:
+        raise bad(
+            field,
+            f"{field}: {', '.join(sorted(options))} needs a JSON constraint (json, json_object or response_format)",
+        )
+    try:
+        constraint = with_json_options(
+            found[1],
+            any_whitespace=None if "disable_any_whitespace" not in options else not options["disable_any_whitespace"],
+            whitespace_pattern=options.get("whitespace_pattern"),
+            close_objects=options.get("disable_additional_properties", False),
+        )
+    except ValueError as exc:
+        raise bad(field, f"{field}: {exc}") from None
+    return found[0], constraint
 
 
 def set_proto(s: pb.SamplingParams, constraint: Constraint) -> None:
@@ -86,7 +122,7 @@ def _structured_outputs(outputs: dict[str, Any]) -> list[Constraint]:
             raise bad("structured_outputs", f"structured_outputs.{key} is not supported")
     if outputs.get("backend") not in BACKENDS:
         raise bad("structured_outputs", "structured_outputs.backend: only llguidance (guidance) runs here")
-    known = set(_OUTPUTS) | {"json_object", *_OUTPUT_REFUSED, *_OUTPUT_NO_EFFECT}
+    known = set(_OUTPUTS) | {"json_object", *_OUTPUT_REFUSED, *_OUTPUT_NO_EFFECT, *_JSON_OPTIONS}
     if unknown := sorted(set(outputs) - known):
         raise bad("structured_outputs", f"structured_outputs.{unknown[0]} is not a structured_outputs field")
     return found

@@ -84,6 +84,70 @@ def _check_choices(spec: str) -> None:
             raise ValueError(f"choice options must be non-empty strings, got {option!r}")
 
 
+# JSON keywords whose value is one subschema, a map of them, or a list of them (Draft 2020-12
+# and the older `definitions`, `items` as a list): where _close_objects looks for objects.
+_ONE_SCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems", "items")
+
+
+def with_json_options(
+    constraint: Constraint,
+    *,
+    any_whitespace: bool | None = None,
+    whitespace_pattern: str | None = None,
+    close_objects: bool = False,
+) -> Constraint:
+    """A JSON constraint with vLLM's structured_outputs options, written into its schema.
+
+    Why in the schema: llguidance reads a schema's top-level `x-guidance` options (the
+    whitespace between JSON tokens, the separators), so the options travel in the spec a gRPC
+    client could have written itself, and requests that differ only in them never share a
+    compiled grammar. As vLLM's guidance backend: `any_whitespace` True allows any whitespace
+    between tokens (`disable_any_whitespace: false`), False none at all (`true`; separators
+    "," and ":"), None keeps chunkserve's default (", " and ": ", no other whitespace);
+    `whitespace_pattern` is the regex whitespace must match instead; `close_objects`
+    (`disable_additional_properties`) makes every object that lists properties and says nothing
+    of others allow no others. ValueError, fit for the client, when the constraint is not JSON
+    or the options contradict each other."""
+    if constraint.kind not in ("json_schema", "json_object"):
+        raise ValueError(f"applies to JSON output (a schema or any JSON object), not to {constraint.kind}")
+    if any_whitespace is False and whitespace_pattern is not None:
+        raise ValueError("disable_any_whitespace and whitespace_pattern contradict each other")
+    if any_whitespace is None and whitespace_pattern is None and not close_objects:
+        return constraint
+    schema = json.loads(constraint.spec) if constraint.kind == "json_schema" else {"type": "object"}
+    if close_objects:
+        _close_objects(schema)
+    if any_whitespace is not None or whitespace_pattern is not None:
+        options = dict(schema.get("x-guidance") or {})
+        options.update(whitespace_flexible=any_whitespace is not False, item_separator=",", key_separator=":")
+        if whitespace_pattern is not None:
+            options["whitespace_pattern"] = whitespace_pattern
+        schema["x-guidance"] = options
+    return Constraint.make("json_schema", json.dumps(schema))
+
+
+def _close_objects(schema: object) -> None:
+    """Adds `additionalProperties: false` to every object schema under `schema` that lists
+    properties (or property patterns) and does not say whether others are allowed. Walks the
+    subschema keywords only, so a property that happens to be named `properties` is left alone."""
+    if not isinstance(schema, dict):
+        return
+    for key in _ONE_SCHEMA:
+        _close_objects(schema.get(key))
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for sub in schema[key].values():
+                _close_objects(sub)
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for sub in schema[key]:
+                _close_objects(sub)
+    if ("properties" in schema or "patternProperties" in schema) and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
+
+
 class GrammarMatcher(Protocol):
     """One request's grammar state (scheduler_svc/grammar.py has the llguidance one): the mask
     of the next token, and the tokens output so far fed in order."""

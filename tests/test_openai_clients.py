@@ -98,6 +98,32 @@ def test_sdk_parse_with_a_pydantic_model(client, model):
     assert legacy.choices[0].text.isdigit() and len(legacy.choices[0].text) == 3
 
 
+def test_sdk_json_whitespace_options(client, model):
+    """structured_outputs' whitespace options through the SDK's extra_body: a schema whose every
+    value has one spelling, so the text must equal json.dumps with the separators asked for."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        },
+        "required": ["ok", "tags"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    for extra, separators in (
+        ({}, (", ", ": ")),
+        ({"structured_outputs": {"disable_any_whitespace": True}}, (",", ":")),
+        ({"guided_whitespace_pattern": ""}, (",", ":")),  # whitespace must match the empty regex
+    ):
+        out = client.chat.completions.create(
+            model=model, messages=ASK, response_format=fmt, max_tokens=60, temperature=1, seed=5, extra_body=extra
+        )
+        text = out.choices[0].message.content
+        assert out.choices[0].finish_reason == "stop", text
+        assert text == json.dumps(json.loads(text), separators=separators), (extra, text)
+
+
 def test_sdk_forced_tool_calls_whole_and_streamed(client, model):
     named = {"type": "function", "function": {"name": "get_weather"}}
     out = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=60)

@@ -22,7 +22,7 @@ from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from scheduler_svc.errors import InvalidRequestError
 from scheduler_svc.grammar import LLGuidanceCompiler, check_constrained
 from scheduler_svc.request import FinishReason, SamplingParams
-from scheduler_svc.structured import CONSTRAINT_KINDS, MAX_CHOICES, Constraint
+from scheduler_svc.structured import CONSTRAINT_KINDS, MAX_CHOICES, Constraint, with_json_options
 from scheduler_svc.validation import Limits, sampling_params
 
 BLOCK = 4
@@ -159,6 +159,107 @@ def test_a_compiled_constraint_is_reused_but_each_request_gets_its_own_state(com
     first, second = compiler.compile_now(c), compiler.cached(c)
     assert first.accept(ord("a")) and first.accept(ord("b")) and first.is_stopped()
     assert not second.is_stopped() and second.accept(ord("a")) and second.accept(ord("c"))
+
+
+def _accepts(compiler, constraint: Constraint, text: str) -> bool:
+    """Whether the whole of `text` (bytes as tokens) is an output the constraint allows."""
+    m = compiler.compile_now(constraint)
+    return all(m.accept(b) for b in text.encode()) and (m.is_stopped() or m.accept(256))
+
+
+JSON_TEXTS = ['{"x": 1, "y": [1, 2]}', '{"x":1,"y":[1,2]}', '{ "x" :  1 ,\n "y": [ 1,2 ] }', '{"x":  1, "y": [1, 2]}']
+XY = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "array", "items": {"type": "integer"}}}}
+
+
+@pytest.mark.parametrize(
+    ("options", "accepted"),
+    [
+        ({}, [True, False, False, False]),  # chunkserve's default: ", " and ": ", nothing else
+        ({"any_whitespace": False}, [False, True, False, False]),  # disable_any_whitespace: true
+        ({"any_whitespace": True}, [True, True, True, True]),  # disable_any_whitespace: false
+        ({"whitespace_pattern": "[ ]{0,2}"}, [True, True, False, True]),
+    ],
+)
+def test_json_whitespace_options_change_what_the_grammar_allows(compiler, options, accepted):
+    """The options as llguidance compiles them, on the text they must allow or refuse."""
+    for base in (Constraint.make("json_schema", json.dumps(XY)), Constraint.make("json_object")):
+        constraint = with_json_options(base, **options)
+        assert [_accepts(compiler, constraint, t) for t in JSON_TEXTS] == accepted, (base.kind, options)
+
+
+def test_closed_objects_refuse_other_properties_at_every_level(compiler):
+    nested = {
+        "type": "object",
+        "properties": {
+            "a": {"anyOf": [{"type": "object", "properties": {"b": {"type": "integer"}}}, {"type": "null"}]}
+        },
+        "$defs": {"unused": {"type": "object", "properties": {"properties": {"type": "object"}}}},
+    }
+    plain = Constraint.make("json_schema", json.dumps(nested))
+    closed = with_json_options(plain, close_objects=True)
+    for text, open_ok in [
+        ('{"a": {"b": 1}}', True),
+        ('{"a": {"b": 1}, "z": 1}', True),
+        ('{"a": {"b": 1, "z": 2}}', True),
+    ]:
+        assert _accepts(compiler, plain, text) == open_ok
+        assert _accepts(compiler, closed, text) == ("z" not in text)
+    schema = json.loads(closed.spec)
+    # A property named "properties" is a property, not a keyword: it gains no additionalProperties.
+    assert schema["$defs"]["unused"]["properties"]["properties"] == {"type": "object"}
+
+
+def test_json_options_refuse_what_they_cannot_apply_to():
+    with pytest.raises(ValueError, match="not to regex"):
+        with_json_options(Constraint.make("regex", "a"), any_whitespace=False)
+    with pytest.raises(ValueError, match="contradict"):
+        with_json_options(Constraint.make("json_object"), any_whitespace=False, whitespace_pattern=" ")
+    json_object = Constraint.make("json_object")
+    assert with_json_options(json_object) is json_object  # nothing asked: the very same constraint
+
+
+_SUBSCHEMA = st.deferred(
+    lambda: st.one_of(
+        st.fixed_dictionaries({"type": st.just("integer")}),
+        st.fixed_dictionaries(
+            {"type": st.just("object"), "properties": st.dictionaries(st.sampled_from(["properties", "items", "a", "b"]), _SUBSCHEMA, max_size=3)},
+            optional={"additionalProperties": st.one_of(st.booleans(), _SUBSCHEMA)},
+        ),
+        st.fixed_dictionaries({"type": st.just("array"), "items": _SUBSCHEMA}),
+        st.fixed_dictionaries({"anyOf": st.lists(_SUBSCHEMA, min_size=1, max_size=3)}),
+    )
+)  # fmt: skip
+
+
+def _objects(schema, path=()):
+    """(path, object schema) of every schema with properties, walking subschema keywords only."""
+    if "properties" in schema:
+        yield path, schema
+        for name, sub in schema["properties"].items():
+            yield from _objects(sub, (*path, "properties", name))
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from _objects(schema["additionalProperties"], (*path, "additionalProperties"))
+    if "items" in schema:
+        yield from _objects(schema["items"], (*path, "items"))
+    for i, sub in enumerate(schema.get("anyOf", [])):
+        yield from _objects(sub, (*path, "anyOf", i))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_SUBSCHEMA)
+def test_closing_objects_adds_exactly_the_missing_additional_properties(schema):
+    """Every object schema that lists properties and was silent about others now refuses
+    them; one that said anything keeps it; nothing else in the schema changes."""
+    closed = json.loads(with_json_options(Constraint.make("json_schema", json.dumps(schema)), close_objects=True).spec)
+    before, after = dict(_objects(schema)), dict(_objects(closed))
+    assert before.keys() == after.keys()
+    for path, obj in after.items():
+        said, now = before[path].get("additionalProperties"), obj["additionalProperties"]
+        assert now is False if said is None else type(now) is type(said), path  # a subschema is walked itself
+    for path, obj in after.items():  # strip what was added: the original comes back
+        if "additionalProperties" not in before[path]:
+            del obj["additionalProperties"]
+    assert closed == schema
 
 
 # ---- the scheduler's hold on a pending mask ----------------------------------------------

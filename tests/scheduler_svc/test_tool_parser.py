@@ -202,7 +202,16 @@ def test_structured_output_fields_become_one_grpc_constraint(extra, kind, spec):
         ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_json": "[1]"}, "guided_json"),
-        ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs"),
+        ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs"),  # no JSON to apply it to
+        ({"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}}, "structured_outputs"),
+        ({"guided_regex": "a+", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+        ({"guided_json": SCHEMA, "guided_whitespace_pattern": 3}, "guided_whitespace_pattern"),
+        (
+            {"guided_json": SCHEMA, "structured_outputs": {"disable_any_whitespace": True, "whitespace_pattern": " "}},
+            "structured_outputs",
+        ),
+        ({"guided_json": SCHEMA, "structured_outputs": {"disable_any_whitespace": "yes"}}, "structured_outputs"),
+        ({"guided_json": SCHEMA, "structured_outputs": {"disable_additional_properties": 1}}, "structured_outputs"),
         ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
         ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
         (
@@ -219,6 +228,33 @@ def test_bad_structured_output_fields_are_400s_naming_them(extra, param):
     with pytest.raises(HttpError) as err:
         build_request({"messages": HI, **extra}, chat=True)
     assert err.value.param == param and err.value.status == 400
+
+
+COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+ANY_SPACE = {"whitespace_flexible": True, "item_separator": ",", "key_separator": ":"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "schema"),
+    [
+        ({"guided_json": SCHEMA, "structured_outputs": {"disable_any_whitespace": True}}, {**SCHEMA, "x-guidance": COMPACT}),
+        ({"guided_json": SCHEMA, "structured_outputs": {"disable_any_whitespace": False}}, {**SCHEMA, "x-guidance": ANY_SPACE}),
+        ({"structured_outputs": {"json_object": True, "disable_any_whitespace": True}}, {"type": "object", "x-guidance": COMPACT}),
+        ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": "[ ]?"}}, {**SCHEMA, "x-guidance": {**ANY_SPACE, "whitespace_pattern": "[ ]?"}}),
+        ({"guided_json": SCHEMA, "guided_whitespace_pattern": "\\n?"}, {**SCHEMA, "x-guidance": {**ANY_SPACE, "whitespace_pattern": "\\n?"}}),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}, "structured_outputs": {"disable_additional_properties": True}},
+            {**SCHEMA, "additionalProperties": False},
+        ),
+        ({"guided_json": SCHEMA, "structured_outputs": {"disable_any_whitespace": None}}, SCHEMA),  # null: not given
+    ],
+)  # fmt: skip
+def test_structured_outputs_json_options_are_written_into_the_schema(extra, schema):
+    """vLLM's structured_outputs options (and the older guided_whitespace_pattern) apply to the
+    request's JSON constraint, whichever field it came from, as llguidance's x-guidance options."""
+    for chat, base in ((True, {"messages": HI}), (False, {"prompt": "hi"})):
+        constraint = structured_constraint(build_request({**base, **extra}, chat).proto.sampling)
+        assert constraint.kind == "json_schema" and json.loads(constraint.spec) == schema
 
 
 def test_forced_tool_choice_is_a_json_schema_constraint():
