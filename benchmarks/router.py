@@ -557,6 +557,14 @@ def run_one_policy(
             results = asyncio.run(run_policy_http(url, served, texts, arrivals, args.max_tokens))
         if router == "chunkserve":
             print(f"{'':>24}decisions: {decision_reasons(proc.metrics_port)}")  # type: ignore[attr-defined]
+        slowest = sorted(range(len(results)), key=lambda i: -results[i].ttft)[:4]
+        print(
+            f"{'':>24}slowest (ms, at s, cached/prompt tokens): "
+            + "; ".join(
+                f"{results[i].ttft * 1e3:.0f} at {arrivals[i]:.1f} {results[i].cached_tokens}/{results[i].prompt_tokens}"
+                for i in slowest
+            )
+        )
         return results
     finally:
         proc.terminate()

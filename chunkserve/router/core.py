@@ -147,6 +147,7 @@ class Router:
         replica.pending_tokens += uncached
         replica.pending_attention += attention
         replica.routed.update(hashes)
+        replica.sent(time.monotonic())
         self.metrics.decided(decision, len(token_ids) if token_ids else 0, block_size, time.perf_counter() - started)
         return Ticket(replica, decision, hashes, uncached, attention)
 
@@ -186,6 +187,7 @@ class Router:
             router_in_flight=r.in_flight,
             num_decoding=load.num_decoding,
             decode_context_tokens=load.decode_context_tokens,
+            recent_requests=r.recent_requests(time.monotonic()),
             token_budget=load.token_budget or 2048,
             step_cost=step_cost,
         )

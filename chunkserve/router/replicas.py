@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import socket
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chunkserve.router.legs import REPLICA_DOWN, CallLeg, Leg, MuxStream
+from chunkserve.router.scoring import RECENT_TAU_S
 from chunkserve_contracts.auth import bearer_metadata
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
@@ -104,6 +106,16 @@ class Replica:
     tasks: list[asyncio.Task] = field(default_factory=list)
     watch_task: asyncio.Task | None = None
     last_seq: int | None = None
+    _recent: tuple[float, float] = (0.0, 0.0)  # (requests sent lately, decayed to this monotonic time)
+
+    def sent(self, now: float) -> None:
+        """Counts a request routed here (scoring.ReplicaView.recent_requests)."""
+        self._recent = (self.recent_requests(now) + 1.0, now)
+
+    def recent_requests(self, now: float) -> float:
+        """Requests routed here lately: each counts 1 when sent, decaying by e every RECENT_TAU_S."""
+        count, at = self._recent
+        return count * math.exp(-(now - at) / RECENT_TAU_S) if count else 0.0
 
     def __post_init__(self) -> None:
         options = [("grpc.keepalive_time_ms", 10_000), ("grpc.max_receive_message_length", 64 << 20)]

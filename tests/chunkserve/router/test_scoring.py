@@ -3,14 +3,15 @@ prefill they save; imbalance falls back to least-loaded; the baselines do what t
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chunkserve.router.replicas import parse_replica
-from chunkserve.router.scoring import ReplicaView, choose, matched_prefix, pool_step_costs, predicted_ttft
+from chunkserve.router.scoring import RECENT_TAU_S, ReplicaView, choose, matched_prefix, pool_step_costs, predicted_ttft
 from scheduler_svc.step_cost import attention_pairs
 
 BS = 16
@@ -124,6 +125,60 @@ def test_ttft_grows_with_work_and_shrinks_with_cache(m1, m2, prompt, pending):
     assert more_cached <= less_cached
     busier = predicted_ttft(view("x", matched_blocks=lo, pending_prefill_tokens=pending + 100), prompt, BS)
     assert busier >= less_cached
+
+
+def test_a_new_prefix_goes_where_fewest_requests_went_lately():
+    """Idle replicas tie exactly on TTFT for a prompt none holds: the one sent the fewest
+    requests lately takes it (by list order, the first replicas took most prefix groups)."""
+    views = [view("a", recent_requests=9.0), view("b", recent_requests=0.5), view("c", recent_requests=3.0)]
+    assert choose(views, 1000, BS).replica == "b"
+    # A cached prefix still wins over a quieter replica, and so does a clearly shorter queue.
+    views[0].matched_blocks = 60
+    assert choose(views, 1000, BS).replica == "a"
+    views[0].matched_blocks, views[1].pending_prefill_tokens = 0, 5000
+    assert choose(views, 1000, BS).replica == "c"
+
+
+def test_ttfts_closer_than_one_step_count_as_tied():
+    quiet = view("quiet", recent_requests=0.0, num_decoding=1)  # 4 steps of +2 ms: +8 ms, below one step (10 ms)
+    crowded = view("crowded", recent_requests=12.0)
+    assert predicted_ttft(quiet, 1000, BS) > predicted_ttft(crowded, 1000, BS)
+    assert choose([crowded, quiet], 1000, BS).replica == "quiet"
+    quiet.num_decoding = 20  # 5 steps of +40 ms: clearly slower
+    assert choose([crowded, quiet], 1000, BS).replica == "crowded"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 5), st.lists(st.integers(0, 15), min_size=16, max_size=120), st.permutations(range(16)))
+def test_prefix_groups_spread_evenly_over_idle_replicas(n, follow_ups, first_order):
+    """16 prefix groups, each first seen in a random order with follow-ups interleaved, onto
+    idle replicas (every request done before the next, as between bursts): each group stays
+    where its prefix went, and the groups split as evenly as they can (at most one apart)."""
+    views = [view(f"r{k}") for k in range(n)]
+    home: dict[int, str] = {}
+    stream = [g for g in first_order] + follow_ups
+    t = 0.0
+    for g in stream:
+        t += 0.05  # 20 requests a second
+        for v in views:  # decayed counts, as Replica.recent_requests gives them
+            v.recent_requests *= math.exp(-0.05 / RECENT_TAU_S)
+            v.matched_blocks = 60 if home.get(g) == v.name else 0
+        d = choose(views, 1000, BS)
+        assert home.setdefault(g, d.replica) == d.replica  # later requests follow the prefix
+        next(v for v in views if v.name == d.replica).recent_requests += 1
+    groups = [sum(1 for r in home.values() if r == v.name) for v in views]
+    assert max(groups) - min(groups) <= 1, groups
+
+
+def test_recent_requests_decay():
+    from chunkserve.router.replicas import Replica
+
+    r = Replica(parse_replica("127.0.0.1:1"))
+    assert r.recent_requests(100.0) == 0.0
+    r.sent(100.0)
+    r.sent(100.0)
+    assert r.recent_requests(100.0) == pytest.approx(2.0)
+    assert r.recent_requests(100.0 + RECENT_TAU_S) == pytest.approx(2.0 / math.e)
 
 
 def test_matched_prefix_stops_at_the_first_miss():
