@@ -198,10 +198,30 @@ def grammar_text(constraint: Constraint) -> str:
         return llg.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     if kind == "regex":
         return llg.LLMatcher.grammar_from_regex(spec)
+    if kind == "structural_tag":
+        # A Lark grammar of lazy triggers (llguidance's own StructTag.to_grammar); each schema's
+        # JSON written as everywhere else unless its own x-guidance says otherwise.
+        tag = json.loads(spec)
+        tags = [
+            llg.StructTag(
+                trigger=next(t for t in tag["triggers"] if s["begin"].startswith(t)),
+                begin=s["begin"],
+                grammar=_with_defaults(s["schema"]),
+                end=s["end"],
+            )
+            for s in tag["structures"]
+        ]
+        return llg.LLMatcher.grammar_from_lark(llg.StructTag.to_grammar(tags))
     if kind == "choice":
         # A Lark alternation of JSON-quoted literals (llguidance's own grammar_from("choice")).
         return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(spec)))
     return llg.LLMatcher.grammar_from_lark(spec)
+
+
+def _with_defaults(schema: dict) -> dict:
+    """The schema with chunkserve's JSON options under its own x-guidance (which wins)."""
+    own = schema.get("x-guidance", {})
+    return {**schema, "x-guidance": {**_JSON_OPTIONS, **own}} if isinstance(own, dict) else schema
 
 
 def _llg_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> object:

@@ -120,7 +120,9 @@ def _structured(params: SamplingParams) -> dict[str, Any] | None:
         return None
     if c.kind == "json_object":
         return {"json_object": True}
-    spec = json.loads(c.spec) if c.kind in ("json_schema", "choice") else c.spec  # JSON text -> its value
+    spec = (
+        json.loads(c.spec) if c.kind in ("json_schema", "choice") else c.spec
+    )  # JSON text -> its value (a tag stays text, as vLLM)
     return {"json" if c.kind == "json_schema" else c.kind: spec}
 
 

@@ -16,11 +16,22 @@ from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from scheduler_svc.openai_fields import bad, get
 from scheduler_svc.structured import Constraint, with_json_options
 
-GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
-# structured_outputs options: accepted where they change nothing here, else refused by name.
+GUIDED = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "structural_tag": "structural_tag",  # vLLM's older top-level field (JSON text)
+}
+_OUTPUTS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "structural_tag": "structural_tag",
+}
+# structured_outputs options accepted where they change nothing here (any other name is a 400).
 _OUTPUT_NO_EFFECT = {"disable_fallback": "llguidance never falls back", "backend": None}
-_OUTPUT_REFUSED = ("structural_tag",)
 # structured_outputs options of a JSON constraint (structured.with_json_options): name -> type.
 _JSON_OPTIONS = {"disable_any_whitespace": bool, "whitespace_pattern": str, "disable_additional_properties": bool}
 BACKENDS = (None, "auto", "guidance", "llguidance")  # what chunkserve compiles with (guidance = llguidance)
@@ -68,7 +79,8 @@ def _with_options(
     if found is None:
         raise bad(
             field,
-            f"{field}: {', '.join(sorted(options))} needs a JSON constraint (json, json_object or response_format)",
+            f"{field}: {', '.join(sorted(options))} needs a JSON constraint (json, json_object, structural_tag "
+            "or response_format)",
         )
     try:
         constraint = with_json_options(
@@ -98,6 +110,8 @@ def _response_format(fmt: dict[str, Any]) -> Constraint | None:
         return None
     if kind == "json_object":
         return Constraint.make("json_object")
+    if kind == "structural_tag":  # vLLM: {"type": "structural_tag", "structures": [...], "triggers": [...]}
+        return _make("response_format", "structural_tag", fmt)
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -106,7 +120,10 @@ def _response_format(fmt: dict[str, Any]) -> Constraint | None:
         if not isinstance(spec.get("strict"), bool | None):
             raise bad("response_format", "response_format.json_schema.strict must be a boolean")
         return _make("response_format", "json_schema", schema)  # strict or not, the output follows it
-    raise bad("response_format", f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+    raise bad(
+        "response_format",
+        f"response_format.type must be text, json_object, json_schema or structural_tag, got {kind!r}",
+    )
 
 
 def _structured_outputs(outputs: dict[str, Any]) -> list[Constraint]:
@@ -117,12 +134,9 @@ def _structured_outputs(outputs: dict[str, Any]) -> list[Constraint]:
     ]
     if outputs.get("json_object"):
         found.append(Constraint.make("json_object"))
-    for key in _OUTPUT_REFUSED:
-        if outputs.get(key) not in (None, False, ""):
-            raise bad("structured_outputs", f"structured_outputs.{key} is not supported")
     if outputs.get("backend") not in BACKENDS:
         raise bad("structured_outputs", "structured_outputs.backend: only llguidance (guidance) runs here")
-    known = set(_OUTPUTS) | {"json_object", *_OUTPUT_REFUSED, *_OUTPUT_NO_EFFECT, *_JSON_OPTIONS}
+    known = set(_OUTPUTS) | {"json_object", *_OUTPUT_NO_EFFECT, *_JSON_OPTIONS}
     if unknown := sorted(set(outputs) - known):
         raise bad("structured_outputs", f"structured_outputs.{unknown[0]} is not a structured_outputs field")
     return found
@@ -131,7 +145,7 @@ def _structured_outputs(outputs: dict[str, Any]) -> list[Constraint]:
 def _make(field: str, kind: str, value: Any) -> Constraint:
     """A Constraint from a field's value: a schema as an object or its JSON text, a regex or
     grammar as text, choices as a list of strings."""
-    if kind == "json_schema" and isinstance(value, dict):
+    if kind in ("json_schema", "structural_tag") and isinstance(value, dict):
         value = json.dumps(value)
     elif kind == "choice":
         if not isinstance(value, list):

@@ -16,11 +16,15 @@ from typing import Protocol
 
 # json_object: any JSON object (spec ""); json_schema: the schema as JSON text; regex: the
 # whole output matches it; choice: a JSON list of strings, the output is one of them;
-# grammar: a Lark grammar (llguidance's dialect, docs: guidance-ai/llguidance docs/syntax.md).
-CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+# grammar: a Lark grammar (llguidance's dialect, docs: guidance-ai/llguidance docs/syntax.md);
+# structural_tag: vLLM's structural tags as JSON text, {"structures": [{"begin", "schema", "end"}],
+# "triggers": [...]}: free text, in which each structure, once its trigger is written, is its
+# begin text, a JSON value of its schema and its end text (tool calls inside running text).
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "structural_tag")
 # Bounds a spec before any compile work: a schema or grammar this long is not a real one.
 MAX_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 1024
+MAX_STRUCTURES = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +57,8 @@ class Constraint:
             _check_schema(spec)
         elif kind == "choice":
             _check_choices(spec)
+        elif kind == "structural_tag":
+            _check_structural_tag(spec)
         return Constraint(kind, spec)
 
     @staticmethod
@@ -68,6 +74,33 @@ def _check_schema(spec: str) -> None:
         raise ValueError(f"json_schema is not valid JSON: {exc}") from None
     if not isinstance(schema, dict):
         raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+
+
+def _check_structural_tag(spec: str) -> None:
+    """vLLM's structural tag format: structures of begin / schema / end, each begin starting with
+    one of the triggers (xgrammar's newer `format` form is not llguidance's, so it is refused)."""
+    try:
+        tag = json.loads(spec)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"structural_tag is not valid JSON: {exc}") from None
+    if not isinstance(tag, dict):
+        raise ValueError(f"structural_tag must be a JSON object, got {type(tag).__name__}")
+    if unknown := sorted(set(tag) - {"type", "structures", "triggers"}):
+        raise ValueError(f"structural_tag.{unknown[0]} is not supported: give structures and triggers")
+    if tag.get("type", "structural_tag") != "structural_tag":
+        raise ValueError(f"structural_tag.type must be structural_tag, got {tag['type']!r}")
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("structural_tag.triggers must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not 0 < len(structures) <= MAX_STRUCTURES:
+        raise ValueError(f"structural_tag.structures must be a list of 1 to {MAX_STRUCTURES} structures")
+    for s in structures:
+        if not isinstance(s, dict) or set(s) != {"begin", "schema", "end"}:
+            raise ValueError("each of structural_tag.structures must be an object of exactly begin, schema and end")
+        if not isinstance(s["begin"], str) or not isinstance(s["end"], str) or not isinstance(s["schema"], dict):
+            raise ValueError("a structure's begin and end must be strings and its schema a JSON object")
+        if not any(s["begin"].startswith(t) for t in triggers):
+            raise ValueError(f"structural_tag: the begin {s['begin']!r} starts with none of the triggers")
 
 
 def _check_choices(spec: str) -> None:
@@ -108,23 +141,35 @@ def with_json_options(
     "," and ":"), None keeps chunkserve's default (", " and ": ", no other whitespace);
     `whitespace_pattern` is the regex whitespace must match instead; `close_objects`
     (`disable_additional_properties`) makes every object that lists properties and says nothing
-    of others allow no others. ValueError, fit for the client, when the constraint is not JSON
-    or the options contradict each other."""
-    if constraint.kind not in ("json_schema", "json_object"):
-        raise ValueError(f"applies to JSON output (a schema or any JSON object), not to {constraint.kind}")
+    of others allow no others. A structural tag gets them in each structure's schema, as vLLM
+    applies them. ValueError, fit for the client, when the constraint has no JSON or the
+    options contradict each other."""
+    if constraint.kind not in ("json_schema", "json_object", "structural_tag"):
+        raise ValueError(
+            f"applies to JSON output (a schema, any JSON object, structural tags), not to {constraint.kind}"
+        )
     if any_whitespace is False and whitespace_pattern is not None:
         raise ValueError("disable_any_whitespace and whitespace_pattern contradict each other")
     if any_whitespace is None and whitespace_pattern is None and not close_objects:
         return constraint
+
+    def apply(schema: dict) -> None:
+        if close_objects:
+            _close_objects(schema)
+        if any_whitespace is not None or whitespace_pattern is not None:
+            options = dict(schema.get("x-guidance") or {})
+            options.update(whitespace_flexible=any_whitespace is not False, item_separator=",", key_separator=":")
+            if whitespace_pattern is not None:
+                options["whitespace_pattern"] = whitespace_pattern
+            schema["x-guidance"] = options
+
+    if constraint.kind == "structural_tag":
+        tag = json.loads(constraint.spec)
+        for structure in tag["structures"]:
+            apply(structure["schema"])
+        return Constraint.make("structural_tag", json.dumps(tag))
     schema = json.loads(constraint.spec) if constraint.kind == "json_schema" else {"type": "object"}
-    if close_objects:
-        _close_objects(schema)
-    if any_whitespace is not None or whitespace_pattern is not None:
-        options = dict(schema.get("x-guidance") or {})
-        options.update(whitespace_flexible=any_whitespace is not False, item_separator=",", key_separator=":")
-        if whitespace_pattern is not None:
-            options["whitespace_pattern"] = whitespace_pattern
-        schema["x-guidance"] = options
+    apply(schema)
     return Constraint.make("json_schema", json.dumps(schema))
 
 

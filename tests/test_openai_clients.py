@@ -124,6 +124,39 @@ def test_sdk_json_whitespace_options(client, model):
         assert text == json.dumps(json.loads(text), separators=separators), (extra, text)
 
 
+def test_sdk_structural_tag(server, client, model):
+    """vLLM's structural tag through the SDK's response_format: free text, and where the trigger
+    starts a call, the call is whole. The trigger is " <", pushed by logit_bias so that the
+    random-weight model surely writes it."""
+    import httpx
+
+    [trigger] = httpx.post(
+        server.http_url.removesuffix("/v1") + "/tokenize", json={"prompt": " <", "add_special_tokens": False}
+    ).json()["tokens"]
+    schema = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}
+    structure = {"begin": " <u>", "schema": {**schema, "additionalProperties": False}, "end": "</u>"}
+    tag = {"type": "structural_tag", "structures": [structure], "triggers": [" <"]}
+    out = client.chat.completions.create(
+        model=model, messages=ASK, response_format=tag, max_tokens=40, logit_bias={str(trigger): 100}
+    )
+    text, cut, at, calls = out.choices[0].message.content, out.choices[0].finish_reason == "length", 0, 0
+    while (start := text.find(" <", at)) >= 0:  # each trigger starts a whole call, or max_tokens cut it
+        if not text.startswith(" <u>", start):
+            assert cut and " <u>".startswith(text[start:]), text
+            break
+        try:
+            value, end = json.JSONDecoder().raw_decode(text, start + len(" <u>"))
+        except json.JSONDecodeError:
+            assert cut, text
+            break
+        assert value["unit"] in ("c", "f"), text
+        if not text.startswith("</u>", end):
+            assert cut and "</u>".startswith(text[end:]), text
+            break
+        at, calls = end + len("</u>"), calls + 1
+    assert calls >= 1, text
+
+
 def test_sdk_forced_tool_calls_whole_and_streamed(client, model):
     named = {"type": "function", "function": {"name": "get_weather"}}
     out = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=60)

@@ -35,8 +35,12 @@ def allowed_ids(bits: bytes, vocab: int) -> list[int]:
 # ---- the Constraint value and the gRPC field ---------------------------------------------
 
 
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}
+TAG = {"type": "structural_tag", "structures": [{"begin": "<f=w>", "schema": CITY, "end": "</f>"}], "triggers": ["<f="]}
+
+
 def test_constraint_make_accepts_every_kind_and_refuses_bad_specs():
-    assert set(CONSTRAINT_KINDS) == {"json_object", "json_schema", "regex", "choice", "grammar"}
+    assert set(CONSTRAINT_KINDS) == {"json_object", "json_schema", "regex", "choice", "grammar", "structural_tag"}
     assert Constraint.make("json_object") == Constraint("json_object", "")
     assert Constraint.make("json_schema", '{"type": "object"}').spec == '{"type": "object"}'
     assert Constraint.choices(["a", "b"]) == Constraint("choice", '["a", "b"]')
@@ -53,6 +57,18 @@ def test_constraint_make_accepts_every_kind_and_refuses_bad_specs():
         ("choice", '"a"', "non-empty list"),
         ("choice", json.dumps(["x"] * (MAX_CHOICES + 1)), "at most"),
         ("regex", "a" * 70_000, "at most"),
+        ("structural_tag", "[]", "must be a JSON object"),
+        ("structural_tag", json.dumps({**TAG, "format": {}}), "structural_tag.format is not supported"),
+        ("structural_tag", json.dumps({**TAG, "type": "other"}), "type must be structural_tag"),
+        ("structural_tag", json.dumps({**TAG, "triggers": []}), "triggers must be a non-empty list"),
+        ("structural_tag", json.dumps({**TAG, "structures": []}), "list of 1 to 128"),
+        ("structural_tag", json.dumps({**TAG, "structures": [{"begin": "<f>", "schema": {}}]}), "exactly begin"),
+        (
+            "structural_tag",
+            json.dumps({**TAG, "structures": [{"begin": "<f>", "schema": [], "end": ""}]}),
+            "JSON object",
+        ),
+        ("structural_tag", json.dumps({**TAG, "triggers": ["<g"]}), "none of the triggers"),
     ]
     for kind, spec, message in bad:
         with pytest.raises(ValueError, match=message):
@@ -71,6 +87,7 @@ def test_grpc_structured_maps_to_a_constraint_and_names_the_field():
         "regex": (dict(regex="[ab]+"), Constraint("regex", "[ab]+")),
         "choice": (dict(choice=pb.ChoiceList(choices=["yes", "no"])), Constraint.choices(["yes", "no"])),
         "grammar": (dict(grammar='start: "a"'), Constraint("grammar", 'start: "a"')),
+        "structural_tag": (dict(structural_tag=json.dumps(TAG)), Constraint("structural_tag", json.dumps(TAG))),
     }
     for kind, (fields, expected) in cases.items():
         assert sampling_params(_structured(**fields), 3, limits).constraint == expected, kind
@@ -81,6 +98,7 @@ def test_grpc_structured_maps_to_a_constraint_and_names_the_field():
         (dict(json_schema="[]"), r"sampling\.structured\.json_schema must be a JSON object"),
         (dict(regex=""), r"sampling\.structured\.regex: the spec is empty"),
         (dict(choice=pb.ChoiceList()), r"sampling\.structured\.choice must be a non-empty list"),
+        (dict(structural_tag="{}"), r"sampling\.structured\.structural_tag\.triggers must be"),
     ]:
         with pytest.raises(InvalidRequestError, match=message):
             sampling_params(_structured(**fields), 3, limits)
@@ -131,6 +149,7 @@ def test_every_kind_compiles_and_bad_ones_say_why(compiler, fakes):
         Constraint.make("regex", "[a-c]+"),
         Constraint.choices(["yes", "no"]),
         Constraint.make("grammar", 'start: "x" item*\nitem: "y" | "z"'),
+        Constraint.make("structural_tag", json.dumps(TAG)),
     ]
     for c in good:
         assert allowed_ids(compiler.compile_now(c).token_mask(), fakes.VOCAB), c
@@ -138,6 +157,13 @@ def test_every_kind_compiles_and_bad_ones_say_why(compiler, fakes):
         (Constraint.make("regex", "[a-"), "regex"),
         (Constraint.make("grammar", "start: nothing"), "nothing"),
         (Constraint.make("json_schema", '{"type": "frobnicate"}'), "frobnicate"),
+        (
+            Constraint.make(
+                "structural_tag",
+                json.dumps({**TAG, "structures": [{**TAG["structures"][0], "schema": {"type": "frobnicate"}}]}),
+            ),
+            "frobnicate",
+        ),
     ]:
         with pytest.raises(ValueError, match=message):
             compiler.compile_now(c)
@@ -185,6 +211,50 @@ def test_json_whitespace_options_change_what_the_grammar_allows(compiler, option
     for base in (Constraint.make("json_schema", json.dumps(XY)), Constraint.make("json_object")):
         constraint = with_json_options(base, **options)
         assert [_accepts(compiler, constraint, t) for t in JSON_TEXTS] == accepted, (base.kind, options)
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        ("plain text, no call", True),
+        ('call <f=w>{"city": "Paris"}</f> then more', True),
+        ('<f=w>{"city": "Oslo"}</f><f=w>{"city": "Paris"}</f>', True),
+        ('call <f=w>{"city": "Rome"}</f>', False),  # outside the schema
+        ('call <f=x>{"city": "Paris"}</f>', False),  # a trigger begins no structure
+        ('call <f=w>{"city": "Paris"}', False),  # never ended
+        ('call <f=w>{"city":"Paris"}</f>', False),  # JSON written as everywhere else: ", " and ": "
+    ],
+)
+def test_structural_tags_constrain_only_what_follows_a_trigger(compiler, text, ok):
+    assert _accepts(compiler, Constraint.make("structural_tag", json.dumps(TAG)), text) == ok
+
+
+# No "/" (free text could end an unended call) and never a trigger in free text.
+_FREE = st.text(alphabet="ab <>=fw{}", max_size=6).filter(lambda t: "<f=" not in t)
+_CALL = st.tuples(st.sampled_from(["Paris", "Oslo", "Rome"]), st.sampled_from(["w", "x"]), st.booleans())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(_FREE, _CALL), max_size=3), _FREE)
+def test_structural_tag_texts_are_accepted_exactly_when_every_call_is_whole_and_valid(compiler, parts, tail):
+    """Free text (never a trigger) between calls, each call valid or not (a city outside the
+    enum, a begin no structure has, an end left out): the grammar accepts the whole text
+    exactly when every call is valid."""
+    text, valid = "", True
+    for free, (city, name, ended) in parts:
+        text += free + f'<f={name}>{{"city": "{city}"}}' + ("</f>" if ended else "")
+        valid &= city != "Rome" and name == "w" and ended
+    text += tail
+    assert _accepts(compiler, Constraint.make("structural_tag", json.dumps(TAG)), text) == valid, text
+
+
+def test_json_options_apply_inside_structural_tags(compiler):
+    compact = with_json_options(Constraint.make("structural_tag", json.dumps(TAG)), any_whitespace=False)
+    assert compact.kind == "structural_tag"
+    assert _accepts(compiler, compact, 'x <f=w>{"city":"Paris"}</f>')
+    assert not _accepts(compiler, compact, 'x <f=w>{"city": "Paris"}</f>')
+    closed = json.loads(with_json_options(Constraint.make("structural_tag", json.dumps(TAG)), close_objects=True).spec)
+    assert closed["structures"][0]["schema"]["additionalProperties"] is False
 
 
 def test_closed_objects_refuse_other_properties_at_every_level(compiler):

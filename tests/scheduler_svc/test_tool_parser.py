@@ -163,6 +163,11 @@ def test_messages_for_templates_with_and_without_tools():
 
 HI = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+TAG = {
+    "type": "structural_tag",
+    "structures": [{"begin": "<f=g>", "schema": SCHEMA, "end": "</f>"}],
+    "triggers": ["<f="],
+}
 
 
 @pytest.mark.parametrize(
@@ -179,6 +184,10 @@ SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required"
         ({"guided_choice": ["a", "b"]}, "choice", ["a", "b"]),
         ({"guided_grammar": "start: \"x\""}, "grammar", 'start: "x"'),
         ({"response_format": {"type": "text"}}, None, None),
+        ({"response_format": TAG}, "structural_tag", TAG),
+        ({"structured_outputs": {"structural_tag": json.dumps(TAG)}}, "structural_tag", TAG),
+        ({"structured_outputs": {"structural_tag": TAG}}, "structural_tag", TAG),
+        ({"structural_tag": json.dumps(TAG)}, "structural_tag", TAG),
     ],
 )  # fmt: skip
 def test_structured_output_fields_become_one_grpc_constraint(extra, kind, spec):
@@ -189,7 +198,7 @@ def test_structured_output_fields_become_one_grpc_constraint(extra, kind, spec):
             assert constraint is None
             continue
         assert constraint.kind == kind
-        got = json.loads(constraint.spec) if kind in ("json_schema", "choice") else constraint.spec
+        got = json.loads(constraint.spec) if kind in ("json_schema", "choice", "structural_tag") else constraint.spec
         assert got == spec
 
 
@@ -213,6 +222,9 @@ def test_structured_output_fields_become_one_grpc_constraint(extra, kind, spec):
         ({"guided_json": SCHEMA, "structured_outputs": {"disable_any_whitespace": "yes"}}, "structured_outputs"),
         ({"guided_json": SCHEMA, "structured_outputs": {"disable_additional_properties": 1}}, "structured_outputs"),
         ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
+        ({"response_format": {**TAG, "triggers": ["<g"]}}, "response_format"),
+        ({"structural_tag": "{}"}, "structural_tag"),
+        ({"structural_tag": json.dumps(TAG), "guided_regex": "a"}, "structural_tag"),
         ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
         (
             {
@@ -243,6 +255,10 @@ ANY_SPACE = {"whitespace_flexible": True, "item_separator": ",", "key_separator"
         ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": "[ ]?"}}, {**SCHEMA, "x-guidance": {**ANY_SPACE, "whitespace_pattern": "[ ]?"}}),
         ({"guided_json": SCHEMA, "guided_whitespace_pattern": "\\n?"}, {**SCHEMA, "x-guidance": {**ANY_SPACE, "whitespace_pattern": "\\n?"}}),
         (
+            {"response_format": TAG, "structured_outputs": {"disable_any_whitespace": True}},
+            {**TAG, "structures": [{**TAG["structures"][0], "schema": {**SCHEMA, "x-guidance": COMPACT}}]},
+        ),
+        (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}, "structured_outputs": {"disable_additional_properties": True}},
             {**SCHEMA, "additionalProperties": False},
         ),
@@ -254,7 +270,8 @@ def test_structured_outputs_json_options_are_written_into_the_schema(extra, sche
     request's JSON constraint, whichever field it came from, as llguidance's x-guidance options."""
     for chat, base in ((True, {"messages": HI}), (False, {"prompt": "hi"})):
         constraint = structured_constraint(build_request({**base, **extra}, chat).proto.sampling)
-        assert constraint.kind == "json_schema" and json.loads(constraint.spec) == schema
+        assert constraint.kind == ("structural_tag" if "triggers" in schema else "json_schema")
+        assert json.loads(constraint.spec) == schema
 
 
 def test_forced_tool_choice_is_a_json_schema_constraint():
