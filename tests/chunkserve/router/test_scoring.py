@@ -171,14 +171,22 @@ def test_prefix_groups_spread_evenly_over_idle_replicas(n, follow_ups, first_ord
 
 
 def test_recent_requests_decay():
+    import asyncio
+
     from chunkserve.router.replicas import Replica
 
-    r = Replica(parse_replica("127.0.0.1:1"))
-    assert r.recent_requests(100.0) == 0.0
-    r.sent(100.0)
-    r.sent(100.0)
-    assert r.recent_requests(100.0) == pytest.approx(2.0)
-    assert r.recent_requests(100.0 + RECENT_TAU_S) == pytest.approx(2.0 / math.e)
+    async def main() -> list[float]:
+        r = Replica(parse_replica("127.0.0.1:1"))  # its grpc.aio channels need a running loop
+        try:
+            counts = [r.recent_requests(100.0)]
+            r.sent(100.0)
+            r.sent(100.0)
+            return [*counts, r.recent_requests(100.0), r.recent_requests(100.0 + RECENT_TAU_S)]
+        finally:
+            await r.channel.close()
+            await r.admin_channel.close()
+
+    assert asyncio.run(main()) == pytest.approx([0.0, 2.0, 2.0 / math.e])
 
 
 def test_matched_prefix_stops_at_the_first_miss():
