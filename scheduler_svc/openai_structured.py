@@ -64,8 +64,11 @@ def _with_options(
 ) -> tuple[str, Constraint] | None:
     """The constraint with the request's JSON options (structured_outputs' whitespace and
     additional-properties switches, the older guided_whitespace_pattern) applied, whichever
-    field the constraint came from; options with no JSON constraint to apply to are a 400."""
+    field the constraint came from. With no JSON constraint to apply to, false and "" (vLLM's
+    defaults, which clients that send every field send) change nothing; anything else is a 400."""
     options = {k: outputs[k] for k in _JSON_OPTIONS if outputs.get(k) is not None}
+    if options.get("disable_additional_properties") is False:
+        del options["disable_additional_properties"]  # its default: nothing to do for any constraint
     for key, kind in _JSON_OPTIONS.items():
         if key in options and not isinstance(options[key], kind):
             raise bad("structured_outputs", f"structured_outputs.{key} must be a {kind.__name__}")
@@ -74,6 +77,8 @@ def _with_options(
         if not isinstance(pattern, str) or "whitespace_pattern" in options:
             raise bad("guided_whitespace_pattern", "guided_whitespace_pattern must be a string (and given once)")
         options["whitespace_pattern"], field = pattern, "guided_whitespace_pattern"
+    if found is None or found[1].kind not in ("json_schema", "json_object", "structural_tag"):
+        options = {k: v for k, v in options.items() if v not in (False, "")}
     if not options:
         return found
     if found is None:

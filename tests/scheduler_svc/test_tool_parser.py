@@ -163,6 +163,7 @@ def test_messages_for_templates_with_and_without_tools():
 
 HI = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+NEUTRAL = {"disable_any_whitespace": False, "disable_additional_properties": False, "whitespace_pattern": ""}
 TAG = {
     "type": "structural_tag",
     "structures": [{"begin": "<f=g>", "schema": SCHEMA, "end": "</f>"}],
@@ -188,6 +189,10 @@ TAG = {
         ({"structured_outputs": {"structural_tag": json.dumps(TAG)}}, "structural_tag", TAG),
         ({"structured_outputs": {"structural_tag": TAG}}, "structural_tag", TAG),
         ({"structural_tag": json.dumps(TAG)}, "structural_tag", TAG),
+        # vLLM's defaults of the JSON options, as clients that send every field send them: no-ops
+        ({"structured_outputs": {"regex": "[ab]+", **NEUTRAL}}, "regex", "[ab]+"),
+        ({"structured_outputs": NEUTRAL}, None, None),
+        ({"guided_json": SCHEMA, "structured_outputs": {"disable_additional_properties": False}}, "json_schema", SCHEMA),
     ],
 )  # fmt: skip
 def test_structured_output_fields_become_one_grpc_constraint(extra, kind, spec):
