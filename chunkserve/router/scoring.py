@@ -160,7 +160,7 @@ def choose(
         raise ValueError(f"unknown routing policy {policy!r} (one of {', '.join(POLICIES)})")
     ttfts = [predicted_ttft(v, prompt_tokens, block_size) for v in views]
     fastest = min(range(len(views)), key=ttfts.__getitem__)
-    resolution = max(tuple(views[fastest].step_cost)[:1] or (0.0,))  # one step's fixed cost
+    resolution = (tuple(views[fastest].step_cost) or (0.0,))[0]  # one step's fixed cost
     tied = [i for i, t in enumerate(ttfts) if t <= ttfts[fastest] + resolution]
     i = min(tied, key=lambda i: (-views[i].matched_blocks, views[i].load, views[i].recent_requests, ttfts[i], i))
     best, ttft = views[i], ttfts[i]
