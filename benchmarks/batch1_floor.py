@@ -8,7 +8,8 @@ is the server's token, not the executor's step: the server hop (the result's way
 streaming, planning the next step) and the scheduler and client sharing the cores with the
 executor's threads all count. So each round measures, in turn:
 
-- the read bandwidth (a sum over a 1 GiB float32 tensor, best of 3), before and after;
+- the read bandwidth (a sum over a 1 GiB float32 tensor in huge pages, as the executor keeps
+  its weights: executor_svc/memory.py; best of 3), before and after;
 - the executor's step in this process (`ModelRunner.execute`, the server's own start-up path
   and kernel plan, one sequence at context ~128, the median of `--steps` decode steps);
 - one greedy request through a real two-process server (default flags plus `--server-args`):
@@ -36,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from executor_modes import _decode_plan, _prefill, build, decode_bytes  # noqa: E402
 from spec_decode import generate  # noqa: E402
+
+from executor_svc import memory  # noqa: E402
 
 PROMPT = [(i * 53) % 30000 + 200 for i in range(128)]
 
@@ -85,7 +88,7 @@ def main() -> None:
 
     runner = load_runner(args.threads)
     weight_bytes = decode_bytes(runner.model)
-    x = torch.ones(256 * 1024 * 1024)
+    x = memory.empty(256 * 1024 * 1024, torch.float32).fill_(1.0)
     server = start_server(
         Path(tempfile.mkdtemp()),
         ["--model", "default", "--dtype", "float32", *shlex.split(args.executor_args)],

@@ -1,7 +1,7 @@
 """Executor speed per weight mode against this machine's floor (issue 18), in one run.
 
 Measures, in this order and in one process:
-- the floor: read bandwidth (sum over a 1 GiB float32 tensor, best of 5) and the float32 GEMM
+- the floor: read bandwidth (sum over a 1 GiB float32 tensor in huge pages, best of 5) and the float32 GEMM
   peak (2048^3, the faster of `torch.mm` and oneDNN on a packed weight, best of 5 each, before
   and after the modes: the higher);
 - Hugging Face transformers `generate` on the same float32 weights, batch 1, ms per token;
@@ -40,13 +40,14 @@ import time
 import torch
 
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+from executor_svc import memory
 from executor_svc.config import ExecutorConfig, default_cache_dir
 from executor_svc.models.layers import packed_linear, prepack_weight
 from executor_svc.worker import load
 
 
 def read_bandwidth_gbs() -> float:
-    x = torch.ones(256 * 1024 * 1024)  # 1 GiB
+    x = memory.empty(256 * 1024 * 1024, torch.float32).fill_(1.0)  # 1 GiB
     best = min(_timed(lambda: x.sum()) for _ in range(5))
     return x.numel() * 4 / best / 1e9
 
@@ -68,7 +69,7 @@ class BandwidthSampler:
     tensor), so the floor a step is compared with is the machine's at the time it ran."""
 
     def __init__(self) -> None:
-        self.x = torch.ones(256 * 1024 * 1024)
+        self.x = memory.empty(256 * 1024 * 1024, torch.float32).fill_(1.0)
         self.samples: dict[int, list[float]] = {}
 
     def sample(self, batch: int) -> None:

@@ -29,6 +29,7 @@ from chunkserve_contracts.cpu import cpu_budget
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_kernels import cpu_native
 from chunkserve_kernels.backend import AttentionBackend, choose_backend, get_backend
+from executor_svc import memory
 from executor_svc.collectives import NO_TP, PlanChannel, TPInfo, init_group, local_device, min_over_group
 from executor_svc.config import ExecutorConfig
 from executor_svc.cuda_graphs import DecodeGraphs, capture_sizes
@@ -319,11 +320,9 @@ def allocate_kv_cache(config: ExecutorConfig, hf: Any, place: Placement, tp: TPI
         device_blocks, host_blocks = min_over_group([device_blocks, host_blocks], place.device)
     graphs = use_cuda_graphs(config, place.device, place.backend, tp)
     # With CUDA graphs one more block than reported: the padding rows' scratch block.
-    dev = torch.zeros(shape[:2] + (device_blocks + graphs,) + shape[3:], dtype=place.dtype, device=place.device)
-    host = None
-    if host_blocks:
-        pinned = place.device.type == "cuda"
-        host = torch.empty(shape[:2] + (host_blocks,) + shape[3:], dtype=place.dtype, pin_memory=pinned)
+    dev = memory.zeros(shape[:2] + (device_blocks + graphs,) + shape[3:], place.dtype, place.device)  # huge pages
+    host_shape, pinned = shape[:2] + (host_blocks,) + shape[3:], place.device.type == "cuda"
+    host = torch.empty(host_shape, dtype=place.dtype, pin_memory=pinned) if host_blocks else None
     return KVCache(dev, host, device_blocks, host_blocks, bytes_per_block, graphs)
 
 

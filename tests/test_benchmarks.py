@@ -151,6 +151,21 @@ def test_decode_attention_threads_times_both_thresholds_and_finds_them_equal():
     assert float(rows[0][-1]) == 0.0 and float(rows[1][-1]) < 1e-5  # 600 tokens: two pieces, float32 rounding
 
 
+def test_weight_layout_times_every_layout_at_each_row_count():
+    """benchmarks/weight_layout.py (issue 31, item 7): one layer's linears and the head, one round."""
+    args = ["--rows", "1", "8", "--rounds", "1", "--layers", "1"]
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "weight_layout.py"), *args], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["1"], ["8"])]
+    assert [r[0] for r in rows] == ["1", "8"], out.stdout
+    native = cpu_native.load() is None
+    assert [r[1] for r in rows] == (["gemv", "F.linear"] if native else ["F.linear", "F.linear"])
+    for r in rows:  # three layouts, each ms (multiple of the floor), then the two ratios
+        assert len(r) == 10 and all(float(r[i]) > 0 for i in (2, 4, 6, 8, 9)), r
+
+
 def test_batch1_floor_prints_each_figure_against_the_floor_it_measured():
     """The batch-1 floor benchmark (issue 31, item 7) on the default model: one short round."""
     out = subprocess.run(

@@ -30,7 +30,7 @@ from executor_svc.models.layers import (
     prepack_weight,
     rope_parameters,
 )
-from executor_svc.models.weights import load_weights
+from executor_svc.models.weights import load_weights, one_buffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +169,16 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.max_model_len = _max_model_len(config)
+        one_buffer(self, self.linears_in_step_order())  # CPU weights: one stream a step (weights.py)
+
+    def linears_in_step_order(self) -> list[Linear]:
+        """Every Linear as a step reads them: each layer's qkv, o, gate_up and down, then the head."""
+        order = [
+            lin
+            for layer in self.model.layers
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        ]
+        return [*order, self.lm_head]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[T] token ids at [T] absolute positions -> final-normed hidden states [T, hidden]."""

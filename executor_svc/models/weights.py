@@ -9,11 +9,13 @@ means the model would run on uninitialised memory or silently ignore weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+from executor_svc import memory
 
 # checkpoint name piece -> (our fused parameter piece, shard name in Linear.shards)
 FUSED = {
@@ -25,6 +27,7 @@ FUSED = {
 }
 # Tensors some checkpoints carry that the model recomputes or does not need.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+LINE_BYTES = 64  # each weight of `one_buffer` starts on a cache line
 
 
 def _narrow_to_rank(name: str, src: Any, target: torch.Tensor, dim: int, tp: Any) -> torch.Tensor:
@@ -107,3 +110,40 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]]) -> None:
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
+
+
+def one_buffer(model: nn.Module, modules: Sequence[nn.Module]) -> torch.Tensor | None:
+    """Re-homes the `weight` of each of `modules` in one buffer, in that order (each on a cache
+    line; a weight shared by two modules once, where it first appears), everywhere `model`
+    holds it; values are kept. Returns the buffer, or None where the weights are not all CPU
+    tensors of one dtype (nothing changes then).
+
+    Why: a decode step on the CPU reads every linear's weight once, in the decoder's order, so
+    laid out that way the step's weights are one stream of memory (what the hardware prefetcher
+    fetches past the end of one weight is the start of the next), and the buffer lies in 2 MiB
+    pages whole (executor_svc/memory.py), where a separate weight under 2 MiB (the default
+    model's o_proj, 1.3 MB) could not. The default model's 121 products at one row took
+    0.98-0.99x the time from one buffer as from separate tensors in huge pages
+    (benchmarks/weight_layout.py; benchmarks/RESULTS.md, "Huge pages and one weight buffer").
+    Called before the checkpoint is loaded, so the separate tensors were never written and cost
+    no memory."""
+    weights: list[torch.Tensor] = []
+    for module in modules:
+        if not any(module.weight is w for w in weights):
+            weights.append(module.weight)
+    if not weights or any(w.device.type != "cpu" or w.dtype != weights[0].dtype for w in weights):
+        return None
+    line = max(1, LINE_BYTES // weights[0].element_size())
+    sizes = [-(-w.numel() // line) * line for w in weights]
+    buffer = memory.empty(sum(sizes), weights[0].dtype)  # in 2 MiB pages
+    homes: dict[int, nn.Parameter] = {}
+    offset = 0
+    for w, size in zip(weights, sizes, strict=True):
+        view = buffer[offset : offset + w.numel()].view(w.shape).copy_(w)  # zeros a model relies on stay
+        homes[id(w)] = nn.Parameter(view, requires_grad=w.requires_grad)
+        offset += size
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in homes:
+                module._parameters[name] = homes[id(param)]
+    return buffer

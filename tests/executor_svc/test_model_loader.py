@@ -95,3 +95,66 @@ def test_default_model_greedy_next_token_matches_hf(paged_runner):
             theirs = hf(torch.tensor([ids])).logits[0, -1].float()
         assert int(ours.argmax()) == int(theirs.argmax()), prompt
         torch.testing.assert_close(ours, theirs, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["llama", "smollm_tied"])
+def test_cpu_linear_weights_lie_in_one_buffer_in_step_order(tmp_path, tiny_configs, hf_model_factory, name):
+    """models/weights.one_buffer: the weights a decode step reads, back to back in the order it
+    reads them, each on a cache line, loaded with the checkpoint's values; a tied head is still
+    the embedding's very tensor."""
+    hf = hf_model_factory(tiny_configs[name]())
+    hf.save_pretrained(tmp_path)
+    model, _ = load_model(tmp_path, torch.float32, torch.device("cpu"), "torch")
+    weights = [lin.weight for lin in model.linears_in_step_order()]
+    storage = weights[0].untyped_storage().data_ptr()
+    assert all(w.untyped_storage().data_ptr() == storage for w in weights)
+    starts = [w.data_ptr() for w in weights]
+    assert starts == sorted(starts) and len(set(starts)) == len(starts)
+    assert all(s % 64 == 0 for s in starts)
+    for end, start, w in zip(starts, starts[1:], weights, strict=False):  # back to back: at most a line's padding
+        assert 0 <= start - (end + w.nbytes) < 64
+    tied = tiny_configs[name]().tie_word_embeddings
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    hf_weights = hf.state_dict()
+    torch.testing.assert_close(
+        model.model.layers[1].mlp.down_proj.weight, hf_weights["model.layers.1.mlp.down_proj.weight"], rtol=0, atol=0
+    )
+    torch.testing.assert_close(model.lm_head.weight, hf_weights["lm_head.weight"], rtol=0, atol=0)
+
+
+def test_one_buffer_keeps_values_and_refuses_mixed_weights():
+    from torch import nn
+
+    from executor_svc.models.weights import one_buffer
+
+    a, b = nn.Linear(5, 3, bias=False), nn.Linear(3, 7, bias=False)
+    model = nn.Sequential(a, b)
+    before = [a.weight.clone(), b.weight.clone()]
+    buffer = one_buffer(model, [b, a])
+    assert buffer is not None and buffer.numel() == 32 + 16  # 21 and 15 floats, each padded to a line
+    assert b.weight.data_ptr() == buffer.data_ptr() and a.weight.data_ptr() == buffer.data_ptr() + 32 * 4
+    torch.testing.assert_close(a.weight, before[0], rtol=0, atol=0)
+    torch.testing.assert_close(b.weight, before[1], rtol=0, atol=0)
+    assert [p is w for p, w in zip(model.parameters(), (a.weight, b.weight), strict=True)] == [True, True]
+    c = nn.Linear(4, 4, bias=False).to(torch.bfloat16)
+    kept = c.weight
+    assert one_buffer(nn.Sequential(a, c), [a, c]) is None and c.weight is kept
+
+
+def test_huge_page_tensors_start_on_a_huge_page_and_are_advised():
+    """executor_svc/memory.py: weights' buffer and KV cache start on a 2 MiB boundary and are
+    advised into huge pages (where the kernel has transparent huge pages at all)."""
+    from pathlib import Path
+
+    from executor_svc import memory
+
+    t = memory.empty((3, 1 << 19), torch.float32)  # 6 MiB
+    assert t.shape == (3, 1 << 19) and t.is_contiguous() and t.data_ptr() % memory.HUGE_PAGE == 0
+    t.fill_(2.0)
+    assert float(t.sum()) == 2.0 * 3 * (1 << 19)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    assert memory.advise_huge_pages(t) == thp.exists()
+    z = memory.zeros((5, 1 << 18), torch.bfloat16, torch.device("cpu"))
+    assert z.dtype == torch.bfloat16 and z.data_ptr() % memory.HUGE_PAGE == 0 and not z.any()
+    small = memory.empty(100, torch.float32)  # below a huge page: a plain tensor
+    assert small.shape == (100,) and small.untyped_storage().nbytes() == 400
