@@ -125,8 +125,8 @@ def one_buffer(model: nn.Module, modules: Sequence[nn.Module]) -> torch.Tensor |
     model's o_proj, 1.3 MB) could not. The default model's 121 products at one row took
     0.98-0.99x the time from one buffer as from separate tensors in huge pages
     (benchmarks/weight_layout.py; benchmarks/RESULTS.md, "Huge pages and one weight buffer").
-    Called before the checkpoint is loaded, so the separate tensors were never written and cost
-    no memory."""
+    Called before the checkpoint is loaded: the separate tensors were never filled (at most
+    zeroed), and they are freed when this returns."""
     weights: list[torch.Tensor] = []
     for module in modules:
         if not any(module.weight is w for w in weights):
@@ -139,7 +139,7 @@ def one_buffer(model: nn.Module, modules: Sequence[nn.Module]) -> torch.Tensor |
     homes: dict[int, nn.Parameter] = {}
     offset = 0
     for w, size in zip(weights, sizes, strict=True):
-        view = buffer[offset : offset + w.numel()].view(w.shape).copy_(w)  # zeros a model relies on stay
+        view = buffer[offset : offset + w.numel()].view(w.shape).copy_(w)  # e.g. a vocab shard's zero padding
         homes[id(w)] = nn.Parameter(view, requires_grad=w.requires_grad)
         offset += size
     for module in model.modules():
