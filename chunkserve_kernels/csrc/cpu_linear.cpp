@@ -43,8 +43,8 @@ namespace {
 constexpr int64_t kLanes = 32;     // partial sums per dot product: 2 AVX-512 / 4 AVX2 registers
 constexpr int64_t kMaxGroup = 8;   // rows of x per pass over the weights
 constexpr int64_t kGrainRows = 64; // weight rows per thread at the least
-constexpr int64_t kTasksPerThread = 4;  // tasks of weight rows per thread at the least
-constexpr int64_t kTaskRows = 256;      // weight rows per task at the most, where that makes more
+constexpr int64_t kTaskRows = 256;    // weight rows per task at the most
+constexpr int64_t kMinTaskRows = 16;  // and at the least (the last rows excepted)
 constexpr int64_t kAhead = 4;      // weight rows ahead that each pass asks the cache for
 
 // One register of floats: 16 with AVX-512, 8 otherwise (GCC's vector extension: no intrinsics,
@@ -155,18 +155,25 @@ at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& weight, const std::opt
   float* yp = y.data_ptr<float>();
   // Weight rows in tasks taken from a shared counter, not one fixed share per thread: when the
   // OS takes a core from one thread mid-product (a busy neighbour, the scheduler process), the
-  // other takes the remaining tasks instead of waiting for it. A multiple of the thread count of
-  // equal tasks, so that an idle machine's split stays even.
+  // other takes the remaining tasks instead of waiting for it. Each task is a share of the rows
+  // left (guided self-scheduling: half of them over the threads, between kMinTaskRows and
+  // kTaskRows), so tasks shrink toward the end and the threads finish within a small task of
+  // each other. With equal tasks (4 a thread, at most 256 rows) one thread could wait most of a
+  // large task at every product's end; the default model's 121 products at one row took
+  // 0.95-0.99x the time with shrinking tasks idle, 0.89-1.00x beside a busy neighbour, 2 and 4
+  // rows unchanged (both kinds in one process, taking turns; benchmarks/RESULTS.md, "Huge pages
+  // and one weight buffer").
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (N + kGrainRows - 1) / kGrainRows);
-  int64_t tasks = std::max(threads * kTasksPerThread, (N + kTaskRows - 1) / kTaskRows);
-  tasks = (tasks + threads - 1) / threads * threads;
-  const int64_t task_rows = (N + tasks - 1) / tasks;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t n0 = next.fetch_add(1) * task_rows; n0 < N; n0 = next.fetch_add(1) * task_rows) {
-      const int64_t n1 = std::min(N, n0 + task_rows);
+    int64_t n0 = next.load(std::memory_order_relaxed);
+    while (n0 < N) {
+      const int64_t size = std::clamp((N - n0) / (2 * threads), kMinTaskRows, kTaskRows);
+      if (!next.compare_exchange_weak(n0, n0 + size, std::memory_order_relaxed)) continue;  // n0: the new value
+      const int64_t n1 = std::min(N, n0 + size);
       for (int64_t m = 0; m < M; m += kMaxGroup)
         group(xp + m * K, std::min(kMaxGroup, M - m), K, wp, b, yp + m * N, N, n0, n1);
+      n0 = next.load(std::memory_order_relaxed);
     }
   });
   return y;
