@@ -22,7 +22,6 @@ layout's time is also given as a multiple of the floor (538 MB / bandwidth).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import time
 from pathlib import Path
@@ -41,16 +40,11 @@ def shapes(layers: int = LAYERS) -> list[tuple[int, int]]:
     return per_layer * layers + [(VOCAB, HIDDEN)]
 
 
-MADV_NOHUGEPAGE = 15  # linux/mman.h
-
-
 def small_pages(shape: tuple[int, int]) -> torch.Tensor:
     """A weight in 4 KiB pages whatever the kernel's THP mode (advised before it is written)."""
     t = memory.empty(shape, torch.float32)  # page-aligned where it is large enough to matter
     if t.data_ptr() % 4096 == 0:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        libc.madvise(t.data_ptr(), t.nbytes, MADV_NOHUGEPAGE)
+        memory.advise_huge_pages(t, huge=False)
     return t.normal_()
 
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 import sys
 
 import torch
 
 log = logging.getLogger(__name__)
 HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14  # linux/mman.h
+_MADV_HUGEPAGE, _MADV_NOHUGEPAGE = 14, 15  # linux/mman.h
 
 
 @functools.cache
@@ -36,13 +37,14 @@ def _madvise() -> object | None:
     return libc.madvise
 
 
-def advise_huge_pages(t: torch.Tensor) -> bool:
-    """Asks the kernel to back `t`'s memory (CPU, contiguous, 2 MiB aligned, not yet written)
-    with huge pages; False where it cannot (not Linux, or a kernel without THP)."""
+def advise_huge_pages(t: torch.Tensor, huge: bool = True) -> bool:
+    """Asks the kernel to back `t`'s memory (CPU, contiguous, page-aligned, not yet written)
+    with huge pages, or with `huge=False` never to (benchmarks/weight_layout.py's 4 KiB
+    baseline); False where it cannot (not Linux, or a kernel without THP)."""
     madvise = _madvise()
     if madvise is None:
         return False
-    if madvise(t.data_ptr(), t.numel() * t.element_size(), _MADV_HUGEPAGE) != 0:
+    if madvise(t.data_ptr(), t.numel() * t.element_size(), _MADV_HUGEPAGE if huge else _MADV_NOHUGEPAGE) != 0:
         log.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
         return False
     return True
@@ -53,10 +55,7 @@ def empty(shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
     pages (one of less than 2 MiB is a plain `torch.empty`). Costs up to 2 MiB of address
     space, which is never touched."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    numel = 1
-    for n in shape:
-        numel *= n
-    size = torch.empty((), dtype=dtype).element_size()
+    numel, size = math.prod(shape), dtype.itemsize
     if numel * size < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)
     raw = torch.empty(numel + HUGE_PAGE // size, dtype=dtype)

@@ -154,6 +154,7 @@ def test_huge_page_tensors_start_on_a_huge_page_and_are_advised():
     assert float(t.sum()) == 2.0 * 3 * (1 << 19)
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     assert memory.advise_huge_pages(t) == thp.exists()
+    assert memory.advise_huge_pages(memory.empty(1 << 20, torch.float32), huge=False) == thp.exists()
     z = memory.zeros((5, 1 << 18), torch.bfloat16, torch.device("cpu"))
     assert z.dtype == torch.bfloat16 and z.data_ptr() % memory.HUGE_PAGE == 0 and not z.any()
     small = memory.empty(100, torch.float32)  # below a huge page: a plain tensor
