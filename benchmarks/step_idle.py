@@ -1,5 +1,5 @@
-"""Executor idle time between steps: plain, --async-output-processing, --async-scheduling
-(issue 17, item 5).
+"""Executor idle time between steps: plain (--no-async-scheduling), the default,
+--async-output-processing, --async-scheduling (issue 17, item 5).
 
 Idle time after step N = (when the executor began step N+1) - (when it began step N) - (its
 own time for step N), from the step trace: what the executor waits for the scheduler between
@@ -35,7 +35,14 @@ from chunkserve.bench.session import RunOptions, run_once, server_target
 from chunkserve.bench.workloads import WorkloadSpec, build_workload, corpus_ids
 from chunkserve.launch import bench_model, start_server
 
-SETTINGS = {"off": [], "async-output": ["--async-output-processing"], "async-sched": ["--async-scheduling"]}
+# "default" is neither flag: on a CPU executor only steps of at most 2 sequences overlap
+# (scheduler_svc/config.py, overlap_limit), so it is "off" at 32 streams and "async-sched" at 1.
+SETTINGS = {
+    "off": ["--no-async-scheduling"],
+    "default": [],
+    "async-output": ["--async-output-processing"],
+    "async-sched": ["--async-scheduling"],
+}
 
 
 def idle_ms(trace_lines: list[str]) -> tuple[list[float], float, list[float]]:

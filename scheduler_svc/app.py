@@ -267,6 +267,7 @@ class SchedulerApp:
             config.step_timeout_s,
             (self.metrics, self.tracer, self.step_costs),
             self._grammar_compiler(config.tokenizer or hs.model_path, hs.model.vocab_size, sorted(eos)),
+            device=hs.device,
         )
         engine.start()
         info = pb.GetInfoResponse(

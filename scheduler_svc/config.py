@@ -216,14 +216,17 @@ class SchedulerConfig:
             "stop string then ends its request one step late (that extra token is computed and dropped)"
         },
     )
-    async_scheduling: bool = field(
-        default=False,
+    async_scheduling: bool | None = field(
+        default=None,
         metadata={
             "help": "plan step N+1 and send it while the executor computes step N (vLLM's --async-scheduling, "
             "SGLang's overlap scheduler): a decode of the token step N samples is planned before its id is "
             "known, and the executor feeds it back; the executor then waits for no plan between steps. Output "
             "is served while the next step runs (as with --async-output-processing); a request ended by EOS or "
-            "a stop string computes one token more, which is dropped. Greedy tokens are the same either way"
+            "a stop string computes one token more, which is dropped. Greedy tokens are the same either way. "
+            "Unset: on with a GPU executor; with a CPU one only while a step holds at most 2 sequences, where "
+            "the scheduler's work beside the executor's threads costs less than the hop it hides; off with "
+            "speculative decoding or --async-output-processing"
         },
     )
     speculative_config: str | None = field(
@@ -312,3 +315,26 @@ def validate_against_executor(config: SchedulerConfig, hs: HandshakeResponse, ma
         if wanted is not None and wanted > cap:
             raise ValueError(f"max_model_len {wanted} exceeds {what} = {cap}: {change}")
     return wanted or min(cap for _, cap, _ in caps)
+
+
+# Without --async-scheduling or --no-async-scheduling, a CPU executor's next step is planned
+# while one of at most this many sequences runs. Overlap hides the hop between steps (~2 ms a
+# token on a 2-core EPYC), but on a CPU the scheduler's own work then shares the cores with the
+# executor's threads and lengthens its step: by less than the hop at 1 sequence, by more at 32
+# (~6 ms of work a step there). benchmarks/RESULTS.md, "Async scheduling by default for small
+# steps". A GPU leaves the host's cores to the scheduler: on an H200 every step overlapped gave
+# 1.95x the tokens/s of the plain loop at 32 streams (benchmarks/GPU.md).
+AUTO_OVERLAP_MAX_SEQS = 2
+
+
+def overlap_limit(config: SchedulerConfig, device: str) -> int | None:
+    """How many sequences a step in flight may hold for the next step to be planned on top of it
+    (async scheduling): None for any number (--async-scheduling, and by default on a GPU), 0 for
+    none (--no-async-scheduling; by default also with --async-output-processing, which the plain
+    loop serves, or speculative decoding, whose drafts need a known last token), else
+    AUTO_OVERLAP_MAX_SEQS. A bigger step is finished before the next is planned."""
+    if config.async_scheduling is not None:
+        return None if config.async_scheduling else 0
+    if config.async_output_processing or config.speculative_config:
+        return 0
+    return None if device.startswith("cuda") else AUTO_OVERLAP_MAX_SEQS

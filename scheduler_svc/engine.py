@@ -2,8 +2,9 @@
 
 One asyncio task runs the loop; it sleeps on an event when there is no work and on the
 executor's reply otherwise, so the scheduler never busy-polls a core the executor needs.
-Under --async-scheduling it plans and sends step N+1 before awaiting step N's result
-(`_loop_async`): the executor then has its next plan when it finishes a step.
+With async scheduling it plans and sends step N+1 before awaiting step N's result
+(`_loop_async`; by default on a CPU only for small steps, config.overlap_limit): the executor
+then has its next plan when it finishes a step.
 Requests talk to the loop through `add_request` / `abort` and read their tokens from a
 per-request `RequestStream` (output.py turns sampled tokens into its deltas). Everything runs
 on one event loop, so the scheduler's state is only touched between awaits and needs no locks.
@@ -20,6 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from scheduler_svc.config import overlap_limit
 from scheduler_svc.errors import InternalError, QueueFullError, ServingError, StepFailedError, UnavailableError
 from scheduler_svc.grammar import CompileTasks, GrammarCompiler, check_constrained
 from scheduler_svc.output import LiveRequest, RequestStream, StreamDelta
@@ -90,6 +92,7 @@ class Engine:
         step_timeout_s: float,
         observers: tuple[Observer, ...] = (),
         grammars: GrammarCompiler | None = None,
+        device: str = "cpu",
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
@@ -104,6 +107,7 @@ class Engine:
         self.dead = asyncio.Event()  # set once the executor failed; this engine is then done
         self._task: asyncio.Task[None] | None = None
         self.observers = observers
+        self.overlap_max_seqs = overlap_limit(scheduler.config, device)
         # Structured output: constraints compile off the loop while prefill runs (grammar.py).
         self.grammars = CompileTasks(grammars, lambda _: self._wake.set(), self._compile_failed)
 
@@ -172,10 +176,10 @@ class Engine:
 
     async def _run(self) -> None:
         try:
-            if self.scheduler.config.async_scheduling:
-                await self._loop_async()
-            else:
+            if self.overlap_max_seqs == 0:
                 await self._loop()
+            else:
+                await self._loop_async()
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug: never leave streams waiting on a dead loop
@@ -226,14 +230,17 @@ class Engine:
         planned it (scheduler.py), so N+1 can hold a decode of the token N samples."""
         inflight: _Step | None = None
         done: _Step | None = None
-        last_applied = time.perf_counter_ns()
+        last_applied, limit = time.perf_counter_ns(), self.overlap_max_seqs
         try:
             while not self.is_dead:  # until the executor is gone (a failure path below)
-                sent = self._plan_and_send(inflight)
+                # Not on top of a step too big to overlap (overlap_limit): it is finished first.
+                ahead = inflight is None or limit is None or len(inflight.plan.seqs) <= limit
+                sent = self._plan_and_send(inflight) if ahead else None
                 if inflight is None:
                     if sent is None:
                         self._wake.clear()
                         await self._wake.wait()
+                        last_applied = time.perf_counter_ns()  # no stream waited while idle
                     inflight = sent
                     continue
                 done, inflight = inflight, sent
@@ -250,9 +257,8 @@ class Engine:
                 now = time.perf_counter_ns()
                 self._deliver(self._apply(done, result))
                 if self.scheduler.config.target_itl_ms is not None:
-                    # What a stream waits per step: from the later of this step's planning and
-                    # the previous result to this result.
-                    self.scheduler.budget.observe(done.plan, done.stats, (now - max(done.started, last_applied)) / 1e9)
+                    # What a stream waits per step: from the previous result (or wake-up) to this one.
+                    self.scheduler.budget.observe(done.plan, done.stats, (now - last_applied) / 1e9)
                 last_applied = now
         finally:  # stopped or failed: no step result is awaited any more
             for pending in (done, inflight):

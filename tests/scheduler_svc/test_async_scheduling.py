@@ -16,10 +16,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from scheduler_svc.config import AUTO_OVERLAP_MAX_SEQS, SchedulerConfig, overlap_limit
 from scheduler_svc.errors import StepFailedError
 from scheduler_svc.request import FinishReason
 
 BLOCK = 4
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
 
 
 @settings(
@@ -43,7 +45,8 @@ def test_async_scheduling_changes_no_request_and_leaks_no_block(
     async scheduling: EOS, stop strings (a request then computes one token more, dropped),
     max_tokens, a 64-token context, shared prefixes (prefix cache), preemption by recompute
     or swap with a victim that may be in the step in flight; aborted requests get a prefix of
-    the same tokens. No block, host block or executor sequence is left, and steps did overlap."""
+    the same tokens; the same with the default (small steps overlapped, big ones not). No block,
+    host block or executor sequence is left, and steps did overlap."""
     shared = [(11 * j) % 200 + 20 for j in range(data.draw(st.integers(0, 12), label="shared_len"))]
     base = [
         (
@@ -75,13 +78,14 @@ def test_async_scheduling_changes_no_request_and_leaks_no_block(
     # then stop on pieces of them.
     probe, _ = go([(p, m, (), None) for p, m in base], False)
     work = fakes.draw_stops_and_aborts(data, base, [text for _, text, _, _ in probe])
-    (off, _), (on, fake) = go(work, False), go(work, True)
-    for (_, _, _, abort), a, b, full in zip(work, off, on, probe):
-        assert a[3] is None and b[3] is None  # no request failed
+    # None: the default, which overlaps only steps of at most AUTO_OVERLAP_MAX_SEQS sequences.
+    (off, _), (on, fake), (auto, _) = go(work, False), go(work, True), go(work, None)
+    for (_, _, _, abort), a, b, c, full in zip(work, off, on, auto, probe):
+        assert a[3] is None and b[3] is None and c[3] is None  # no request failed
         if abort is None:
-            assert b == a
+            assert b == a and c == a
         else:  # where an abort lands depends on when the stream is read: a prefix, then ended
-            for tokens, _, reason, _ in (a, b):
+            for tokens, _, reason, _ in (a, b, c):
                 assert tokens == full[0][: len(tokens)] and reason is not None
     if any(len(tokens) >= 2 for tokens, *_ in probe):
         assert fake.max_in_flight == 2, "a decode could have been planned during its prefill, and was not"
@@ -109,6 +113,48 @@ def test_async_scheduling_overlaps_and_computes_one_token_more_per_eos(fakes, by
     assert all(p.follows_step_id is None for p in off.plans)
     followed = [p for p in on.plans if p.follows_step_id is not None]
     assert followed and all(p.follows_step_id < p.step_id for p in followed)
+
+
+def test_by_default_a_cpu_executor_overlaps_only_small_steps(fakes, byte_tokenizer_dir):
+    """Neither flag given: a step is planned on top of one in flight only where that one holds
+    at most AUTO_OVERLAP_MAX_SEQS sequences; a bigger step is finished first. One request
+    overlaps its decodes; five at once do not, until all but two have ended."""
+    assert AUTO_OVERLAP_MAX_SEQS == 2  # the lengths below are chosen for it
+    plans = {}
+    for n in (1, 5):
+        fake = fakes.FakeExecutor(96, BLOCK)
+        work = [(list(range(40 + 3 * i, 50 + 3 * i)), 4 + 3 * i, (), None) for i in range(n)]
+        engine, results = fakes.run_workload(byte_tokenizer_dir, work, fake=fake)
+        assert engine.overlap_max_seqs == 2 and all(r[3] is None for r in results)
+        assert [len(r[0]) for r in results] == [4 + 3 * i for i in range(n)]
+        plans[n] = {p.step_id: p for p in fake.plans}
+    overlapped = [p for p in plans[1].values() if p.follows_step_id is not None]
+    assert len(overlapped) >= 3  # every decode after the first
+    for p in plans[5].values():
+        if p.follows_step_id is not None:
+            assert len(plans[5][p.follows_step_id].seqs) <= 2
+    big = [p for p in plans[5].values() if len(p.seqs) > 2]
+    assert big and all(plans[5][p.step_id + 1].follows_step_id is None for p in big if p.step_id + 1 in plans[5])
+    assert any(p.follows_step_id is not None for p in plans[5].values())  # the last two requests' decodes
+
+
+@pytest.mark.parametrize(
+    ("cfg", "device", "limit"),
+    [
+        ({}, "cpu", AUTO_OVERLAP_MAX_SEQS),
+        ({}, "cuda:0", None),
+        ({"async_scheduling": True}, "cpu", None),
+        ({"async_scheduling": False}, "cuda", 0),
+        ({"async_output_processing": True}, "cuda", 0),
+        ({"speculative_config": NGRAM}, "cpu", 0),
+        ({"speculative_config": NGRAM, "async_scheduling": True}, "cpu", None),
+    ],
+)
+def test_overlap_limit(cfg, device, limit):
+    """What each setting resolves to: an explicit flag wins; by default a GPU overlaps every
+    step and a CPU small ones, and neither any with speculative decoding (drafts need the last
+    token) or async output processing (served by the plain loop)."""
+    assert overlap_limit(SchedulerConfig(**cfg), device) == limit
 
 
 def test_a_failed_step_under_async_scheduling(fakes, byte_tokenizer_dir):

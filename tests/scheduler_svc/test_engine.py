@@ -147,7 +147,9 @@ def test_a_failed_step_fails_only_its_requests(fakes, byte_tokenizer_dir):
 
     async def main():
         fake = OomOnce()
-        engine, _ = make_engine(fakes, byte_tokenizer_dir, fake=fake, max_num_batched_tokens=8)
+        # The plain loop: this fake fails a step without first ordering the one sent after it,
+        # which a real executor does (failures under async scheduling: test_async_scheduling.py).
+        engine, _ = make_engine(fakes, byte_tokenizer_dir, fake=fake, max_num_batched_tokens=8, async_scheduling=False)
         first = engine.add_request(list(range(10, 14)), SamplingParams(max_tokens=30))
         engine.start()
         await first.queue.get()  # first is decoding
@@ -211,9 +213,11 @@ def test_a_refused_plan_is_resent_its_drops_and_fails_its_swap_victims(fakes, by
         await engine.stop()
         return engine, results
 
+    # The plain loop: this fake refuses a plan without first ordering the one sent after it,
+    # which a real executor does (refusals under async scheduling: test_async_scheduling.py).
     _, reference = asyncio.run(run(fakes.FakeExecutor(400, 4, num_host_blocks=1)))
     fake = RefusesTwice()
-    engine, results = asyncio.run(run(fake, preemption_mode="swap", max_num_batched_tokens=16))
+    engine, results = asyncio.run(run(fake, preemption_mode="swap", max_num_batched_tokens=16, async_scheduling=False))
     assert None not in fake.refused.values(), "the workload no longer swaps and drops: tighten it"
     failed = [i for i, r in enumerate(results) if r[-1].error is not None]
     assert failed and all(results[i][-1].error.code.name == "INVALID_ARGUMENT" for i in failed)
@@ -231,7 +235,12 @@ def _run_workload(fakes, tokenizer_dir, work, async_output: bool, eos_after: int
     engine; returns the engine, the fake executor and per request (token ids, text, finish reason)."""
     fake = fakes.FakeExecutor(96, 4, eos_after=eos_after)
     engine, results = fakes.run_workload(
-        tokenizer_dir, work, fake=fake, max_num_batched_tokens=64, async_output_processing=async_output
+        tokenizer_dir,
+        work,
+        fake=fake,
+        max_num_batched_tokens=64,
+        async_output_processing=async_output,
+        async_scheduling=False,  # the plain loop, with and without its deferred output
     )
     return engine, fake, [r[:3] for r in results]
 
