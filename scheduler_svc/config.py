@@ -323,7 +323,7 @@ def validate_against_executor(config: SchedulerConfig, hs: HandshakeResponse, ma
 # executor's threads and lengthens its step: by less than the hop at 1 sequence, by more at 32
 # (~6 ms of work a step there). benchmarks/RESULTS.md, "Async scheduling by default for small
 # steps". A GPU leaves the host's cores to the scheduler: on an H200 every step overlapped gave
-# 1.95x the tokens/s of the plain loop at 32 streams (benchmarks/GPU.md).
+# 1.95x the tokens/s of the plain loop (32 streams of a tiny model, ~1 ms steps; benchmarks/GPU.md).
 AUTO_OVERLAP_MAX_SEQS = 2
 
 

@@ -152,8 +152,8 @@ def test_by_default_a_cpu_executor_overlaps_only_small_steps(fakes, byte_tokeniz
 )
 def test_overlap_limit(cfg, device, limit):
     """What each setting resolves to: an explicit flag wins; by default a GPU overlaps every
-    step and a CPU small ones, and neither any with speculative decoding (drafts need the last
-    token) or async output processing (served by the plain loop)."""
+    step and a CPU small ones, and neither overlaps any with speculative decoding (drafts need
+    the last token) or async output processing (served by the plain loop)."""
     assert overlap_limit(SchedulerConfig(**cfg), device) == limit
 
 
