@@ -152,6 +152,8 @@ class Scheduler(RequestQueues):
             if entry.sample:  # the executor samples it and keeps it for the next decode
                 request.num_inflight_tokens += 1
                 request.executor_has_last_token = True
+        if plan.is_empty:  # never sent (all wait for a token in flight, or nothing fits): ids stay consecutive
+            self.num_steps -= 1
         return plan
 
     def _is_long(self, request: Request) -> bool:

@@ -138,6 +138,21 @@ def test_by_default_a_cpu_executor_overlaps_only_small_steps(fakes, byte_tokeniz
     assert any(p.follows_step_id is not None for p in plans[5].values())  # the last two requests' decodes
 
 
+def test_a_plan_with_nothing_to_send_takes_no_step_id(fakes):
+    """Planning on top of a step in flight can find nothing to do (here: the request's last token
+    is in flight); that plan is never sent, so the next one takes its id and the executor, the
+    trace and the policies' step counts see consecutive steps."""
+    sched = fakes.make_scheduler(num_blocks=64, block_size=BLOCK)
+    sched.add_request(fakes.make_request(1, 8, max_tokens=2))
+    first, second = sched.schedule(), sched.schedule()  # the prefill, then the decode on top of it
+    assert first.seqs and second.seqs
+    empty = sched.schedule()
+    assert empty.is_empty and sched.num_steps == 2
+    sched.add_request(fakes.make_request(2, 8, max_tokens=2))
+    third = sched.schedule()
+    assert [first.step_id, second.step_id, third.step_id] == [0, 1, 2] and third.seqs
+
+
 @pytest.mark.parametrize(
     ("cfg", "device", "limit"),
     [
