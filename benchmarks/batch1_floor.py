@@ -14,6 +14,12 @@ executor's threads all count. So each round measures, in turn:
   and kernel plan, one sequence at context ~128, the median of `--steps` decode steps);
 - one greedy request through a real two-process server (default flags plus `--server-args`):
   its decode ms per token after the first, from the stream's arrival times;
+- during that request, the CPU every other thread used per token (from /proc): the scheduler
+  process, the executor's threads other than its two busiest (gRPC and the step stream's
+  threads; the busiest two are the step's compute threads) and this client. On a machine whose
+  cores the executor's threads fill, that CPU is taken from the step (a product ends at a
+  barrier, so a compute thread the OS preempts stops its partner as well): it is what the
+  server adds to the in-process step.
 
 and prints each round and the medians, each figure as a multiple of the floor.
 
@@ -24,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import resource
 import shlex
 import statistics
 import sys
@@ -67,6 +75,43 @@ def step_ms(runner, steps: int) -> float:
     return statistics.median(times)
 
 
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each live thread of process `pid` (Linux /proc)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            fields = open(f"/proc/{pid}/task/{tid}/stat").read().rpartition(")")[2].split()
+        except FileNotFoundError:  # the thread ended since the listing
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def served_token(server, max_tokens: int) -> tuple[float, dict[str, float]]:
+    """(ms per decode token of one greedy request, CPU ms per token of the scheduler, of the
+    executor's threads other than its two busiest, and of this client)."""
+    pids = {"scheduler": server.scheduler.pid, "executor": server.executor.pid}
+    before = {name: thread_cpu(pid) for name, pid in pids.items()}
+    client = own_cpu()
+    tokens, rate = asyncio.run(generate(server.address, PROMPT, max_tokens))
+    client = own_cpu() - client
+    used = {
+        name: sorted((cpu - before[name].get(tid, 0.0) for tid, cpu in thread_cpu(pid).items()), reverse=True)
+        for name, pid in pids.items()
+    }
+    per_token = {
+        "scheduler": sum(used["scheduler"]),
+        "executor, other threads": sum(used["executor"][2:]),
+        "client": client,
+    }
+    return 1000 / rate, {name: cpu * 1000 / len(tokens) for name, cpu in per_token.items()}
+
+
 def load_runner(threads: int):
     """The float32 default model as the server loads it, with the kernel plan it keeps."""
     runner = build("float32", threads, plan="measure")
@@ -105,20 +150,23 @@ def main() -> None:
                 if what == "in-process":
                     got[what] = step_ms(runner, args.steps)
                 else:
-                    _, rate = asyncio.run(generate(server.address, PROMPT, args.max_tokens))
-                    got[what] = 1000 / rate
+                    got[what], beside = served_token(server, args.max_tokens)
             bw.append(bandwidth_gbs(x))
             floor = weight_bytes / (statistics.median(bw) * 1e9) * 1000
-            rows.append((floor, got["in-process"], got["server"], bw))
+            rows.append((floor, got["in-process"], got["server"], bw, sum(beside.values())))
             print(
                 f"round {rnd + 1}: read {bw[0]:.1f} / {bw[1]:.1f} GB/s -> floor {floor:.1f} ms; "
                 f"in-process step {got['in-process']:.1f} ms ({got['in-process'] / floor:.2f}x), "
-                f"server token {got['server']:.1f} ms ({got['server'] / floor:.2f}x)",
+                f"server token {got['server']:.1f} ms ({got['server'] / floor:.2f}x); "
+                f"CPU ms per token beside the step: "
+                + ", ".join(f"{name} {ms:.2f}" for name, ms in beside.items())
+                + f" (sum {sum(beside.values()):.2f})",
                 flush=True,
             )
     finally:
         server.stop()
     floor, inproc, served = (statistics.median(r[i] for r in rows) for i in range(3))
+    beside = statistics.median(r[4] for r in rows)
     print(
         f"\nfloat32 batch 1, {weight_bytes / 1e6:.0f} MB read per step, {args.threads} in-process threads, "
         f"server flags: {' '.join([args.executor_args, args.scheduler_args]).strip() or 'defaults'}; "
@@ -127,6 +175,8 @@ def main() -> None:
     print(f"weight-read floor     {floor:6.1f} ms")
     print(f"in-process step       {inproc:6.1f} ms   {inproc / floor:.2f}x the floor")
     print(f"server token          {served:6.1f} ms   {served / floor:.2f}x the floor")
+    print(f"CPU beside the step   {beside:6.2f} ms a token (scheduler + executor's other threads + client)")
+    print(f"server - in-process   {served - inproc:6.2f} ms")
     print(f"median of per-round server/floor: {statistics.median(r[2] / r[0] for r in rows):.2f}x")
 
 
