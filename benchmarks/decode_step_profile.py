@@ -179,7 +179,7 @@ class NoGemm:
         import executor_svc.models.layers as layers_mod
 
         self.targets = [(layers_mod, "linear"), (torch.nn.functional, "linear")]
-        self.targets += [(layers_mod, "packed_linear"), (layers_mod, "native_linear")]  # a plan's "packed", "gemv"
+        self.targets += [(layers_mod, "packed_linear"), (layers_mod, "native_linear")]  # "packed", "gemv(-stream)"
         self.targets.append((torch, "_weight_int4pack_mm_for_cpu"))
         self.saved: list = []
         self.cache: dict = {}
@@ -196,7 +196,7 @@ class NoGemm:
         fakes = {
             "linear": lambda x, w, b=None, pad=None: self._zeros(x.shape[0], w.shape[0], x.dtype),
             "packed_linear": lambda x, p, b=None: self._zeros(x.shape[0], p.shape[0], x.dtype),
-            "native_linear": lambda x, w, b=None: self._zeros(x.shape[0], w.shape[0], x.dtype),
+            "native_linear": lambda x, w, b=None, stream=False: self._zeros(x.shape[0], w.shape[0], x.dtype),
             "_weight_int4pack_mm_for_cpu": lambda x, p, g, sz: self._zeros(x.shape[0], p.shape[0], x.dtype),
         }
         for mod, name in self.targets:

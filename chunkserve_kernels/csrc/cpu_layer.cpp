@@ -6,7 +6,7 @@
 // 2-core CPU each call from Python costs a few microseconds of argument parsing, module attribute
 // lookups and glue before any arithmetic, ~1 ms a step in all, when the step's weight reads take
 // ~10 ms. From C++ the ops are plain function calls (ours) or one dispatch (aten's). Used for pure
-// decode steps whose linears the plan gives to the native product ("gemv"), to oneDNN's packed
+// decode steps whose linears the plan gives to the native product ("gemv", "gemv-stream"), to oneDNN's packed
 // float32 copies ("packed": a speculative verify step's 1 + k rows, a batch of decodes) or to the
 // int4 copies (--quantization int4: torch's int4 kernel on bfloat16 activations, as
 // models/quant.Int4Weights calls it); every other step keeps the Python layers
@@ -40,10 +40,11 @@ struct LayerLinear {
 };
 
 // The plan's kernel for every linear of a step (models/kernel_plan.py names them).
-enum class Kernel { kGemv, kPacked, kInt4 };
+enum class Kernel { kGemv, kGemvStream, kPacked, kInt4 };
 
 Kernel kernel_named(const std::string& name) {
   if (name == "gemv") return Kernel::kGemv;
+  if (name == "gemv-stream") return Kernel::kGemvStream;
   if (name == "packed") return Kernel::kPacked;
   if (name == "reduced") return Kernel::kInt4;
   TORCH_CHECK(false, "DecodeLayers: no fused path for the linear kernel ", name);
@@ -74,12 +75,13 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return (x * cos).add_(rotated);
 }
 
-// `Linear.apply_kernel` of the plan's "gemv" (the native product on the float32 weight),
+// `Linear.apply_kernel` of the plan's "gemv" / "gemv-stream" (the native product on the float32 weight),
 // "packed" (oneDNN's on its packed copy) or "reduced" with the int4 copies (the int4 kernel on x
 // in bfloat16, the result cast back to x's dtype when `same_dtype` or there is a bias, then
 // added; else left bfloat16 for the caller's float32 add).
 at::Tensor linear(const at::Tensor& x, const LayerLinear& lin, Kernel kernel, int64_t group, bool same_dtype) {
-  if (kernel == Kernel::kGemv) return gemv(x, lin.weight, lin.bias);
+  if (kernel == Kernel::kGemv || kernel == Kernel::kGemvStream)
+    return gemv(x, lin.weight, lin.bias, kernel == Kernel::kGemvStream);
   if (kernel == Kernel::kPacked) return packed_linear(x, lin);
   at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16).contiguous(), lin.int4, group, lin.int4_scales);
   if (same_dtype || lin.bias.has_value()) y = y.to(x.scalar_type());
@@ -149,7 +151,7 @@ class DecodeLayers : public torch::CustomClassHolder {
   // x [T, hidden] (the embeddings), cos / sin as RotaryEmbedding gives them, kv_cache the whole
   // cache [layers, 2, blocks, block_size, kv_heads, head_dim], slot_mapping / block_table /
   // context_lens the step's decodes (int32 tables and lengths, sequence order); `kernel` the plan's
-  // for every linear: "gemv", "packed" or "reduced" (the int4 copies). -> (the last layer's MLP
+  // for every linear: "gemv", "gemv-stream", "packed" or "reduced" (the int4 copies). -> (the last layer's MLP
   // output, the residual stream before it is added), what the model's final norm takes.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
                                              at::Tensor slot_mapping, at::Tensor block_table, at::Tensor context_lens,

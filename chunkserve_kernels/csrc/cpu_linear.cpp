@@ -17,8 +17,13 @@
 // AVX2 EPYC (the 8-float build) the prefetch helps from 2 rows as well (the default model's
 // linears, two threads: 2 rows 9-12% shorter, 4 rows 10-11%, 8 rows 4%) but costs 4-7% at one
 // row, where it only repeats what the hardware prefetcher asks for (benchmarks/RESULTS.md,
-// "Batch 1: the one-row product without software prefetch"); so the 8-float build streams one
-// row without it (kPrefetchOneRow). From ~4 rows of x on, oneDNN's blocked
+// "Batch 1: the one-row product without software prefetch"), and on a 2-core Zen 4 EPYC with
+// AVX-512 it cost 3-5% at one row while the memory read ~35 GB/s and 12-14% while it read
+// ~60 (the default model's linears, two threads; benchmarks/RESULTS.md, "The one-row product:
+// software prefetch chosen at start-up"). So whether one row asks for lines ahead is the linear
+// plan's choice, measured at start-up like the rest of it: kernel "gemv-stream" streams one
+// row without the prefetch, "gemv" with it (`stream_one_row`; the same arithmetic, so the
+// same bits). From ~4 rows of x on, oneDNN's blocked
 // product is still faster (it reuses each weight line across more rows); which kernel serves
 // which step size is measured at start-up (executor_svc/models/linear_plan.py, kernel "gemv").
 //
@@ -60,9 +65,6 @@ constexpr int64_t kVec = 16;
 #else
 constexpr int64_t kVec = 8;
 #endif
-// Whether one row of x asks for weight lines ahead: measured faster with AVX-512 on Zen 5 and
-// slower with AVX2 on a 2-core EPYC (top of the file); the build's width stands for the two.
-constexpr bool kPrefetchOneRow = kVec == 16;
 typedef float Vec __attribute__((vector_size(kVec * sizeof(float))));
 constexpr int kParts = kLanes / kVec;  // vectors of partial sums per row of x
 static_assert(kLanes % kVec == 0, "whole vectors of partial sums");
@@ -85,7 +87,8 @@ inline Vec load(const float* p) {
 // tree (j and j + 16, then + 8, ...). Compiled without -fassociative-math: with it GCC may split
 // a sum into more partial sums for one group size and not another (with 8-float vectors it did),
 // and a row's result would depend on the rows beside it (see the pragma above `load`).
-template <int M>
+// `Prefetch`: ask for the line kAhead weight rows ahead (the top of the file says when it pays).
+template <int M, bool Prefetch>
 void rows(const float* __restrict x, int64_t K, const float* __restrict w, const float* bias, float* __restrict y,
           int64_t ldy, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
@@ -95,7 +98,7 @@ void rows(const float* __restrict x, int64_t K, const float* __restrict w, const
       for (int p = 0; p < kParts; ++p) acc[m][p] = Vec{};
     int64_t k = 0;
     for (; k + kLanes <= K; k += kLanes) {
-      if constexpr (M > 1 || kPrefetchOneRow) {
+      if constexpr (Prefetch) {
         __builtin_prefetch(wr + kAhead * K + k);
         __builtin_prefetch(wr + kAhead * K + k + 16);  // the 32 lanes' second cache line
       }
@@ -117,23 +120,32 @@ void rows(const float* __restrict x, int64_t K, const float* __restrict w, const
 }
 #pragma GCC pop_options
 
+// A group of M rows of x: with several, the weight lines ahead are always asked for; with one,
+// unless `stream_one_row`.
 void group(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y, int64_t N, int64_t n0,
-           int64_t n1) {
+           int64_t n1, bool stream_one_row) {
   switch (M) {
-    case 1: rows<1>(x, K, w, bias, y, N, n0, n1); break;
-    case 2: rows<2>(x, K, w, bias, y, N, n0, n1); break;
-    case 3: rows<3>(x, K, w, bias, y, N, n0, n1); break;
-    case 4: rows<4>(x, K, w, bias, y, N, n0, n1); break;
-    case 5: rows<5>(x, K, w, bias, y, N, n0, n1); break;
-    case 6: rows<6>(x, K, w, bias, y, N, n0, n1); break;
-    case 7: rows<7>(x, K, w, bias, y, N, n0, n1); break;
-    default: rows<8>(x, K, w, bias, y, N, n0, n1); break;
+    case 1:
+      if (stream_one_row) {
+        rows<1, false>(x, K, w, bias, y, N, n0, n1);
+      } else {
+        rows<1, true>(x, K, w, bias, y, N, n0, n1);
+      }
+      break;
+    case 2: rows<2, true>(x, K, w, bias, y, N, n0, n1); break;
+    case 3: rows<3, true>(x, K, w, bias, y, N, n0, n1); break;
+    case 4: rows<4, true>(x, K, w, bias, y, N, n0, n1); break;
+    case 5: rows<5, true>(x, K, w, bias, y, N, n0, n1); break;
+    case 6: rows<6, true>(x, K, w, bias, y, N, n0, n1); break;
+    case 7: rows<7, true>(x, K, w, bias, y, N, n0, n1); break;
+    default: rows<8, true>(x, K, w, bias, y, N, n0, n1); break;
   }
 }
 
 }  // namespace
 
-at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                bool stream_one_row) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
               "x must be a float32 CPU [M, K] tensor");
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
@@ -172,7 +184,7 @@ at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& weight, const std::opt
       if (!next.compare_exchange_weak(n0, n0 + size, std::memory_order_relaxed)) continue;  // n0: the new value
       const int64_t n1 = std::min(N, n0 + size);
       for (int64_t m = 0; m < M; m += kMaxGroup)
-        group(xp + m * K, std::min(kMaxGroup, M - m), K, wp, b, yp + m * N, N, n0, n1);
+        group(xp + m * K, std::min(kMaxGroup, M - m), K, wp, b, yp + m * N, N, n0, n1, stream_one_row);
       n0 = next.load(std::memory_order_relaxed);
     }
   });
@@ -181,6 +193,8 @@ at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& weight, const std::opt
 
 }  // namespace chunkserve
 
-TORCH_LIBRARY_FRAGMENT(chunkserve, m) { m.def("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(chunkserve, m) {
+  m.def("gemv(Tensor x, Tensor weight, Tensor? bias=None, bool stream_one_row=False) -> Tensor");
+}
 
 TORCH_LIBRARY_IMPL(chunkserve, CPU, m) { m.impl("gemv", &chunkserve::gemv); }

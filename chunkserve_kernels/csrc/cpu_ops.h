@@ -35,6 +35,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::
                                                 const at::Tensor& weight, double eps);
 
 // cpu_linear.cpp
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+// stream_one_row: a single row of x reads the weights without asking for lines ahead (the plan's
+// "gemv-stream"; several rows always ask).
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                bool stream_one_row = false);
 
 }  // namespace chunkserve

@@ -3,7 +3,7 @@
 per layer from Python.
 
 When a step takes it is decided in one place, `FusedDecode.forward`: a float32 CPU step whose
-decoder linears the model's plan gives to the native product ("gemv") or, where the copies
+decoder linears the model's plan gives to the native product ("gemv", "gemv-stream") or, where the copies
 exist, to oneDNN's packed copies ("packed": a speculative verify step's 1 + k rows or a batch of
 decodes, where the Python between the ops cost ~15 ms of a 1 + 3-row verify step's ~65 on one
 thread) or to the int4 copies ("reduced"), and whose attention backend hands over the step's decode
@@ -68,7 +68,7 @@ class FusedDecode:
                 tensors |= _linear_tensors(name, lin)
             self.native.add_layer(tensors)
         # the kernels of the plan's that the fused layers can run
-        self.kernels = {"gemv"} | ({"packed"} if self.native.has_packed() else set())
+        self.kernels = {"gemv", "gemv-stream"} | ({"packed"} if self.native.has_packed() else set())
         self.kernels |= {"reduced"} if self.native.has_int4() else set()
 
     def forward(

@@ -22,10 +22,12 @@ from dataclasses import dataclass
 
 # preference order: an earlier kernel keeps a bucket unless a later one is MARGIN faster.
 # "mm" / "mm-pad": `layers.linear` on the float32 weights without / with row padding;
-# "packed": oneDNN's packed float32 copy; "gemv": the native few-row float32 product;
-# "reduced": the int4 or 16-bit copy as its class computes it; "half-onednn": the 16-bit
-# copy through oneDNN's F.linear.
-KERNELS = ("mm", "mm-pad", "packed", "gemv", "reduced", "half-onednn")
+# "packed": oneDNN's packed float32 copy; "gemv-stream" / "gemv": the native few-row float32
+# product, one row of x read without / with software prefetch (the same arithmetic; which is
+# faster depends on the machine's memory: chunkserve_kernels/csrc/cpu_linear.cpp); "reduced":
+# the int4 or 16-bit copy as its class computes it; "half-onednn": the 16-bit copy through
+# oneDNN's F.linear.
+KERNELS = ("mm", "mm-pad", "packed", "gemv-stream", "gemv", "reduced", "half-onednn")
 MARGIN = 0.05
 INT4_MAX_ROWS = 32
 # the native few-row product (chunkserve_kernels/csrc/cpu_linear.cpp) is a candidate up to this many rows
@@ -126,7 +128,7 @@ def candidates(
 ) -> list[str]:
     """The kernels worth timing at `m` rows given the copies loaded: "mm-pad" only where
     `padded_rows` changes m; "gemv" (the native library's, where it loaded) up to
-    GEMV_MAX_ROWS; "reduced" within the mode's row cap (--quantized-max-rows, or
+    GEMV_MAX_ROWS, and "gemv-stream" at one row (where the two differ); "reduced" within the mode's row cap (--quantized-max-rows, or
     INT4_MAX_ROWS for int4); "half-onednn" only from 12 rows (below it `half_linear` is
     oneDNN's F.linear already, or at one row the GEMV that beats it)."""
     out = ["mm"]
@@ -134,6 +136,8 @@ def candidates(
         out.append("mm-pad")
     if packed:
         out.append("packed")
+    if gemv and m == 1:
+        out.append("gemv-stream")
     if gemv and m <= GEMV_MAX_ROWS:
         out.append("gemv")
     cap = reduced_max_rows if reduced_max_rows is not None else (INT4_MAX_ROWS if reduced == "int4" else None)

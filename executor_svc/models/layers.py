@@ -70,11 +70,15 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def native_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stream_one_row: bool = False
+) -> torch.Tensor:
     """y = x W^T (+ b) through the native few-row float32 product (chunkserve_kernels/csrc/cpu_linear.cpp:
     each weight row streamed once, ~1.3-1.4x MKL's speed at one row on a 2-core Zen 5; the
-    plan's "gemv" kernel). Needs `chunkserve_kernels.cpu_native.load()` to have succeeded."""
-    return torch.ops.chunkserve.gemv(x, weight, bias)
+    plan's "gemv" kernel, or "gemv-stream" with `stream_one_row`: one row of x without the
+    software prefetch, the same bits). Needs `chunkserve_kernels.cpu_native.load()` to have
+    succeeded."""
+    return torch.ops.chunkserve.gemv(x, weight, bias, stream_one_row)
 
 
 class Linear(nn.Module):
@@ -123,8 +127,8 @@ class Linear(nn.Module):
         self, x: torch.Tensor, kernel: str, same_dtype: bool = True, with_bias: bool = True
     ) -> torch.Tensor:
         """x W^T (+ b) through one named kernel (kernel_plan.KERNELS): "mm" / "mm-pad"
-        `linear` without / with row padding, "packed" the oneDNN copy, "gemv" the native
-        few-row product, "reduced" the int4 or 16-bit copy as its class computes it,
+        `linear` without / with row padding, "packed" the oneDNN copy, "gemv" / "gemv-stream" the
+        native few-row product with / without the one-row prefetch, "reduced" the int4 or 16-bit copy as its class computes it,
         "half-onednn" the 16-bit copy through oneDNN's F.linear. The benchmarks and the
         plan's measurement call it too, so they time what a step runs."""
         bias = self.bias if with_bias else None
@@ -139,8 +143,8 @@ class Linear(nn.Module):
             return y if bias is None else y.add_(bias)
         if kernel == "packed":
             return packed_linear(x, self.packed, bias)
-        if kernel == "gemv":
-            return native_linear(x, self.weight, bias)
+        if kernel in ("gemv", "gemv-stream"):
+            return native_linear(x, self.weight, bias, kernel == "gemv-stream")
         if kernel in ("mm", "mm-pad"):
             return linear(x, self.weight, bias, pad=kernel == "mm-pad")
         raise ValueError(f"unknown linear kernel {kernel!r}")

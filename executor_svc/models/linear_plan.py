@@ -75,16 +75,16 @@ LARGE_FROM = 256  # buckets from here are prefill chunks: one layer's linears, L
 LARGE_BUCKETS: tuple[int, ...] = (256, 512, 1024, 2048)  # measured up to the budget (2048 at most)
 LARGE_REPS = 3
 REDUCED_KERNELS = ("reduced", "half-onednn")  # what a reduced mode times against float32's plan
-# A decode step whose linears are all "packed" or "gemv" runs as one fused native call
+# A decode step whose linears are all "packed" or "gemv" / "gemv-stream" runs as one fused native call
 # (models/fused.py); one on "mm" / "mm-pad" runs layer by layer. Timed alone the two products
 # are within a few percent at 12-64 rows, but in a whole decode step "mm" was 1.07-1.47x slower
 # (2-core AVX2 EPYC, benchmarks/RESULTS.md): at decode sizes with the fused path loaded, "mm"
 # and "mm-pad" keep a bucket from a fused kernel only when FUSED_MARGIN faster alone.
-FUSED_KERNELS = ("packed", "gemv")
+FUSED_KERNELS = ("packed", "gemv-stream", "gemv")
 FUSED_MARGIN = 0.2
 OTHERS_MAX = 0.2  # a measurement while other processes used more of our CPUs is not kept
 SPREAD_MAX = 1.25  # nor one whose repeats disagree more (`disturbance`)
-PLAN_FORMAT = 3  # bump when what a stored plan means changes (kernels, bucket semantics)
+PLAN_FORMAT = 4  # bump when what a stored plan means changes (kernels, bucket semantics)
 
 
 def buckets_for(budget: int, part: str = "linears") -> tuple[int, ...]:

@@ -84,7 +84,14 @@ def test_candidates_follow_the_copies_and_the_caps():
     assert not any("gemv" in kp.candidates(m, **base) for m in range(1, 9))  # not loaded: never
     with_gemv = [m for m in range(1, 40) if "gemv" in kp.candidates(m, **{**base, "gemv": True})]
     assert with_gemv == list(range(1, kp.GEMV_MAX_ROWS + 1))
+    # one row of x with or without the software prefetch: the two differ at one row only
+    streamed = [m for m in range(1, 40) if "gemv-stream" in kp.candidates(m, **{**base, "gemv": True})]
+    assert streamed == [1] and not any("gemv-stream" in kp.candidates(m, **base) for m in range(1, 9))
     assert kp.KERNELS.index("gemv") < kp.KERNELS.index("reduced")  # float32 before a reduced copy
+    # the plain stream stays unless the prefetch is MARGIN faster (what the AVX2 build always did)
+    assert kp.KERNELS.index("gemv-stream") < kp.KERNELS.index("gemv")
+    assert kp.choose({"gemv-stream": 1.0, "gemv": 0.97}) == "gemv-stream"
+    assert kp.choose({"gemv-stream": 1.0, "gemv": 0.9}) == "gemv"
 
 
 def _model(tiny_configs, hf_model_factory, name="llama", seed=0):
@@ -235,7 +242,7 @@ def test_any_plan_gives_the_float32_logits(tiny_configs, hf_model_factory, paged
     """Whatever the measurement picks among float32 kernels, a step's logits are the float32
     ones to rounding: the plan changes speed, not the result (the fixtures are factories)."""
     model = _with_copies(_model(tiny_configs, hf_model_factory, "smollm_tied", seed=3), None)
-    kernels = ("mm", "mm-pad", "packed") + (("gemv",) if NATIVE else ())
+    kernels = ("mm", "mm-pad", "packed") + (("gemv", "gemv-stream") if NATIVE else ())
     buckets = (1, 2, 4, 8)
     body = kp.Plan(buckets, tuple(data.draw(st.sampled_from(kernels)) for _ in buckets))
     head = kp.Plan(buckets, tuple(data.draw(st.sampled_from(kernels)) for _ in buckets))

@@ -288,6 +288,9 @@ def test_gemv_rows_do_not_depend_on_the_batch_or_the_threads(native):
     y = torch.ops.chunkserve.gemv(x, w, b)
     for i in range(9):
         assert torch.equal(torch.ops.chunkserve.gemv(x[i : i + 1], w, b), y[i : i + 1])
+        # "gemv-stream": one row without the software prefetch is the same arithmetic
+        assert torch.equal(torch.ops.chunkserve.gemv(x[i : i + 1], w, b, True), y[i : i + 1])
+    assert torch.equal(torch.ops.chunkserve.gemv(x, w, b, True), y)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
