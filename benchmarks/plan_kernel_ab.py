@@ -1,7 +1,7 @@
 """Two kernels for one plan bucket, timed in whole decode steps (issue 31, item 7).
 
 The linear plan times each kernel on the model's linears alone; a step adds what the kernel
-decides beyond its product (only "packed" and "gemv" let a decode step run as the fused native
+decides beyond its product (only "packed" and "gemv(-stream)" let a decode step run as the fused native
 layers). This loads the default model in float32 as the server does (its kept plan), then for
 each batch size swaps the plan's kernel for that size between KERNEL_A and KERNEL_B (the head
 keeps its plan), decode steps of the same sequences taking turns, and prints the median step

@@ -18,7 +18,7 @@
 // linears, two threads: 2 rows 9-12% shorter, 4 rows 10-11%, 8 rows 4%) but costs 4-7% at one
 // row, where it only repeats what the hardware prefetcher asks for (benchmarks/RESULTS.md,
 // "Batch 1: the one-row product without software prefetch"), and on a 2-core Zen 4 EPYC with
-// AVX-512 it cost 3-5% at one row while the memory read ~35 GB/s and 12-14% while it read
+// AVX-512 it cost 1-4% at one row while the memory read ~35 GB/s and 5-14% while it read
 // ~60 (the default model's linears, two threads; benchmarks/RESULTS.md, "The one-row product:
 // software prefetch chosen at start-up"). So whether one row asks for lines ahead is the linear
 // plan's choice, measured at start-up like the rest of it: kernel "gemv-stream" streams one
