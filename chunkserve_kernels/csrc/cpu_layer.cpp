@@ -6,10 +6,10 @@
 // 2-core CPU each call from Python costs a few microseconds of argument parsing, module attribute
 // lookups and glue before any arithmetic, ~1 ms a step in all, when the step's weight reads take
 // ~10 ms. From C++ the ops are plain function calls (ours) or one dispatch (aten's). Used for pure
-// decode steps whose linears the plan gives to the native product ("gemv", "gemv-stream"), to oneDNN's packed
-// float32 copies ("packed": a speculative verify step's 1 + k rows, a batch of decodes) or to the
-// int4 copies (--quantization int4: torch's int4 kernel on bfloat16 activations, as
-// models/quant.Int4Weights calls it); every other step keeps the Python layers
+// decode steps whose linears the plan gives to the native product ("gemv", "gemv-stream"), to
+// oneDNN's packed float32 copies ("packed": a speculative verify step's 1 + k rows, a batch of
+// decodes) or to the int4 copies (--quantization int4: torch's int4 kernel on bfloat16
+// activations, as models/quant.Int4Weights calls it); every other step keeps the Python layers
 // (models/llama.py, `FusedDecode`).
 //
 // The weights live in one registered object, torch.classes.chunkserve.DecodeLayers, filled once
@@ -75,8 +75,8 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return (x * cos).add_(rotated);
 }
 
-// `Linear.apply_kernel` of the plan's "gemv" / "gemv-stream" (the native product on the float32 weight),
-// "packed" (oneDNN's on its packed copy) or "reduced" with the int4 copies (the int4 kernel on x
+// `Linear.apply_kernel` of the plan's "gemv" / "gemv-stream" (the native product on the float32
+// weight), "packed" (oneDNN's on its packed copy) or "reduced" with the int4 copies (the int4 kernel on x
 // in bfloat16, the result cast back to x's dtype when `same_dtype` or there is a bias, then
 // added; else left bfloat16 for the caller's float32 add).
 at::Tensor linear(const at::Tensor& x, const LayerLinear& lin, Kernel kernel, int64_t group, bool same_dtype) {
@@ -151,8 +151,8 @@ class DecodeLayers : public torch::CustomClassHolder {
   // x [T, hidden] (the embeddings), cos / sin as RotaryEmbedding gives them, kv_cache the whole
   // cache [layers, 2, blocks, block_size, kv_heads, head_dim], slot_mapping / block_table /
   // context_lens the step's decodes (int32 tables and lengths, sequence order); `kernel` the plan's
-  // for every linear: "gemv", "gemv-stream", "packed" or "reduced" (the int4 copies). -> (the last layer's MLP
-  // output, the residual stream before it is added), what the model's final norm takes.
+  // for every linear: "gemv", "gemv-stream", "packed" or "reduced" (the int4 copies). -> (the last
+  // layer's MLP output, the residual stream before it is added), what the model's final norm takes.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
                                              at::Tensor slot_mapping, at::Tensor block_table, at::Tensor context_lens,
                                              const std::string& kernel_name) const {

@@ -128,9 +128,10 @@ def candidates(
 ) -> list[str]:
     """The kernels worth timing at `m` rows given the copies loaded: "mm-pad" only where
     `padded_rows` changes m; "gemv" (the native library's, where it loaded) up to
-    GEMV_MAX_ROWS, and "gemv-stream" at one row (where the two differ); "reduced" within the mode's row cap (--quantized-max-rows, or
-    INT4_MAX_ROWS for int4); "half-onednn" only from 12 rows (below it `half_linear` is
-    oneDNN's F.linear already, or at one row the GEMV that beats it)."""
+    GEMV_MAX_ROWS, and "gemv-stream" at one row (where the two differ); "reduced" within the
+    mode's row cap (--quantized-max-rows, or INT4_MAX_ROWS for int4); "half-onednn" only from
+    12 rows (below it `half_linear` is oneDNN's F.linear already, or at one row the GEMV that
+    beats it)."""
     out = ["mm"]
     if padding and padded_rows(m) != m:
         out.append("mm-pad")

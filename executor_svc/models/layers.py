@@ -127,10 +127,11 @@ class Linear(nn.Module):
         self, x: torch.Tensor, kernel: str, same_dtype: bool = True, with_bias: bool = True
     ) -> torch.Tensor:
         """x W^T (+ b) through one named kernel (kernel_plan.KERNELS): "mm" / "mm-pad"
-        `linear` without / with row padding, "packed" the oneDNN copy, "gemv" / "gemv-stream" the
-        native few-row product with / without the one-row prefetch, "reduced" the int4 or 16-bit copy as its class computes it,
-        "half-onednn" the 16-bit copy through oneDNN's F.linear. The benchmarks and the
-        plan's measurement call it too, so they time what a step runs."""
+        `linear` without / with row padding, "packed" the oneDNN copy, "gemv" / "gemv-stream"
+        the native few-row product with / without the one-row prefetch, "reduced" the int4 or
+        16-bit copy as its class computes it, "half-onednn" the 16-bit copy through oneDNN's
+        F.linear. The benchmarks and the plan's measurement call it too, so they time what a
+        step runs."""
         bias = self.bias if with_bias else None
         if kernel in ("reduced", "half-onednn"):
             keep = same_dtype or bias is not None
