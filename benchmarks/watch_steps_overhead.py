@@ -10,7 +10,7 @@ same cores as the server, as a dashboard on the same host would.
     .venv/bin/python benchmarks/watch_steps_overhead.py --model default   # what it means for a real model
 
 `tiny` is the 2-layer random-weight Llama the tests use (hidden size 64), written to a temp
-folder with the default model's tokenizer: its steps take milliseconds, so a per-step cost
+folder with the default model's tokenizer (chunkserve.launch.bench_model): its steps take milliseconds, so a per-step cost
 of the trace is visible rather than lost in the noise of a real model's step.
 """
 
@@ -25,20 +25,11 @@ from pathlib import Path
 import grpc
 
 from chunkserve.client import build_request
-from chunkserve.launch import start_server, write_tiny_model
+from chunkserve.launch import bench_model, start_server
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 
 STREAMS = 4
-
-
-def tiny_model() -> str:
-    """The tests' tiny random Llama with the default model's tokenizer, in a temp folder."""
-    from executor_svc.config import default_cache_dir
-    from executor_svc.model_loader import resolve_model
-
-    default = resolve_model("default", default_cache_dir())
-    return str(write_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")), default))
 
 
 def main() -> None:
@@ -46,7 +37,7 @@ def main() -> None:
     p.add_argument("--model", default="tiny", help="tiny (default), default, or a model folder")
     p.add_argument("--tokens", type=int, default=200, help="tokens per stream in each run")
     args = p.parse_args()
-    model = tiny_model() if args.model == "tiny" else args.model
+    model = str(bench_model(args.model))  # tiny: a temp folder, removed at exit
     server = start_server(Path(tempfile.mkdtemp()), ["--model", model, "--dtype", "float32"], [])
     try:
         stub = server.stub()

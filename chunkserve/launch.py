@@ -298,17 +298,27 @@ def write_byte_tokenizer(path: Path) -> Path:
     return path
 
 
+def _scratch_folder(prefix: str) -> Path:
+    """A new temporary folder, removed when this process exits (a benchmark's servers, which
+    read the model from it, are stopped before that)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 def bench_model(name: str) -> Path:
     """The model folder an overhead benchmark's `--model` names: `tiny` (a fresh
     `write_tiny_model` in a temporary folder, the default model's tokenizer), `tiny-bytes` (the
     same with a byte-level tokenizer: no default model needed, e.g. on an offline GPU machine),
     `default`, or a folder. Imports the executor's loader here, so importing this module still
     needs no torch."""
-    import tempfile
-
     if name == "tiny-bytes":
-        tokenizer = write_byte_tokenizer(Path(tempfile.mkdtemp(prefix="byte-tokenizer-")))
-        folder = Path(tempfile.mkdtemp(prefix="tiny-model-"))
+        tokenizer = write_byte_tokenizer(_scratch_folder("byte-tokenizer-"))
+        folder = _scratch_folder("tiny-model-")
         return write_tiny_model(folder, tokenizer, vocab_size=BYTE_EOS + 1, eos_token_id=BYTE_EOS, bos_token_id=None)
 
     from executor_svc.config import default_cache_dir
@@ -316,5 +326,5 @@ def bench_model(name: str) -> Path:
 
     default = resolve_model("default", default_cache_dir())
     if name == "tiny":
-        return write_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")), default)
+        return write_tiny_model(_scratch_folder("tiny-model-"), default)
     return default if name == "default" else Path(name)
