@@ -15,11 +15,11 @@ executor's threads all count. So each round measures, in turn:
 - one greedy request through a real two-process server (default flags plus `--server-args`):
   its decode ms per token after the first, from the stream's arrival times;
 - during that request, the CPU every other thread used per token (from /proc): the scheduler
-  process, the executor's threads other than its two busiest (gRPC and the step stream's
-  threads; the busiest two are the step's compute threads) and this client. On a machine whose
-  cores the executor's threads fill, that CPU is taken from the step (a product ends at a
-  barrier, so a compute thread the OS preempts stops its partner as well): it is what the
-  server adds to the in-process step.
+  process, the executor's threads other than its compute threads (gRPC and the step stream's
+  threads; a compute thread is one busy more than half the request's time) and this client.
+  On a machine whose cores the executor's threads fill, that CPU is taken from the step (a
+  product ends at a barrier, so a compute thread the OS preempts stops its partner as well):
+  it is what the server adds to the in-process step.
 
 and prints each round and the medians, each figure as a multiple of the floor.
 
@@ -94,19 +94,18 @@ def own_cpu() -> float:
 
 def served_token(server, max_tokens: int) -> tuple[float, dict[str, float]]:
     """(ms per decode token of one greedy request, CPU ms per token of the scheduler, of the
-    executor's threads other than its two busiest, and of this client)."""
+    executor's threads other than its compute threads, and of this client)."""
     pids = {"scheduler": server.scheduler.pid, "executor": server.executor.pid}
     before = {name: thread_cpu(pid) for name, pid in pids.items()}
-    client = own_cpu()
+    client, wall = own_cpu(), time.perf_counter()
     tokens, rate = asyncio.run(generate(server.address, PROMPT, max_tokens))
-    client = own_cpu() - client
+    client, wall = own_cpu() - client, time.perf_counter() - wall
     used = {
-        name: sorted((cpu - before[name].get(tid, 0.0) for tid, cpu in thread_cpu(pid).items()), reverse=True)
-        for name, pid in pids.items()
+        name: [cpu - before[name].get(tid, 0.0) for tid, cpu in thread_cpu(pid).items()] for name, pid in pids.items()
     }
     per_token = {
         "scheduler": sum(used["scheduler"]),
-        "executor, other threads": sum(used["executor"][2:]),
+        "executor, other threads": sum(cpu for cpu in used["executor"] if cpu <= wall / 2),
         "client": client,
     }
     return 1000 / rate, {name: cpu * 1000 / len(tokens) for name, cpu in per_token.items()}

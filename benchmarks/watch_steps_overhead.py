@@ -10,8 +10,9 @@ same cores as the server, as a dashboard on the same host would.
     .venv/bin/python benchmarks/watch_steps_overhead.py --model default   # what it means for a real model
 
 `tiny` is the 2-layer random-weight Llama the tests use (hidden size 64), written to a temp
-folder with the default model's tokenizer (chunkserve.launch.bench_model): its steps take milliseconds, so a per-step cost
-of the trace is visible rather than lost in the noise of a real model's step.
+folder with the default model's tokenizer (chunkserve.launch.bench_model): its steps take
+milliseconds, so a per-step cost of the trace is visible rather than lost in the noise of a
+real model's step.
 """
 
 from __future__ import annotations
