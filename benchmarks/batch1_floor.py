@@ -24,6 +24,10 @@ executor's threads all count. So each round measures, in turn:
 and prints each round and the medians, each figure as a multiple of the floor.
 
     .venv/bin/python benchmarks/batch1_floor.py [--rounds 3] [--max-tokens 128] [--scheduler-args "--async-scheduling"]
+
+`--scheduler-args` given more than once starts a server per value and measures each every
+round, in turns, beside the same floor: the one way to compare settings on a machine whose
+memory speed moves (e.g. `--scheduler-args "" --scheduler-args "--num-scheduler-steps 8"`).
 """
 
 from __future__ import annotations
@@ -119,64 +123,90 @@ def load_runner(threads: int):
 
 
 def main() -> None:
-    from chunkserve.launch import start_server
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40, help="in-process decode steps per round")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens of the request through the server")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="in-process torch threads")
     ap.add_argument("--executor-args", default="", help="extra flags of the server's executor, e.g. '--num-threads 1'")
-    ap.add_argument("--scheduler-args", default="", help="extra flags of its scheduler, e.g. '--async-scheduling'")
+    ap.add_argument(
+        "--scheduler-args",
+        action="append",
+        help="extra flags of its scheduler, e.g. '--async-scheduling'; given more than once, a server per "
+        "value, each measured every round (in turns) beside the same floor",
+    )
     args = ap.parse_args()
+    configs = args.scheduler_args or [""]
 
     runner = load_runner(args.threads)
     weight_bytes = decode_bytes(runner.model)
     x = memory.empty(256 * 1024 * 1024, torch.float32).fill_(1.0)
-    server = start_server(
-        Path(tempfile.mkdtemp()),
-        ["--model", "default", "--dtype", "float32", *shlex.split(args.executor_args)],
-        shlex.split(args.scheduler_args),
-    )
-    rows = []
+    servers = start_servers(args.executor_args, configs)
+    rows = []  # per round: floor, in-process, then (server token, CPU beside) per config
     try:
-        asyncio.run(generate(server.address, PROMPT, 8))  # warm both processes
         for rnd in range(args.rounds):
             bw = [bandwidth_gbs(x)]
-            order = ("in-process", "server") if rnd % 2 == 0 else ("server", "in-process")
-            got = {}
-            for what in order:
+            got, beside = {}, {}
+            names = ["in-process", *range(len(configs))]
+            for what in names[rnd % len(names) :] + names[: rnd % len(names)]:  # each goes first in turn
                 if what == "in-process":
                     got[what] = step_ms(runner, args.steps)
                 else:
-                    got[what], beside = served_token(server, args.max_tokens)
+                    got[what], beside[what] = served_token(servers[what], args.max_tokens)
             bw.append(bandwidth_gbs(x))
             floor = weight_bytes / (statistics.median(bw) * 1e9) * 1000
-            rows.append((floor, got["in-process"], got["server"], bw, sum(beside.values())))
+            rows.append((floor, got["in-process"], [(got[c], sum(beside[c].values())) for c in range(len(configs))]))
             print(
                 f"round {rnd + 1}: read {bw[0]:.1f} / {bw[1]:.1f} GB/s -> floor {floor:.1f} ms; "
-                f"in-process step {got['in-process']:.1f} ms ({got['in-process'] / floor:.2f}x), "
-                f"server token {got['server']:.1f} ms ({got['server'] / floor:.2f}x); "
-                f"CPU ms per token beside the step: "
-                + ", ".join(f"{name} {ms:.2f}" for name, ms in beside.items())
-                + f" (sum {sum(beside.values()):.2f})",
+                f"in-process step {got['in-process']:.1f} ms ({got['in-process'] / floor:.2f}x)",
                 flush=True,
             )
+            for c, flags in enumerate(configs):
+                print(
+                    f"  server token {got[c]:.1f} ms ({got[c] / floor:.2f}x) [{flags or 'defaults'}]; CPU ms per "
+                    "token beside the step: "
+                    + ", ".join(f"{name} {ms:.2f}" for name, ms in beside[c].items())
+                    + f" (sum {sum(beside[c].values()):.2f})",
+                    flush=True,
+                )
     finally:
-        server.stop()
-    floor, inproc, served = (statistics.median(r[i] for r in rows) for i in range(3))
-    beside = statistics.median(r[4] for r in rows)
+        for server in servers:
+            server.stop()
+    report(rows, configs, weight_bytes, args)
+
+
+def start_servers(executor_args: str, configs: list[str]) -> list:
+    """A two-process server on the float32 default model per scheduler configuration, warmed."""
+    from chunkserve.launch import start_server
+
+    servers = []
+    for flags in configs:
+        servers.append(
+            start_server(
+                Path(tempfile.mkdtemp()),
+                ["--model", "default", "--dtype", "float32", *shlex.split(executor_args)],
+                shlex.split(flags),
+            )
+        )
+        asyncio.run(generate(servers[-1].address, PROMPT, 8))  # warm both processes
+    return servers
+
+
+def report(rows: list, configs: list[str], weight_bytes: int, args: argparse.Namespace) -> None:
+    floor, inproc = (statistics.median(r[i] for r in rows) for i in range(2))
     print(
         f"\nfloat32 batch 1, {weight_bytes / 1e6:.0f} MB read per step, {args.threads} in-process threads, "
-        f"server flags: {' '.join([args.executor_args, args.scheduler_args]).strip() or 'defaults'}; "
-        f"medians of {args.rounds} rounds"
+        f"executor flags: {args.executor_args or 'defaults'}; medians of {args.rounds} rounds"
     )
     print(f"weight-read floor     {floor:6.1f} ms")
     print(f"in-process step       {inproc:6.1f} ms   {inproc / floor:.2f}x the floor")
-    print(f"server token          {served:6.1f} ms   {served / floor:.2f}x the floor")
-    print(f"CPU beside the step   {beside:6.2f} ms a token (scheduler + executor's other threads + client)")
-    print(f"server - in-process   {served - inproc:6.2f} ms")
-    print(f"median of per-round server/floor: {statistics.median(r[2] / r[0] for r in rows):.2f}x")
+    for c, flags in enumerate(configs):
+        served = statistics.median(r[2][c][0] for r in rows)
+        beside = statistics.median(r[2][c][1] for r in rows)
+        per_round = statistics.median(r[2][c][0] / r[0] for r in rows)
+        print(f"server token          {served:6.1f} ms   {served / floor:.2f}x the floor   [{flags or 'defaults'}]")
+        print(f"  CPU beside the step {beside:6.2f} ms a token (scheduler + executor's other threads + client)")
+        print(f"  server - in-process {served - inproc:6.2f} ms; median of per-round server/floor {per_round:.2f}x")
 
 
 if __name__ == "__main__":

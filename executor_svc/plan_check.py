@@ -15,7 +15,10 @@ budget; copies stay in range, with distinct destinations; draft tokens (speculat
 decoding) follow a chunk that samples, inside the vocabulary, and every row from the last
 known token on samples; token masks (structured output) are rows of ceil(vocab / 32) words
 at increasing positions that sample (the entry's last, and its drafts'), allow some token
-and no id past the vocabulary.
+and no id past the vocabulary; a multi-step plan (num_steps > 1) has only entries that sample,
+without drafts, masks or prompt logprob rows, and its tables, the claims on the blocks it
+writes and max_model_len cover the num_steps - 1 decodes after it as well (so none of those
+steps can be refused once the first ran).
 
 Block ownership. `holders[b]` counts the live sequences whose block table holds device
 block b. A sequence may *read* blocks others hold (a new sequence's leading prefix-cache
@@ -97,6 +100,7 @@ class CheckedPlan:
 class _EntryPass:
     """Running totals of the pass over a plan's entries."""
 
+    more: int = 0  # decodes after the plan's step (multi-step plan: num_steps - 1)
     total: int = 0  # tokens so far
     num_new_entries: int = 0
     seen: set[int] = field(default_factory=set)
@@ -121,7 +125,7 @@ def check_plan(plan: epb.StepRequest, st: ExecutorState) -> CheckedPlan:
     c = CheckedPlan()
     _check_finished_and_new(plan, st, c)
     swap_in_dst = _check_swaps(plan, st, c)
-    entries = _EntryPass()
+    entries = _EntryPass(more=max(plan.num_steps, 1) - 1)
     for i, s in enumerate(plan.seqs):
         _check_entry(plan.step_id, i, s, st, c, entries)
     _check_claims(plan, st, c, entries, swap_in_dst)
@@ -169,8 +173,14 @@ def _check_entry(step: int, i: int, s: epb.ScheduledSequence, st: ExecutorState,
             f"step {step}: more than the executor's max_num_batched_tokens {st.max_num_batched_tokens} tokens"
         )
     end = computed + n
-    if end > st.max_model_len:
-        raise PlanError(f"{_at(step, seq_id)}: positions up to {end - 1} exceed max_model_len {st.max_model_len}")
+    if e.more and (not s.sample or s.draft_token_ids or s.token_masks or s.prompt_logprob_rows):
+        raise PlanError(
+            f"{_at(step, seq_id)}: a multi-step plan takes only entries that sample, without draft "
+            "tokens, token masks or prompt logprob rows"
+        )
+    last = end + e.more  # the multi-step decodes' positions too
+    if last > st.max_model_len:
+        raise PlanError(f"{_at(step, seq_id)}: positions up to {last - 1} exceed max_model_len {st.max_model_len}")
     tokens, draft = s.token_ids, s.draft_token_ids
     known = n - len(draft)  # the chunk's tokens before its drafts
     if draft and (not s.sample or known < 1):
@@ -191,9 +201,9 @@ def _check_entry(step: int, i: int, s: epb.ScheduledSequence, st: ExecutorState,
         c.token_ids.extend(draft)
         c.drafts[i] = list(draft)
     table = _check_blocks(step, s, state, is_new, st, c, e)
-    if len(table) * st.block_size < end:
-        raise PlanError(f"{_at(step, seq_id)}: {len(table)} blocks cannot hold {end} tokens")
-    e.writes.append((seq_id, computed // st.block_size, (end - 1) // st.block_size, table))
+    if len(table) * st.block_size < last:
+        raise PlanError(f"{_at(step, seq_id)}: {len(table)} blocks cannot hold {last} tokens")
+    e.writes.append((seq_id, computed // st.block_size, (last - 1) // st.block_size, table))
     c.query_lens.append(n)
     c.computed.append(computed)
     if s.sample:  # the last known token's row, then one row per draft

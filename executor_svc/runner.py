@@ -65,18 +65,69 @@ class ModelRunner:
         # Decode-only steps of up to its largest bucket run through it (executor_svc/cuda_graphs.py).
         self.graphs: DecodeGraphs | None = None
         self.threads = threads
+        # CutSteps: the multi-step plan to end after the step under way (set by a gRPC thread).
+        self.cut_step_id: int | None = None
 
     def reset(self) -> None:
+        self.cut_step_id = None  # a new scheduler numbers its steps from 0 again
         self.seqs.clear()
         self.holders = [0] * self.num_blocks
 
     def execute(self, plan: epb.StepRequest) -> epb.StepResponse:
-        """Runs one plan, with the thread count the governor gives its size (threads.py)."""
+        """Runs one plan (each step with the thread count the governor gives its size,
+        threads.py), and a multi-step plan's decodes after it."""
+        response = self._execute_timed(plan)
+        if plan.num_steps > 1:
+            return self._more_steps(plan, response)
+        response.num_steps = 1
+        return response
+
+    def _execute_timed(self, plan: epb.StepRequest) -> epb.StepResponse:
         response = self._execute(plan)
         response.num_threads = torch.get_num_threads()
         if self.threads is not None and response.num_tokens:
             self.threads.observe(response.num_tokens, response.execute_ns / 1e9, time.monotonic())
         return response
+
+    def _more_steps(self, plan: epb.StepRequest, first: epb.StepResponse) -> epb.StepResponse:
+        """The num_steps - 1 decodes after a multi-step plan's step (StepRequest.num_steps), each
+        an ordinary plan of one decode per sequence that feeds back the token sampled last: the
+        same computation, so the same tokens, as num_steps plans from the scheduler. The check
+        of the first covered theirs (plan_check.py). Every TP rank derives the same plans. The
+        answer holds each sequence's tokens together in step order, and the steps' summed times.
+        CutSteps ends the plan after the step under way; never under tensor parallelism, whose
+        ranks would have to agree on where."""
+        decode = epb.StepRequest(step_id=plan.step_id)
+        for s in plan.seqs:
+            decode.seqs.add(
+                seq_id=s.seq_id,
+                num_computed_tokens=s.num_computed_tokens + s.num_new_tokens - 1,
+                num_new_tokens=1,
+                sample=True,
+            )
+        steps = [first]
+        for _ in range(plan.num_steps - 1):
+            if self.cut_step_id == plan.step_id and not self.tp.enabled:
+                break
+            for s in decode.seqs:
+                s.num_computed_tokens += 1
+            steps.append(self._execute_timed(decode))
+        out = epb.StepResponse(
+            step_id=plan.step_id,
+            start_unix_ns=first.start_unix_ns,
+            num_threads=steps[-1].num_threads,
+            num_steps=len(steps),
+        )
+        for r in steps:
+            out.execute_ns += r.execute_ns
+            out.swap_ns += r.swap_ns
+            out.forward_ns += r.forward_ns
+            out.sample_ns += r.sample_ns
+            out.num_tokens += r.num_tokens
+        if first.sampled:  # rank 0: one token per sequence and step, in batch order
+            for i in range(len(plan.seqs)):
+                out.sampled.extend(r.sampled[i] for r in steps)
+        return out
 
     @torch.inference_mode()
     def _execute(self, plan: epb.StepRequest) -> epb.StepResponse:

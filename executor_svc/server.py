@@ -136,6 +136,11 @@ class ExecutorServicer(epb_grpc.ExecutorServicer):
         with self._order:  # reentrant: gRPC may call this on the thread that holds it
             self._order.notify_all()
 
+    def CutSteps(self, request: epb.CutStepsRequest, context: grpc.ServicerContext) -> epb.CutStepsResponse:
+        # Read by the compute thread between a multi-step plan's steps (ModelRunner._more_steps).
+        self._loaded.runner.cut_step_id = request.step_id
+        return epb.CutStepsResponse()
+
     def Reset(self, request: epb.ResetRequest, context: grpc.ServicerContext) -> epb.ResetResponse:
         with self._order:
             self._last_queued = None  # a new scheduler numbers its steps from 0 again

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from chunkserve_contracts.executor.v1.executor_pb2 import HandshakeResponse
 
 AUTO_MAX_BATCHED_TOKENS = 8192  # the upper bound `--max-num-batched-tokens auto` stands for (budget.py)
+# --num-scheduler-steps: a plan of more steps would hold a new request back longer than any
+# saving on the hop is worth.
+MAX_SCHEDULER_STEPS = 64
 
 
 @dataclass(frozen=True)
@@ -239,6 +242,16 @@ class SchedulerConfig:
             "(docs/speculative.md)"
         },
     )
+    num_scheduler_steps: int = field(
+        default=1,
+        metadata={
+            "help": "multi-step decoding (vLLM's flag): a step of decodes alone, with no request waiting, runs up "
+            "to this many decode steps in the executor from one plan, so the scheduler and the hop between the "
+            "processes are paid once for that many tokens (at batch 1 on CPU ~2 ms a token); tokens then "
+            "arrive in bursts, and a request that arrives cuts the plan short after the step under way; "
+            f"1..{MAX_SCHEDULER_STEPS}; greedy output unchanged (docs/architecture.md)"
+        },
+    )
     step_timeout_s: float = field(
         default=120.0, metadata={"help": "a step the executor has not answered after this long fails its requests"}
     )
@@ -259,6 +272,7 @@ class SchedulerConfig:
             long_prefill_token_threshold=0,
             max_preemptions=1,
             max_waiting_requests=1,
+            num_scheduler_steps=1,
         )
         for name, low in least.items():
             if (value := getattr(self, name)) is not None and value < low:  # max_model_len None = decided
@@ -268,6 +282,8 @@ class SchedulerConfig:
                 f"--max-long-partial-prefills must be in [1, --max-num-partial-prefills], "
                 f"got {self.max_long_partial_prefills}"
             )
+        if self.num_scheduler_steps > MAX_SCHEDULER_STEPS:
+            raise ValueError(f"--num-scheduler-steps must be <= {MAX_SCHEDULER_STEPS}, got {self.num_scheduler_steps}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("--tls-cert-file and --tls-key-file go together")
         parse_speculative_config(self.speculative_config)  # ValueError naming what it would not honour

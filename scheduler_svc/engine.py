@@ -24,11 +24,11 @@ from typing import Protocol
 from scheduler_svc.config import overlap_limit
 from scheduler_svc.errors import InternalError, QueueFullError, ServingError, StepFailedError, UnavailableError
 from scheduler_svc.grammar import CompileTasks, GrammarCompiler, check_constrained
+from scheduler_svc.observer import Observer, StepRecord
 from scheduler_svc.output import LiveRequest, RequestStream, StreamDelta
 from scheduler_svc.plan import StepPlan, StepResult, StepStats
 from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingParams
 from scheduler_svc.scheduler import Scheduler, TokenOutput
-from scheduler_svc.snapshot import SchedulerSnapshot
 from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -38,18 +38,7 @@ class StepRunner(Protocol):
     """What the loop needs from the executor (the gRPC client, or a fake in tests)."""
 
     async def step(self, plan: StepPlan, timeout: float) -> StepResult: ...
-
-
-@dataclass(slots=True)
-class StepRecord:
-    """One completed step, for observers."""
-
-    plan: StepPlan
-    stats: StepStats
-    result: StepResult
-    planned_at: float  # wall clock, seconds since the epoch
-    step_ns: int  # from planning to the result applied
-    state: SchedulerSnapshot  # queues and KV usage after the step
+    def cut_steps(self, step_id: int) -> None: ...
 
 
 @dataclass(slots=True)
@@ -64,19 +53,6 @@ class _Step:
     started: int  # perf_counter_ns when planned
     outputs: list[TokenOutput] = field(default_factory=list)
     record: StepRecord | None = None
-
-
-class Observer:
-    """What the loop tells metrics and the step trace, on the event loop (keep it cheap); a hook
-    does nothing unless overridden. on_token sees the previous token's last_token_time."""
-
-    def on_step(self, record: StepRecord) -> None: ...
-    def on_state(self, state: SchedulerSnapshot) -> None:
-        """Queues or KV usage changed between steps (an abort): load gauges would otherwise
-        show the last step's load until the next step, which may never come."""
-
-    def on_token(self, request: Request, now: float) -> None: ...
-    def on_finish(self, request: Request, reason: FinishReason, now: float) -> None: ...
 
 
 class Engine:
@@ -108,6 +84,7 @@ class Engine:
         self._task: asyncio.Task[None] | None = None
         self.observers = observers
         self.overlap_max_seqs = overlap_limit(scheduler.config, device)
+        self._cuttable: int | None = None  # a multi-step plan in flight, not cut yet (multi_step.py)
         # Structured output: constraints compile off the loop while prefill runs (grammar.py).
         self.grammars = CompileTasks(grammars, lambda _: self._wake.set(), self._compile_failed)
 
@@ -145,6 +122,9 @@ class Engine:
         self._live[request.request_id] = LiveRequest(request, stream, detok)
         self.scheduler.add_request(request)
         self._wake.set()
+        if self._cuttable is not None:  # its remaining steps would hold this request back
+            self.executor.cut_steps(self._cuttable)
+            self._cuttable = None
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -220,8 +200,10 @@ class Engine:
             if not self.scheduler.config.async_output_processing:
                 done = self._deliver(done)
             if self.scheduler.config.target_itl_ms is not None:
-                # The auto budget learns what a stream waits per step: this whole iteration.
-                self.scheduler.budget.observe(sent.plan, sent.stats, (time.perf_counter_ns() - cycle_start) / 1e9)
+                # The auto budget learns what a stream waits per step: this whole iteration (a
+                # multi-step plan's over the steps it ran).
+                seconds = (time.perf_counter_ns() - cycle_start) / 1e9 / result.num_steps
+                self.scheduler.budget.observe(sent.plan, sent.stats, seconds)
 
     async def _loop_async(self) -> None:
         """The loop under async scheduling: plan and send step N+1, then await step N's result,
@@ -233,8 +215,11 @@ class Engine:
         last_applied, limit = time.perf_counter_ns(), self.overlap_max_seqs
         try:
             while not self.is_dead:  # until the executor is gone (a failure path below)
-                # Not on top of a step too big to overlap (overlap_limit): it is finished first.
-                ahead = inflight is None or limit is None or len(inflight.plan.seqs) <= limit
+                # Not on top of a step too big to overlap (overlap_limit) or a multi-step plan
+                # (it may be cut short: multi_step.py): it is finished first.
+                ahead = inflight is None or (
+                    inflight.plan.num_steps == 1 and (limit is None or len(inflight.plan.seqs) <= limit)
+                )
                 sent = self._plan_and_send(inflight) if ahead else None
                 if inflight is None:
                     if sent is None:
@@ -258,7 +243,8 @@ class Engine:
                 self._deliver(self._apply(done, result))
                 if self.scheduler.config.target_itl_ms is not None:
                     # What a stream waits per step: from the previous result (or wake-up) to this one.
-                    self.scheduler.budget.observe(done.plan, done.stats, (now - last_applied) / 1e9)
+                    seconds = (now - last_applied) / 1e9 / result.num_steps
+                    self.scheduler.budget.observe(done.plan, done.stats, seconds)
                 last_applied = now
         finally:  # stopped or failed: no step result is awaited any more
             for pending in (done, inflight):
@@ -287,6 +273,7 @@ class Engine:
     def _apply(self, step: _Step, result: StepResult) -> _Step:
         """Applies a step's result to the scheduler; its outputs and record are not served yet."""
         step.outputs = self.scheduler.update(step.plan, result)
+        self._cuttable = None if self._cuttable == step.plan.step_id else self._cuttable
         step_ns, state = time.perf_counter_ns() - step.started, self.scheduler.snapshot()
         step.record = StepRecord(step.plan, step.stats, result, step.planned_at, step_ns, state)
         return step
@@ -299,6 +286,7 @@ class Engine:
         if plan.is_empty:  # nothing fits now (it will once something ends), or all wait for a token in flight
             return None
         plan.follows_step_id = None if inflight is None else inflight.plan.step_id
+        self._cuttable = plan.step_id if plan.num_steps > 1 else None
         planned_at, started = time.time(), time.perf_counter_ns()
         future = asyncio.ensure_future(self.executor.step(plan, self.step_timeout_s))
         return _Step(plan, stats, future, planned_at, started)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 
 import grpc
@@ -14,6 +15,8 @@ from chunkserve_contracts.executor.v1 import executor_pb2_grpc as epb_grpc
 from scheduler_svc.errors import StepFailedError
 from scheduler_svc.plan import PromptLogprob, Sampled, StepPlan, StepResult
 from scheduler_svc.request import SamplingParams
+
+log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 REFUSALS = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)  # the executor lives on
@@ -82,10 +85,13 @@ def plan_to_proto(plan: StepPlan) -> epb.StepRequest:
         swap_out=[epb.BlockCopy(src=d, dst=h) for d, h in plan.swap_out],
         swap_in=[epb.BlockCopy(src=h, dst=d) for h, d in plan.swap_in],
         follows_step_id=plan.follows_step_id,
+        num_steps=plan.num_steps,
     )
 
 
 def result_from_proto(msg: epb.StepResponse) -> StepResult:
+    """A step's result, its times per step run (StepResult)."""
+    num_steps = max(1, msg.num_steps)
     return StepResult(
         step_id=msg.step_id,
         sampled=[
@@ -95,12 +101,13 @@ def result_from_proto(msg: epb.StepResponse) -> StepResult:
             PromptLogprob(p.seq_id, p.position, p.token_id, p.logprob, [(t.token_id, t.logprob) for t in p.top], p.rank)
             for p in msg.prompt_logprobs
         ],
-        execute_ns=msg.execute_ns,
-        forward_ns=msg.forward_ns,
-        sample_ns=msg.sample_ns,
-        swap_ns=msg.swap_ns,
+        execute_ns=msg.execute_ns // num_steps,
+        forward_ns=msg.forward_ns // num_steps,
+        sample_ns=msg.sample_ns // num_steps,
+        swap_ns=msg.swap_ns // num_steps,
         start_unix_ns=msg.start_unix_ns,
         num_threads=msg.num_threads,
+        num_steps=num_steps,
     )
 
 
@@ -190,6 +197,7 @@ class ExecutorClient:
         self._stub = epb_grpc.ExecutorStub(self._channel)
         self._metadata = bearer_metadata(token)
         self._steps: StepStream | None = None
+        self._cuts: set[asyncio.Task[None]] = set()  # CutSteps calls under way (held: a task needs a reference)
 
     async def handshake(self, timeout: float) -> epb.HandshakeResponse:
         """Waits (up to timeout) for the executor to come up, then asks its capabilities."""
@@ -217,6 +225,21 @@ class ExecutorClient:
         if self._steps is not None:
             self._steps.close(ExecutorGoneError("the client closed the step stream"))
             self._steps = None
+
+    def cut_steps(self, step_id: int) -> None:
+        """Asks the executor to end multi-step plan `step_id` after the step under way (CutSteps),
+        without waiting: the plan's answer says how many steps it ran. A call that fails only
+        leaves the plan whole, so it is logged and dropped."""
+
+        async def call() -> None:
+            try:
+                await self._stub.CutSteps(epb.CutStepsRequest(step_id=step_id), timeout=5.0, metadata=self._metadata)
+            except grpc.aio.AioRpcError as exc:
+                log.debug("CutSteps(%d) failed: %s", step_id, exc.code())
+
+        task = asyncio.get_running_loop().create_task(call())
+        self._cuts.add(task)
+        task.add_done_callback(self._cuts.discard)
 
     async def reset(self, timeout: float = 10.0) -> None:
         """Drops every sequence on the executor; a new engine's steps start on a new stream."""

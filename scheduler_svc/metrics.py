@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from scheduler_svc.engine import Observer, StepRecord
+from scheduler_svc.observer import Observer, StepRecord
 from scheduler_svc.request import FinishReason, Request
 from scheduler_svc.slowdown import SlowdownWatch
 from scheduler_svc.snapshot import SchedulerSnapshot
@@ -224,6 +224,8 @@ class Metrics(Observer):
     def on_step(self, record: StepRecord) -> None:
         plan, stats = record.plan, record.stats
         self.step_tokens.observe(plan.num_tokens)
+        for _ in range(record.result.num_steps - 1):  # a multi-step plan's later steps: a decode per entry
+            self.step_tokens.observe(len(plan.seqs))
         self.preemptions.inc(len(plan.preempted))
         self.swapped_out.inc(len(plan.swap_out))
         self.swapped_in.inc(len(plan.swap_in))

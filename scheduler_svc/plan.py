@@ -110,9 +110,13 @@ class StepPlan:
     # Async scheduling: the step in flight when this one was planned; the executor runs this
     # one after it (None: nothing in flight).
     follows_step_id: int | None = None
+    # Multi-step decoding (multi_step.py): the executor runs this plan, then num_steps - 1 more
+    # decode steps of its sequences.
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the plan's first step computes (each step after it: one per entry)."""
         return sum(s.num_new_tokens for s in self.seqs)
 
     @property
@@ -159,7 +163,8 @@ class PromptLogprob:
 
 @dataclass(slots=True)
 class StepResult:
-    """What the executor reports for a step."""
+    """What the executor reports for a step. For a multi-step plan the times are per step (its
+    totals over the steps it ran): observers that model a step's time by its tokens see one."""
 
     step_id: int
     sampled: list[Sampled]
@@ -170,6 +175,7 @@ class StepResult:
     swap_ns: int = 0
     start_unix_ns: int = 0  # the executor's wall clock when it began the step (0: unknown)
     num_threads: int = 0  # torch CPU threads the step ran with (0: unknown)
+    num_steps: int = 1  # steps a multi-step plan ran: its num_steps, fewer when cut (multi_step.py)
 
 
 @dataclass(slots=True)

@@ -24,8 +24,8 @@ import grpc
 
 from chunkserve_contracts.v1 import replica_pb2 as rpb
 from chunkserve_contracts.v1 import replica_pb2_grpc as rpb_grpc
-from scheduler_svc.engine import Observer, StepRecord
 from scheduler_svc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEventLog
+from scheduler_svc.observer import Observer, StepRecord
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.step_cost import FEATURES, CostModel, TraceStep, attention_pairs, features
 

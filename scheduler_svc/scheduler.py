@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 
+from scheduler_svc import multi_step
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.budget import BudgetController
 from scheduler_svc.config import SchedulerConfig
@@ -56,10 +57,9 @@ class Scheduler(RequestQueues):
     ) -> None:
         super().__init__(config, pool, host_pool)
         self.max_model_len = max_model_len
-        # Host blocks read by this plan's swap-ins. They return to the host pool only when the
-        # plan is complete: the executor runs a plan's swap-outs before its swap-ins, so a
-        # host block reused by a swap-out in the same plan would be overwritten before the
-        # swap-in reads it.
+        # Host blocks read by this plan's swap-ins, returned to the host pool only once the plan
+        # is complete: the executor runs a plan's swap-outs before its swap-ins, so a host block
+        # a swap-out in the same plan reused would be overwritten before the swap-in reads it.
         self._host_blocks_read: list[int] = []
         self.step_stats = StepStats(0, "")  # of the last plan built, for observers
         # Admission keeps this many blocks free while others run, so that the decodes of
@@ -139,6 +139,7 @@ class Scheduler(RequestQueues):
                     budget = self._schedule_swapped(plan, budget)
         if self.drafter is not None and budget > 0:  # after everything else: only what is left
             drafts_for(self, plan, budget)
+        multi_step.extend(self, plan)  # a plan of decodes alone may run several steps (--num-scheduler-steps)
         plan.finished_seq_ids = self._dropped_seq_ids
         self._dropped_seq_ids = []
         if self._host_blocks_read:
@@ -146,11 +147,11 @@ class Scheduler(RequestQueues):
             self._host_blocks_read = []
         for entry in plan.seqs:
             request = self._by_seq[entry.seq_id]
-            self.policy.on_scheduled(request, entry.num_new_tokens)
-            request.num_computed_tokens = entry.num_computed_tokens + entry.num_new_tokens
+            self.policy.on_scheduled(request, entry.num_new_tokens + plan.num_steps - 1)
+            request.num_computed_tokens = entry.num_computed_tokens + entry.num_new_tokens + plan.num_steps - 1
             request.num_draft_inflight = len(entry.draft_token_ids)  # 0..k of them will be kept
-            if entry.sample:  # the executor samples it and keeps it for the next decode
-                request.num_inflight_tokens += 1
+            if entry.sample:  # the executor samples it (a token a step) and keeps it for the next decode
+                request.num_inflight_tokens += plan.num_steps
                 request.executor_has_last_token = True
         if plan.is_empty:  # never sent (all wait for a token in flight, or nothing fits): ids stay consecutive
             self.num_steps -= 1
@@ -385,6 +386,7 @@ class Scheduler(RequestQueues):
                 continue
             request.num_inflight_tokens -= 1
             outputs.append(self.append_token(request, sampled))
+        multi_step.applied(self, plan, result)  # a multi-step plan: cut short? blocks its later steps filled
         return outputs
 
     def append_token(self, request: Request, sampled: Sampled) -> TokenOutput:

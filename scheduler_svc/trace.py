@@ -14,7 +14,7 @@ from typing import IO
 from google.protobuf import json_format
 
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
-from scheduler_svc.engine import Observer, StepRecord
+from scheduler_svc.observer import Observer, StepRecord
 from scheduler_svc.request import Request
 from scheduler_svc.spec.verify import accepted_counts
 
@@ -86,6 +86,7 @@ class StepTracer(Observer):
             predicted_step_ms=stats.predicted_step_ms,
             num_draft_tokens=sum(k for k, _ in verified.values()),
             num_accepted_tokens=sum(a for _, a in verified.values()),
+            num_steps=record.result.num_steps,
         )
         if self._file is not None:
             self._file.write(json_format.MessageToJson(trace, indent=None) + "\n")

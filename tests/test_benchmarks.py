@@ -167,25 +167,53 @@ def test_weight_layout_times_every_layout_at_each_row_count():
 
 
 def test_batch1_floor_prints_each_figure_against_the_floor_it_measured():
-    """The batch-1 floor benchmark (issue 31, item 7) on the default model: one short round."""
+    """The batch-1 floor benchmark (issue 31, item 7) on the default model: one short round, two
+    scheduler settings measured beside the same floor."""
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "batch1_floor.py"), "--rounds", "1", "--steps", "2", "--max-tokens", "4"],
+        [
+            sys.executable,
+            str(BENCHMARKS / "batch1_floor.py"),
+            *("--rounds", "1", "--steps", "2", "--max-tokens", "4"),
+            *("--scheduler-args", "", "--scheduler-args", "--num-scheduler-steps 4"),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    figures = {}
+    floor, figures = None, []  # the in-process step, then a server token per setting, in order
     for line in out.stdout.splitlines():
         parts = line.split()
         if line.startswith(("in-process step", "server token")):
-            figures[line[:15].strip()] = (float(parts[2]), float(parts[4].rstrip("x")))
+            figures.append((line[:15].strip(), float(parts[2]), float(parts[4].rstrip("x")), line))
         elif line.startswith("weight-read floor"):
-            figures["floor"] = float(parts[2])
-    assert set(figures) == {"floor", "in-process step", "server token"}, out.stdout
-    for ms, ratio in (figures["in-process step"], figures["server token"]):
+            floor = float(parts[2])
+    assert floor and [f[0] for f in figures] == ["in-process step", "server token", "server token"], out.stdout
+    assert figures[1][3].endswith("[defaults]") and figures[2][3].endswith("[--num-scheduler-steps 4]")
+    for _, ms, ratio, _ in figures:
         # each ratio is its figure over the floor (all three printed rounded: 3% covers that)
-        assert ms > 0 and abs(ms / figures["floor"] - ratio) <= 0.03 * ratio + 0.005
+        assert ms > 0 and abs(ms / floor - ratio) <= 0.03 * ratio + 0.005
+
+
+def test_multi_step_benchmark_reports_each_setting_against_the_first():
+    """benchmarks/multi_step.py on two servers, one short round: a row per setting, each figure
+    with its ratio to the first setting's (1.00x for the first itself)."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "multi_step.py"),
+            *("--steps", "1", "4", "--rounds", "1", "--streams", "2", "--stream-tokens", "4"),
+            *("--arrivals", "2", "--max-tokens", "12"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["1"], ["4"])]
+    assert [r[0] for r in rows] == ["1", "4"], out.stdout
+    assert rows[0][2::2] == ["(1.00x)"] * 4, out.stdout
+    assert all(float(r[i]) > 0 for r in rows for i in (1, 3, 5, 7)), out.stdout
 
 
 @pytest.mark.slow  # loads the default model, ~20 s

@@ -322,8 +322,19 @@ def test_chunkserve_serve_and_generate_cli(default_model_path, tmp_path):
             "--speculative-config",
             '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}',
         ],
+        # decode plans of up to 6 steps once every prompt is in, shrinking as requests near their end
+        ["--max-num-batched-tokens", "64", "--num-scheduler-steps", "6"],
     ],
-    ids=["budget16", "budget64", "budget256", "unchunked", "auto", "async-output", "async-scheduling-speculative"],
+    ids=[
+        "budget16",
+        "budget64",
+        "budget256",
+        "unchunked",
+        "auto",
+        "async-output",
+        "async-scheduling-speculative",
+        "multi-step",
+    ],
 )
 def test_greedy_tokens_do_not_depend_on_chunking(
     default_model_path, prompts, expected, penalized, tmp_path, scheduler_args

@@ -337,3 +337,34 @@ def test_every_plan_gets_its_own_outcome_whatever_happens_around_it(executor, sc
     for sid, what in zip(ids, script, strict=True):
         if sid in outcomes:
             assert outcomes[sid] == expected[what].format(sid), (script, outcomes)
+
+
+def test_cut_steps_reaches_the_runner_only_with_the_executor_token():
+    """CutSteps (multi-step plans): the client's call, sent without waiting, sets the plan to
+    end early on the runner the compute thread reads; one without the token is refused and
+    changes nothing (the client only logs it: a failed cut leaves the plan whole)."""
+    import types
+
+    model, compute = ScriptedModel(), futures.ThreadPoolExecutor(max_workers=1)
+    model.runner = types.SimpleNamespace(cut_step_id=None)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=[SyncBearerTokenInterceptor("s3cret")])
+    epb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(model, compute), server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+
+    async def cut(token: str, step_id: int) -> None:
+        client = ExecutorClient(address, token)
+        try:
+            client.cut_steps(step_id)
+            await asyncio.gather(*list(client._cuts))
+        finally:
+            await client.close()
+
+    try:
+        run(cut("wrong", 5))
+        assert model.runner.cut_step_id is None
+        run(cut("s3cret", 7))
+        assert model.runner.cut_step_id == 7
+    finally:
+        server.stop(None)
+        compute.shutdown()

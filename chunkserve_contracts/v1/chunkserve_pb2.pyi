@@ -322,7 +322,7 @@ class StepTraceEntry(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., is_prefill: _Optional[bool] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prefix_hash: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class StepTrace(_message.Message):
-    __slots__ = ("step_id", "timestamp", "num_tokens", "token_budget", "num_prefill_tokens", "num_decode_tokens", "num_preempted", "num_swapped_out", "num_swapped_in", "num_cached_tokens", "executor_ns", "step_ns", "executor_start_unix_ns", "num_running", "num_waiting", "kv_cache_usage", "seqs", "policy", "budget_reason", "predicted_step_ms", "num_draft_tokens", "num_accepted_tokens")
+    __slots__ = ("step_id", "timestamp", "num_tokens", "token_budget", "num_prefill_tokens", "num_decode_tokens", "num_preempted", "num_swapped_out", "num_swapped_in", "num_cached_tokens", "executor_ns", "step_ns", "executor_start_unix_ns", "num_running", "num_waiting", "kv_cache_usage", "seqs", "policy", "budget_reason", "predicted_step_ms", "num_draft_tokens", "num_accepted_tokens", "num_steps")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -345,6 +345,7 @@ class StepTrace(_message.Message):
     PREDICTED_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     timestamp: float
     num_tokens: int
@@ -367,4 +368,5 @@ class StepTrace(_message.Message):
     predicted_step_ms: float
     num_draft_tokens: int
     num_accepted_tokens: int
-    def __init__(self, step_id: _Optional[int] = ..., timestamp: _Optional[float] = ..., num_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_preempted: _Optional[int] = ..., num_swapped_out: _Optional[int] = ..., num_swapped_in: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., executor_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., executor_start_unix_ns: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., seqs: _Optional[_Iterable[_Union[StepTraceEntry, _Mapping]]] = ..., policy: _Optional[str] = ..., budget_reason: _Optional[str] = ..., predicted_step_ms: _Optional[float] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
+    num_steps: int
+    def __init__(self, step_id: _Optional[int] = ..., timestamp: _Optional[float] = ..., num_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_preempted: _Optional[int] = ..., num_swapped_out: _Optional[int] = ..., num_swapped_in: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., executor_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., executor_start_unix_ns: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., seqs: _Optional[_Iterable[_Union[StepTraceEntry, _Mapping]]] = ..., policy: _Optional[str] = ..., budget_reason: _Optional[str] = ..., predicted_step_ms: _Optional[float] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ...) -> None: ...

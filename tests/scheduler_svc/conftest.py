@@ -69,9 +69,43 @@ class FakeExecutor:
         self.prompts: dict[int, tuple[int, ...]] = {}  # seq id -> the prompt its first NewSeq sent
         self.penalized_news = 0  # NewSeqs of penalized sequences (with their tokens)
         self.accepted = 0
+        # CutSteps: the step ids asked to end early, and how many steps a cut plan runs
+        # (at least 1; a plan cut after it ran whole is not affected, as on the real executor).
+        self.cuts: list[int] = []
+        self.steps_when_cut = lambda plan: 1
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def cut_steps(self, step_id: int) -> None:
+        self.cuts.append(step_id)
+
+    def execute(self, plan: StepPlan, ran: int | None = None) -> StepResult:
+        """Runs a plan; a multi-step plan runs `ran` of its steps (default all)."""
         self.plans.append(plan)
+        if plan.num_steps == 1:
+            return self._execute_one(plan, 0)
+        # Multi-step (executor_svc/runner.py): the plan, then num_steps - 1 plans of one decode
+        # per entry, each feeding back the token sampled last; each sequence's tokens together.
+        for s in plan.seqs:
+            assert s.sample and not s.draft_token_ids and not s.token_masks and not s.prompt_logprob_rows, (
+                "a multi-step plan's entry that does not only sample"
+            )
+        more = plan.num_steps - 1
+        steps = [self._execute_one(plan, more)]
+        ran = plan.num_steps if ran is None else ran
+        for j in range(1, ran):
+            decodes = [
+                ScheduledSeq(s.seq_id, s.request_id, s.num_computed_tokens + s.num_new_tokens + j - 1, 1, [], [], True)
+                for s in plan.seqs
+            ]
+            steps.append(self._execute_one(StepPlan(plan.step_id, decodes), more - j))
+        for s in plan.seqs:  # cut: the blocks of the steps not run stay with the sequence
+            self.seqs[s.seq_id]["rolled_back"] = self.seqs[s.seq_id].get("rolled_back") or ran < plan.num_steps
+        sampled = [r.sampled[i] for i in range(len(plan.seqs)) for r in steps]
+        return StepResult(
+            plan.step_id, sampled, steps[0].prompt_logprobs, execute_ns=steps[0].execute_ns, num_steps=ran
+        )
+
+    def _execute_one(self, plan: StepPlan, more: int) -> StepResult:
+        """One step; `more` decodes of a multi-step plan follow it (its blocks are there already)."""
         bs = self.block_size
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
@@ -113,7 +147,7 @@ class FakeExecutor:
             total = st["computed"] + s.num_new_tokens
             # Exactly the blocks the tokens need; after rejected drafts the blocks their slots
             # took stay with the sequence (rollback keeps them for its next tokens).
-            need = blocks_needed(total, bs)
+            need = blocks_needed(total + more, bs)
             assert len(st["blocks"]) == need or (st.get("rolled_back") and len(st["blocks"]) > need), "blocks != tokens"
             assert all(0 <= b < self.num_blocks for b in st["blocks"])
             others = {b for sid, o in self.seqs.items() if sid != s.seq_id for b in o["blocks"]}
@@ -227,6 +261,8 @@ class FakeExecutor:
                 raise refusal
             if self.refuse_bad_plans and not self._consistent(plan):
                 raise StepFailedError(f"step {plan.step_id} refused", grpc.StatusCode.INVALID_ARGUMENT)
+            if plan.step_id in self.cuts and plan.num_steps > 1:
+                return self.execute(plan, min(plan.num_steps, max(1, self.steps_when_cut(plan))))
             return self.execute(plan)
         finally:
             self.in_flight -= 1
@@ -289,6 +325,9 @@ class FakeExecutorClient:
                 self.hold_after = None
                 raise ConnectionError("the executor process died")
         return await self.fake.step(plan, timeout)
+
+    def cut_steps(self, step_id: int) -> None:
+        self.fake.cut_steps(step_id)
 
     async def reset(self, timeout: float = 10.0) -> None:
         if self.fake is not None:

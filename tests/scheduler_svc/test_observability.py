@@ -21,8 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from chunkserve.client import build_request
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
-from scheduler_svc.engine import Engine, Observer
+from scheduler_svc.engine import Engine
 from scheduler_svc.metrics import Metrics, buckets_1_2_5
+from scheduler_svc.observer import Observer
 from scheduler_svc.request import SamplingParams
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.trace import StepTracer

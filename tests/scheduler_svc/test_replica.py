@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import StepRecord
+from scheduler_svc.observer import StepRecord
 from scheduler_svc.plan import Sampled, StepResult
 from scheduler_svc.policy import create_policy
 from scheduler_svc.replica import MIN_STEPS, WARM_UP, StepCostWatch, load_of

@@ -77,7 +77,7 @@ def test_the_ratio_is_at_least_one_and_other_steps_do_not_move_it(times):
 def test_the_gauge_follows_the_watch_through_the_steps_metrics_sees(fakes):
     """Metrics.on_step feeds the watch every step's record: the gauge moves with decode steps
     five times slower than the best, and a prefill step leaves it."""
-    from scheduler_svc.engine import StepRecord
+    from scheduler_svc.observer import StepRecord
     from scheduler_svc.plan import StepStats
 
     metrics = Metrics("m")
@@ -99,7 +99,7 @@ def test_the_gauge_follows_the_watch_through_the_steps_metrics_sees(fakes):
 def test_the_thread_gauge_shows_the_count_the_executor_reported(fakes):
     """chunkserve_executor_cpu_threads follows StepResponse.num_threads (executor_svc/threads.py
     moves it); a step that does not report one (0: an older executor) leaves it."""
-    from scheduler_svc.engine import StepRecord
+    from scheduler_svc.observer import StepRecord
     from scheduler_svc.plan import StepStats
 
     metrics = Metrics("m")

@@ -55,6 +55,11 @@ class ExecutorStub:
                 request_serializer=chunkserve_dot_executor_dot_v1_dot_executor__pb2.ResetRequest.SerializeToString,
                 response_deserializer=chunkserve_dot_executor_dot_v1_dot_executor__pb2.ResetResponse.FromString,
                 _registered_method=True)
+        self.CutSteps = channel.unary_unary(
+                '/chunkserve.executor.v1.Executor/CutSteps',
+                request_serializer=chunkserve_dot_executor_dot_v1_dot_executor__pb2.CutStepsRequest.SerializeToString,
+                response_deserializer=chunkserve_dot_executor_dot_v1_dot_executor__pb2.CutStepsResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -99,6 +104,17 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CutSteps(self, request, context):
+        """Ends a multi-step plan (StepRequest.num_steps) early: the step under way is its last, so
+        the plan answers with the steps it ran (StepResponse.num_steps, at least 1). The scheduler
+        asks when a request arrives that the plan's remaining steps would hold back. Best effort:
+        a plan already answered, or not multi-step, is not affected; a tensor-parallel executor
+        runs every plan whole (its ranks would have to agree on where to stop).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +137,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=chunkserve_dot_executor_dot_v1_dot_executor__pb2.ResetRequest.FromString,
                     response_serializer=chunkserve_dot_executor_dot_v1_dot_executor__pb2.ResetResponse.SerializeToString,
+            ),
+            'CutSteps': grpc.unary_unary_rpc_method_handler(
+                    servicer.CutSteps,
+                    request_deserializer=chunkserve_dot_executor_dot_v1_dot_executor__pb2.CutStepsRequest.FromString,
+                    response_serializer=chunkserve_dot_executor_dot_v1_dot_executor__pb2.CutStepsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -232,6 +253,33 @@ class Executor:
             '/chunkserve.executor.v1.Executor/Reset',
             chunkserve_dot_executor_dot_v1_dot_executor__pb2.ResetRequest.SerializeToString,
             chunkserve_dot_executor_dot_v1_dot_executor__pb2.ResetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CutSteps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chunkserve.executor.v1.Executor/CutSteps',
+            chunkserve_dot_executor_dot_v1_dot_executor__pb2.CutStepsRequest.SerializeToString,
+            chunkserve_dot_executor_dot_v1_dot_executor__pb2.CutStepsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,346 @@
+"""Multi-step decoding (--num-scheduler-steps, scheduler_svc/multi_step.py): a plan of decodes
+alone, with nothing waiting, runs several decode steps in the executor.
+
+The fake executor (conftest.py) runs a multi-step plan as the real one does (the plan, then a
+decode per entry per step, each feeding back its token) and derives each token from the KV it
+reads back, with a block table that must hold exactly the plan's steps: a wrong cursor, block
+or token count changes the output or trips a check. The suite runs 25 random workloads; more:
+`CHUNKSERVE_MULTI_STEP_EXAMPLES=2000 .venv/bin/python -m pytest tests/scheduler_svc/test_multi_step.py`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler_svc.config import MAX_SCHEDULER_STEPS, SchedulerConfig
+from scheduler_svc.plan import Sampled, StepResult
+from scheduler_svc.structured import Constraint
+
+BLOCK = 4
+
+
+@settings(
+    max_examples=int(os.environ.get("CHUNKSERVE_MULTI_STEP_EXAMPLES", "25")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],  # both stateless
+)
+@given(
+    data=st.data(),
+    n=st.integers(1, 6),
+    steps=st.integers(2, 9),
+    eos_after=st.sampled_from([None, 30, 50]),
+    mode=st.sampled_from(["recompute", "swap"]),
+    num_blocks=st.sampled_from([16, 24, 96]),
+    caching=st.booleans(),
+    async_scheduling=st.booleans(),
+)
+def test_multi_step_changes_no_request_and_leaks_no_block(
+    fakes, byte_tokenizer_dir, data, n, steps, eos_after, mode, num_blocks, caching, async_scheduling
+):
+    """Every request's tokens, text and finish reason are those of one step a plan: EOS, stop
+    strings and stop tokens inside a plan's steps (the tokens after them are dropped),
+    max_tokens, a 64-token context, shared prefixes (prefix cache), preemption by recompute or
+    swap, with and without async scheduling; aborted requests get a prefix of the same tokens.
+    No block, host block or executor sequence is left."""
+    shared = [(11 * j) % 200 + 20 for j in range(data.draw(st.integers(0, 12), label="shared_len"))]
+    base = [
+        (
+            (shared if i % 2 else [])
+            + [(i * 37 + j * 11) % 200 + 20 for j in range(data.draw(st.integers(1, 40), label="prompt_len"))],
+            data.draw(st.integers(1, 24), label="max_tokens"),
+        )
+        for i in range(n)
+    ]
+    cfg = dict(
+        preemption_mode=mode,
+        max_num_batched_tokens=data.draw(st.sampled_from([8, 16, 64]), label="budget"),
+        enable_prefix_caching=caching,
+        max_model_len=64,
+        async_scheduling=async_scheduling,
+    )
+
+    def go(work, num_scheduler_steps):
+        fake = fakes.FakeExecutor(num_blocks, BLOCK, eos_after=eos_after, num_host_blocks=64)
+        engine, results = fakes.run_workload(
+            byte_tokenizer_dir, work, fake=fake, num_scheduler_steps=num_scheduler_steps, **cfg
+        )
+        sched = engine.scheduler
+        assert sched.pool.num_free_blocks == num_blocks and sched.host_pool.num_free_blocks == 64
+        assert not sched.requests and not fake.seqs and not engine.is_dead
+        return results, fake
+
+    probe, _ = go([(p, m, (), None) for p, m in base], 1)
+    work = fakes.draw_stops_and_aborts(data, base, [text for _, text, _, _ in probe])
+    (one, _), (multi, fake) = go(work, 1), go(work, steps)
+    for (_, _, _, abort), a, b, full in zip(work, one, multi, probe):
+        assert a[3] is None and b[3] is None  # no request failed
+        if abort is None:
+            assert b == a
+        else:  # where an abort lands depends on when the stream is read: a prefix, then ended
+            for tokens, _, reason, _ in (a, b):
+                assert tokens == full[0][: len(tokens)] and reason is not None
+    assert all(1 <= p.num_steps <= steps for p in fake.plans)
+    if n == 1 and len(multi[0][0]) >= 3:  # a lone request decoded, with two tokens or more left
+        assert any(p.num_steps > 1 for p in fake.plans)
+
+
+def test_one_request_decodes_in_plans_of_k_steps(fakes, byte_tokenizer_dir):
+    """A lone request: its prompt in one plan, then plans of 4 steps, the last shrunk to what
+    max_tokens leaves; its tokens are those of one step a plan, and its stream gets them in
+    a few messages rather than one each."""
+    work = [(list(range(40, 50)), 11, (), None)]
+    plans, outs = {}, {}
+    for k in (1, 4):
+        fake = fakes.FakeExecutor(96, BLOCK)
+        _, outs[k] = fakes.run_workload(byte_tokenizer_dir, work, fake=fake, num_scheduler_steps=k)
+        plans[k] = [(len(p.seqs[0].token_ids), p.num_steps) for p in fake.plans if p.seqs]
+    assert outs[4] == outs[1] and len(outs[4][0][0]) == 11
+    assert plans[1] == [(10, 1)] + [(0, 1)] * 10
+    assert plans[4] == [(10, 1), (0, 4), (0, 4), (0, 2)]  # 1 + 4 + 4 + 2 = 11 tokens
+
+
+def test_extend_rules(fakes):
+    """Only a plan of decodes alone with nothing waiting or swapped is extended; k shrinks to
+    max_tokens, the context and the free blocks; a constrained request is never extended; the
+    cursor and in-flight count move by the plan's steps, and the blocks the later steps filled
+    are cached once their ids are back."""
+    sched = fakes.make_scheduler(num_blocks=64, block_size=BLOCK, num_scheduler_steps=6, enable_prefix_caching=True)
+    sched.add_request(fakes.make_request(1, 7, max_tokens=20))
+    prefill = sched.schedule()
+    assert prefill.num_steps == 1  # a prompt chunk is not a decode
+    sched.update(prefill, StepResult(prefill.step_id, [Sampled(1, 50)]))
+    request = sched.requests["r1"]
+    sched.add_request(fakes.make_request(2, 9, max_tokens=20))
+    mixed = sched.schedule()  # r1's decode and r2's prompt
+    assert mixed.num_steps == 1 and len(mixed.seqs) == 2
+    sched.update(mixed, StepResult(mixed.step_id, [Sampled(1, 51), Sampled(2, 60)]))
+    decodes = sched.schedule()
+    assert decodes.num_steps == 6 and [s.num_new_tokens for s in decodes.seqs] == [1, 1]
+    assert request.num_computed_tokens == 8 + 6 and request.num_inflight_tokens == 6
+    assert len(request.block_ids) == 4  # 14 positions of KV at block size 4
+    result = [Sampled(seq_id, 70 + j) for seq_id in (1, 2) for j in range(6)]
+    outputs = sched.update(decodes, StepResult(decodes.step_id, result, num_steps=6))
+    assert [o.sampled.token_id for o in outputs if o.request is request] == list(range(70, 76))
+    assert request.num_inflight_tokens == 0 and request.output_token_ids == [50, 51, *range(70, 76)]
+    assert len(request.block_hashes) == 14 // BLOCK  # filled by the later steps, cached
+
+    # max_tokens: r1 has 20 - 8 = 12 left, r2 20 - 7 = 13; six each again, then the rest
+    again = sched.schedule()
+    assert again.num_steps == 6
+    sched.update(again, StepResult(again.step_id, [Sampled(s, 80) for s in (1, 2) for _ in range(6)], num_steps=6))
+    last = sched.schedule()
+    assert last.num_steps == 20 - 14  # r1's last six tokens: 14 + 6 = 20
+    sched.update(last, StepResult(last.step_id, [Sampled(s, 81) for s in (1, 2) for _ in range(6)], num_steps=6))
+    assert "r1" not in sched.requests and sched.requests["r2"].num_output_tokens == 19
+
+    # a waiting request keeps the plan at one step; so does a constrained one
+    sched.add_request(fakes.make_request(3, 200, max_tokens=4))
+    sched.add_request(fakes.make_request(4, 200, max_tokens=4))
+    sched.config = SchedulerConfig(num_scheduler_steps=6, max_num_batched_tokens=4, max_num_seqs=2)
+    plan = sched.schedule()
+    assert plan.num_steps == 1 and sched.waiting
+
+
+def test_a_constrained_request_is_never_extended(fakes):
+    sched = fakes.make_scheduler(num_blocks=64, block_size=BLOCK, num_scheduler_steps=4)
+    request = fakes.make_request(1, 5, max_tokens=9, constraint=Constraint.make("regex", "[a-z]+"))
+    sched.add_request(request)
+
+    class Matcher:  # the grammar allows anything here; what counts is that there is one
+        def token_mask(self):
+            return b"\xff" * 8
+
+    request.matcher = Matcher()
+    for _ in range(3):
+        plan = sched.schedule()
+        assert plan.num_steps == 1
+        request.matcher = None  # leave the grammar out of update; the constraint alone decides
+        sched.update(plan, StepResult(plan.step_id, [Sampled(1, 60)]))
+        request.matcher = Matcher()
+
+
+def test_k_shrinks_to_the_free_blocks_and_never_preempts(fakes):
+    sched = fakes.make_scheduler(num_blocks=4, block_size=BLOCK, num_scheduler_steps=8)
+    sched.add_request(fakes.make_request(1, 8, max_tokens=12))
+    prefill = sched.schedule()
+    sched.update(prefill, StepResult(prefill.step_id, [Sampled(1, 50)]))
+    plan = sched.schedule()  # position 8 onwards: blocks 3 and 4 are free, 8 slots
+    assert plan.num_steps == 8 and sched.pool.num_free_blocks == 0 and not plan.preempted
+    sched.update(plan, StepResult(plan.step_id, [Sampled(1, 51)] * 8, num_steps=8))
+    assert sched.requests["r1"].num_computed_tokens == 16
+    last = sched.schedule()  # no block left for more than the one step
+    assert last.num_steps == 1 or last.is_empty or last.preempted
+
+
+@pytest.mark.parametrize("value", [0, MAX_SCHEDULER_STEPS + 1])
+def test_out_of_range_is_refused(value):
+    with pytest.raises(ValueError, match="--num-scheduler-steps"):
+        SchedulerConfig(num_scheduler_steps=value)
+
+
+def test_the_trace_and_metrics_count_every_step(fakes):
+    """A multi-step plan is as many steps as it ran (here 2 of 3: cut short) to the
+    iteration_tokens histogram and to the trace (its executor time per step)."""
+    from scheduler_svc.metrics import Metrics
+    from scheduler_svc.observer import StepRecord
+    from scheduler_svc.trace import StepTracer
+
+    sched = fakes.make_scheduler(num_blocks=64, block_size=BLOCK, num_scheduler_steps=3)
+    sched.add_request(fakes.make_request(1, 7, max_tokens=20))
+    prefill = sched.schedule()
+    sched.update(prefill, StepResult(prefill.step_id, [Sampled(1, 50)]))
+    plan, stats = sched.schedule(), sched.step_stats
+    assert plan.num_steps == 3
+    result = StepResult(plan.step_id, [Sampled(1, 51)] * 2, execute_ns=7_000_000, num_steps=2)
+    record = StepRecord(plan, stats, result, 0.0, 1, sched.snapshot())
+    metrics, tracer = Metrics("m"), StepTracer()
+    queue = tracer.subscribe()
+    metrics.on_step(record)
+    tracer.on_step(record)
+    sample = metrics.registry.get_sample_value
+    assert sample("chunkserve_iteration_tokens_count", {"model_name": "m"}) == 2
+    assert sample("chunkserve_iteration_tokens_sum", {"model_name": "m"}) == 2
+    trace = queue.get_nowait()
+    assert trace.num_steps == 2 and trace.num_tokens == 1 and trace.executor_ns == 7_000_000
+
+
+def test_a_cut_plan_moves_cursors_back_over_the_steps_it_did_not_run(fakes):
+    """CutSteps ended a 6-step plan after 2: each request keeps 2 tokens, its cursor and
+    in-flight count move back over the other 4, its blocks stay for the next tokens, and only
+    blocks full of known tokens are cached; the next plan decodes from there."""
+    sched = fakes.make_scheduler(num_blocks=64, block_size=BLOCK, num_scheduler_steps=6, enable_prefix_caching=True)
+    sched.add_request(fakes.make_request(1, 7, max_tokens=20))
+    prefill = sched.schedule()
+    sched.update(prefill, StepResult(prefill.step_id, [Sampled(1, 50)]))
+    plan = sched.schedule()
+    request = sched.requests["r1"]
+    assert plan.num_steps == 6 and len(request.block_ids) == 4  # positions 7..12
+    outputs = sched.update(plan, StepResult(plan.step_id, [Sampled(1, 60), Sampled(1, 61)], num_steps=2))
+    assert [o.sampled.token_id for o in outputs] == [60, 61]
+    assert request.num_computed_tokens == 9 and request.num_inflight_tokens == 0 and request.num_tokens == 10
+    assert len(request.block_ids) == 4 and len(request.block_hashes) == 2  # 9 tokens: two full blocks
+    after = sched.schedule()
+    assert after.seqs[0].num_computed_tokens == 9 and after.seqs[0].new_block_ids == [] and after.num_steps == 6
+
+
+@pytest.mark.parametrize("cut_to", [1, 3])
+def test_a_request_that_arrives_cuts_the_multi_step_plan_in_flight(fakes, byte_tokenizer_dir, cut_to):
+    """A lone stream decodes in plans of 8 steps; a request that arrives while one runs asks the
+    executor to end it after the step under way (CutSteps), so the new prompt is in the next
+    plan rather than 7 steps later. Tokens are those of one step a plan, nothing leaks."""
+    import asyncio
+
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.output import collect
+    from scheduler_svc.request import SamplingParams
+    from scheduler_svc.tokenizer import Tokenizer
+
+    work = [(list(range(40, 50)), 30), (list(range(60, 72)), 5)]
+    _, reference = fakes.run_workload(
+        byte_tokenizer_dir, [(p, m, (), None) for p, m in work], fake=fakes.FakeExecutor(96, BLOCK)
+    )
+
+    async def main():
+        fake = fakes.FakeExecutor(96, BLOCK)
+        fake.steps_when_cut = lambda plan: cut_to
+        client = fakes.FakeExecutorClient(fakes.fake_handshake(), fake)
+        client.hold_after = 2  # the prefill, the first 8-step plan, then hold the second
+        sched = fakes.make_scheduler(num_blocks=96, block_size=BLOCK, num_scheduler_steps=8)
+        engine = Engine(sched, client, Tokenizer(byte_tokenizer_dir), frozenset({fakes.EOS}), 100, 5.0)
+        engine.start()
+        first = asyncio.ensure_future(collect(engine.add_request(work[0][0], SamplingParams(0.0, max_tokens=30))))
+        await asyncio.wait_for(client.held.wait(), 60)
+        held = sched.num_steps - 1  # the plan the executor holds
+        assert [p.num_steps for p in fake.plans] == [1, 8]
+        second = asyncio.ensure_future(collect(engine.add_request(work[1][0], SamplingParams(0.0, max_tokens=5))))
+        client.release.set()
+        finals = await asyncio.wait_for(asyncio.gather(first, second), 60)
+        await engine.stop()
+        return fake, held, finals, sched
+
+    fake, held, finals, sched = asyncio.run(main())
+    assert fake.cuts == [held]
+    cut = next(i for i, p in enumerate(fake.plans) if p.step_id == held)
+    assert fake.plans[cut].num_steps == 8 and fake.plans[cut + 1].seqs[-1].token_ids == work[1][0]
+    assert [f.token_ids for f in finals] == [r[0] for r in reference]
+    assert sched.pool.num_free_blocks == 96 and not sched.requests
+
+
+@settings(
+    max_examples=int(os.environ.get("CHUNKSERVE_MULTI_STEP_EXAMPLES", "25")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    data=st.data(),
+    n=st.integers(2, 5),
+    steps=st.integers(2, 8),
+    cut_to=st.integers(1, 8),
+    eos_after=st.sampled_from([None, 25, 40]),
+    async_scheduling=st.booleans(),
+    num_blocks=st.sampled_from([16, 96]),
+)
+def test_requests_arriving_during_multi_step_plans_change_no_tokens(
+    fakes, byte_tokenizer_dir, data, n, steps, cut_to, eos_after, async_scheduling, num_blocks
+):
+    """Requests arrive one by one, each after a drawn number of the executor's plans, so many
+    land while a multi-step plan runs and cut it (to a drawn number of steps); preemption
+    (16 blocks), EOS and async scheduling mix in. Every request's tokens are those of the same
+    prompts run with one step a plan, and nothing is left behind."""
+    import asyncio
+
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.output import collect
+    from scheduler_svc.request import SamplingParams
+    from scheduler_svc.tokenizer import Tokenizer
+
+    work = [
+        (
+            [(i * 37 + j * 11) % 200 + 20 for j in range(data.draw(st.integers(1, 30), label="prompt_len"))],
+            data.draw(st.integers(1, 30), label="max_tokens"),
+        )
+        for i in range(n)
+    ]
+    gaps = [data.draw(st.integers(0, 6), label="plans_before_arrival") for _ in range(n)]
+    cfg = dict(max_num_batched_tokens=16, max_model_len=64)
+    _, reference = fakes.run_workload(
+        byte_tokenizer_dir,
+        [(p, m, (), None) for p, m in work],
+        fake=fakes.FakeExecutor(num_blocks, BLOCK, eos_after=eos_after),
+        **cfg,
+    )
+
+    async def main():
+        fake = fakes.FakeExecutor(num_blocks, BLOCK, eos_after=eos_after)
+        fake.steps_when_cut = lambda plan: cut_to
+        sched = fakes.make_scheduler(
+            num_blocks=num_blocks, block_size=BLOCK, num_scheduler_steps=steps, async_scheduling=async_scheduling, **cfg
+        )
+        engine = Engine(sched, fake, Tokenizer(byte_tokenizer_dir), frozenset({fakes.EOS}), 100, 5.0)
+        engine.start()
+        streams = []
+        for (prompt, max_tokens), gap in zip(work, gaps):
+            target = len(fake.plans) + gap
+            for _ in range(100_000):  # until that many more plans ran, or the engine is idle
+                if len(fake.plans) >= target or not (sched.has_work() or fake.in_flight):
+                    break
+                await asyncio.sleep(0)
+            streams.append(
+                asyncio.ensure_future(collect(engine.add_request(prompt, SamplingParams(0.0, max_tokens=max_tokens))))
+            )
+        finals = await asyncio.wait_for(asyncio.gather(*streams), 60)
+        for _ in range(10_000):  # the last drops travel in one more plan
+            if not sched.has_work() and not fake.seqs and not fake.in_flight:
+                break
+            await asyncio.sleep(0.001)
+        await engine.stop()
+        return finals, sched, fake
+
+    finals, sched, fake = asyncio.run(main())
+    assert [f.token_ids for f in finals] == [r[0] for r in reference]
+    assert [f.finish_reason for f in finals] == [r[2] for r in reference]
+    assert sched.pool.num_free_blocks == num_blocks and not sched.requests and not fake.seqs
