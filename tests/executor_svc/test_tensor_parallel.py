@@ -428,3 +428,41 @@ def test_tp2_verify_steps_keep_the_same_tokens_and_cursors_as_tp1(tmp_path):
     assert tokens(one) == tokens(two)
     got = [t for _, t in sum(tokens(one), [])]
     assert got[1:7] == [8, 9, 10, 11, 12, 20] and len(got) == 9  # every plan ran: the cursors held
+
+
+@pytest.mark.slow  # three executor processes, ~35 s
+def test_tp2_multi_step_plans_equal_one_step_plans(tmp_path):
+    """Multi-step plans (StepRequest.num_steps) under TP: every rank derives the same decode
+    plans and rank 0 shares each step's ids, so TP 2 samples what TP 1 does, and both what
+    one-step plans sample (a greedy and a penalized sequence); the plan after them runs only if
+    every rank's cursors are where the scheduler puts them."""
+    model = write_model(tmp_path / "model", tied=True)
+    g = torch.Generator().manual_seed(3)
+    pa, pb = (torch.randint(0, 127, (n,), generator=g).tolist() for n in (7, 9))
+
+    def prefill() -> epb.StepRequest:
+        news = [
+            epb.NewSequence(seq_id=1, sampling=GREEDY),
+            epb.NewSequence(seq_id=2, sampling=PENALIZED, prompt_token_ids=pb),
+        ]
+        return epb.StepRequest(
+            step_id=0, new_seqs=news, seqs=[entry(1, 0, 7, pa, [0, 1, 2, 3]), entry(2, 0, 9, pb, [4, 5, 6, 7])]
+        )
+
+    multi = [
+        prefill(),
+        epb.StepRequest(step_id=1, num_steps=5, seqs=[entry(1, 7, 1), entry(2, 9, 1)]),  # positions 7..11, 9..13
+        epb.StepRequest(step_id=2, seqs=[entry(1, 12, 1), entry(2, 14, 1, blocks=[8])]),
+    ]
+    single = [prefill()] + [
+        epb.StepRequest(step_id=1 + k, seqs=[entry(1, 7 + k, 1), entry(2, 9 + k, 1, blocks=[8] if k == 5 else [])])
+        for k in range(6)
+    ]
+    one, two, plain = (
+        replay(model, 1, tmp_path, multi),
+        replay(model, 2, tmp_path, multi),
+        replay(model, 1, tmp_path, single),
+    )
+    assert tokens(one) == tokens(two) and [r.num_steps for r in two] == [1, 5, 1]
+    per_seq = lambda responses: {s: [t for r in responses for q, t in tokens([r])[0] if q == s] for s in (1, 2)}  # noqa: E731
+    assert per_seq(one) == per_seq(plain) and len(per_seq(one)[1]) == 7
