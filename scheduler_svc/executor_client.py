@@ -234,8 +234,8 @@ class ExecutorClient:
         async def call() -> None:
             try:
                 await self._stub.CutSteps(epb.CutStepsRequest(step_id=step_id), timeout=5.0, metadata=self._metadata)
-            except grpc.aio.AioRpcError as exc:
-                log.debug("CutSteps(%d) failed: %s", step_id, exc.code())
+            except Exception as exc:  # noqa: BLE001 - refused, executor gone, channel closed: the plan runs whole
+                log.debug("CutSteps(%d) failed: %r", step_id, exc)
 
         task = asyncio.get_running_loop().create_task(call())
         self._cuts.add(task)

@@ -344,3 +344,67 @@ def test_requests_arriving_during_multi_step_plans_change_no_tokens(
     assert [f.token_ids for f in finals] == [r[0] for r in reference]
     assert [f.finish_reason for f in finals] == [r[2] for r in reference]
     assert sched.pool.num_free_blocks == num_blocks and not sched.requests and not fake.seqs
+
+
+@pytest.mark.parametrize("fault", ["executor dies", "out of memory"])
+def test_a_multi_step_plan_that_fails_fails_its_requests_and_leaks_nothing(fakes, byte_tokenizer_dir, fault):
+    """Fault injection: the executor dies during a multi-step plan (every stream ends
+    UNAVAILABLE and the engine is dead), or refuses it out of memory and lives on (its requests
+    end RESOURCE_EXHAUSTED and a request sent afterwards is served with the tokens one step a
+    plan gives). Either way no stream hangs and no block is left taken."""
+    import asyncio
+
+    import grpc
+
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.errors import StepFailedError
+    from scheduler_svc.output import collect
+    from scheduler_svc.request import SamplingParams
+    from scheduler_svc.tokenizer import Tokenizer
+
+    later = (list(range(80, 90)), 6)
+    _, reference = fakes.run_workload(byte_tokenizer_dir, [(*later, (), None)], fake=fakes.FakeExecutor(96, BLOCK))
+
+    class OomOnMultiStep(fakes.FakeExecutor):
+        def refusal(self, plan):
+            if plan.num_steps > 1 and not self.cuts and not getattr(self, "refused", False):
+                self.refused = True
+                return StepFailedError("out of memory", grpc.StatusCode.RESOURCE_EXHAUSTED)
+            return None
+
+    async def main():
+        fake = OomOnMultiStep(96, BLOCK) if fault == "out of memory" else fakes.FakeExecutor(96, BLOCK)
+        client = fakes.FakeExecutorClient(fakes.fake_handshake(), fake)
+        sched = fakes.make_scheduler(num_blocks=96, block_size=BLOCK, num_scheduler_steps=6, async_scheduling=False)
+        engine = Engine(sched, client, Tokenizer(byte_tokenizer_dir), frozenset({fakes.EOS}), 100, 5.0)
+        engine.start()
+        if fault == "executor dies":
+            client.hold_after = 1  # the prefill, then the first multi-step plan waits and dies
+        streams = [
+            engine.add_request(list(range(40 + 9 * i, 48 + 9 * i)), SamplingParams(0.0, max_tokens=20))
+            for i in range(2)
+        ]
+        if fault == "executor dies":
+            await asyncio.wait_for(client.held.wait(), 60)
+            # the prefill ran; the plan held is the first multi-step one: 6 tokens in flight each
+            assert [p.num_steps for p in fake.plans] == [1]
+            assert [r.num_inflight_tokens for r in sched.running] == [6, 6]
+            client.die.set()
+        finals = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+        after = None
+        if fault == "out of memory":
+            after = await asyncio.wait_for(
+                collect(engine.add_request(later[0], SamplingParams(0.0, max_tokens=later[1]))), 60
+            )
+        dead = engine.is_dead
+        await engine.stop()
+        return finals, after, dead, sched, fake
+
+    finals, after, dead, sched, fake = asyncio.run(main())
+    if fault == "executor dies":
+        assert dead and all(f.error is not None and f.error.code is grpc.StatusCode.UNAVAILABLE for f in finals)
+    else:
+        assert not dead and fake.refused
+        assert all(f.error is not None and f.error.code is grpc.StatusCode.RESOURCE_EXHAUSTED for f in finals)
+        assert after.error is None and after.token_ids == reference[0][0]
+    assert sched.pool.num_free_blocks == 96 and not sched.requests
