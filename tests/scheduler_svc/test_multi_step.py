@@ -21,6 +21,7 @@ from scheduler_svc.plan import Sampled, StepResult
 from scheduler_svc.structured import Constraint
 
 BLOCK = 4
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
 
 
 @settings(
@@ -36,15 +37,16 @@ BLOCK = 4
     mode=st.sampled_from(["recompute", "swap"]),
     num_blocks=st.sampled_from([16, 24, 96]),
     caching=st.booleans(),
-    async_scheduling=st.booleans(),
+    loop=st.sampled_from(["plain", "async scheduling", "async output processing", "speculative"]),
 )
 def test_multi_step_changes_no_request_and_leaks_no_block(
-    fakes, byte_tokenizer_dir, data, n, steps, eos_after, mode, num_blocks, caching, async_scheduling
+    fakes, byte_tokenizer_dir, data, n, steps, eos_after, mode, num_blocks, caching, loop
 ):
     """Every request's tokens, text and finish reason are those of one step a plan: EOS, stop
     strings and stop tokens inside a plan's steps (the tokens after them are dropped),
     max_tokens, a 64-token context, shared prefixes (prefix cache), preemption by recompute or
-    swap, with and without async scheduling; aborted requests get a prefix of the same tokens.
+    swap; the plain loop, async scheduling, async output processing, or n-gram drafts (a drafted
+    plan is not extended, the others may be); aborted requests get a prefix of the same tokens.
     No block, host block or executor sequence is left."""
     shared = [(11 * j) % 200 + 20 for j in range(data.draw(st.integers(0, 12), label="shared_len"))]
     base = [
@@ -60,7 +62,9 @@ def test_multi_step_changes_no_request_and_leaks_no_block(
         max_num_batched_tokens=data.draw(st.sampled_from([8, 16, 64]), label="budget"),
         enable_prefix_caching=caching,
         max_model_len=64,
-        async_scheduling=async_scheduling,
+        async_scheduling=loop == "async scheduling",
+        async_output_processing=loop == "async output processing",
+        speculative_config=NGRAM if loop == "speculative" else None,
     )
 
     def go(work, num_scheduler_steps):
@@ -84,7 +88,7 @@ def test_multi_step_changes_no_request_and_leaks_no_block(
             for tokens, _, reason, _ in (a, b):
                 assert tokens == full[0][: len(tokens)] and reason is not None
     assert all(1 <= p.num_steps <= steps for p in fake.plans)
-    if n == 1 and len(multi[0][0]) >= 3:  # a lone request decoded, with two tokens or more left
+    if n == 1 and len(multi[0][0]) >= 3 and loop != "speculative":  # a lone request decoded, 2+ tokens left
         assert any(p.num_steps > 1 for p in fake.plans)
 
 
