@@ -34,13 +34,16 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIGS = {
-    "default": ([], {}),
-    "t2": (["--num-threads", "2"], {}),  # the rule before issue 32: every CPU, OpenMP's default wait
-    "t2-spin": (["--num-threads", "2"], {"OMP_WAIT_POLICY": "ACTIVE"}),
-    "t2-passive": (["--num-threads", "2"], {"OMP_WAIT_POLICY": "PASSIVE"}),
-    "t2-spin10k": (["--num-threads", "2"], {"GOMP_SPINCOUNT": "10000"}),
-    "t1": (["--num-threads", "1"], {}),
+CONFIGS = {  # name: (executor flags, environment, scheduler flags)
+    "default": ([], {}, []),
+    "t2": (["--num-threads", "2"], {}, []),  # the rule before issue 32: every CPU, OpenMP's default wait
+    "t2-spin": (["--num-threads", "2"], {"OMP_WAIT_POLICY": "ACTIVE"}, []),
+    "t2-passive": (["--num-threads", "2"], {"OMP_WAIT_POLICY": "PASSIVE"}, []),
+    "t2-spin10k": (["--num-threads", "2"], {"GOMP_SPINCOUNT": "10000"}, []),
+    "t1": (["--num-threads", "1"], {}, []),
+    "multi4": ([], {}, ["--num-scheduler-steps", "4"]),  # multi-step decoding (scheduler_svc/multi_step.py)
+    "multi8": ([], {}, ["--num-scheduler-steps", "8"]),
+    "t1-multi8": (["--num-threads", "1"], {}, ["--num-scheduler-steps", "8"]),
 }
 CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
 CGROUP_V2 = Path("/sys/fs/cgroup")
@@ -121,11 +124,13 @@ def start(config: str, model: Path):
     """A real two-process server started with the config's executor flags and environment."""
     from chunkserve.launch import start_server
 
-    flags, env = CONFIGS[config]
+    flags, env, scheduler_flags = CONFIGS[config]
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return start_server(Path(tempfile.mkdtemp()), ["--model", str(model), *flags], ["--max-num-seqs", "8"])
+        return start_server(
+            Path(tempfile.mkdtemp()), ["--model", str(model), *flags], ["--max-num-seqs", "8", *scheduler_flags]
+        )
     finally:
         for k, v in saved.items():
             if v is None:
