@@ -122,9 +122,7 @@ class Engine:
         self._live[request.request_id] = LiveRequest(request, stream, detok)
         self.scheduler.add_request(request)
         self._wake.set()
-        if self._cuttable is not None:  # its remaining steps would hold this request back
-            self.executor.cut_steps(self._cuttable)
-            self._cuttable = None
+        self._cut()  # a multi-step plan's remaining steps would hold this request back
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -132,11 +130,18 @@ class Engine:
         if (live := self._live.get(request_id)) is None:
             return False
         self._end(live, live.final(FinishReason.ABORTED, ""), time.monotonic())
+        self._cut()  # a multi-step plan would go on computing its tokens for nothing
         state = self.scheduler.snapshot()
         for observer in self.observers:
             observer.on_state(state)
         self._wake.set()
         return True
+
+    def _cut(self) -> None:
+        """Ends the multi-step plan in flight after the step under way (multi_step.py), once."""
+        if self._cuttable is not None:
+            self.executor.cut_steps(self._cuttable)
+            self._cuttable = None
 
     # ---- the loop ----------------------------------------------------------------------
 

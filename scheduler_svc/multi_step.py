@@ -19,7 +19,7 @@ a grammar (a mask per token, which needs the token before) or drafts are never e
 A request that arrives while the k steps run is not held back by them: the engine asks the
 executor to end the plan after the step under way (CutSteps), and `applied` moves cursors and
 in-flight counts back over the steps it did not run (docs/architecture.md, "Multi-step
-decoding"). Tokens arrive k at a time, so inter-token latency is bursty. Greedy tokens are the
+decoding"); a cancelled request cuts it too. Tokens arrive k at a time, so inter-token latency is bursty. Greedy tokens are the
 same: each step is the computation a plan of its own would run
 (tests/scheduler_svc/test_multi_step.py).
 """

@@ -412,3 +412,44 @@ def test_a_multi_step_plan_that_fails_fails_its_requests_and_leaks_nothing(fakes
         assert all(f.error is not None and f.error.code is grpc.StatusCode.RESOURCE_EXHAUSTED for f in finals)
         assert after.error is None and after.token_ids == reference[0][0]
     assert sched.pool.num_free_blocks == 96 and not sched.requests
+
+
+def test_an_abort_cuts_the_multi_step_plan_in_flight(fakes, byte_tokenizer_dir):
+    """A stream cancelled while its 8-step plan runs ends the plan after the step under way:
+    its remaining steps would compute tokens nobody reads. The other request in the plan goes
+    on with the tokens one step a plan gives."""
+    import asyncio
+
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.output import collect
+    from scheduler_svc.request import FinishReason, SamplingParams
+    from scheduler_svc.tokenizer import Tokenizer
+
+    work = [(list(range(40, 50)), 30), (list(range(60, 72)), 20)]
+    _, reference = fakes.run_workload(
+        byte_tokenizer_dir, [(p, m, (), None) for p, m in work], fake=fakes.FakeExecutor(96, BLOCK)
+    )
+
+    async def main():
+        fake = fakes.FakeExecutor(96, BLOCK)
+        fake.steps_when_cut = lambda plan: 2
+        client = fakes.FakeExecutorClient(fakes.fake_handshake(), fake)
+        client.hold_after = 2  # the prefill, the first 8-step plan, then hold the second
+        sched = fakes.make_scheduler(num_blocks=96, block_size=BLOCK, num_scheduler_steps=8, async_scheduling=False)
+        engine = Engine(sched, client, Tokenizer(byte_tokenizer_dir), frozenset({fakes.EOS}), 100, 5.0)
+        engine.start()
+        streams = [engine.add_request(p, SamplingParams(0.0, max_tokens=m)) for p, m in work]
+        await asyncio.wait_for(client.held.wait(), 60)
+        held = sched.num_steps - 1
+        assert engine.abort(streams[0].request_id)
+        client.release.set()
+        finals = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+        await engine.stop()
+        return fake, held, finals, sched
+
+    fake, held, finals, sched = asyncio.run(main())
+    assert fake.cuts == [held]
+    assert finals[0].finish_reason is FinishReason.ABORTED
+    assert finals[0].token_ids == reference[0][0][: len(finals[0].token_ids)]
+    assert finals[1].token_ids == reference[1][0]
+    assert sched.pool.num_free_blocks == 96 and not sched.requests
