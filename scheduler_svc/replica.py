@@ -55,7 +55,7 @@ class StepCostWatch(Observer):
             return
         seqs = zip(record.plan.seqs, record.stats.requests)
         x = features((s.num_new_tokens, s.num_computed_tokens, r.num_prompt_tokens) for s, r in seqs)
-        self._steps.append(TraceStep(x, record.step_ns / 1e9))
+        self._steps.append(TraceStep(x, record.step_ns / 1e9 / record.result.num_steps))  # per step run
         self._new_since_fit += 1
 
     def current(self) -> CostModel | None:

@@ -211,6 +211,16 @@ def test_the_trace_and_metrics_count_every_step(fakes):
     trace = queue.get_nowait()
     assert trace.num_steps == 2 and trace.num_tokens == 1 and trace.executor_ns == 7_000_000
 
+    # the replica's step-time model (the router's load signal) learns a step's time, not the plan's
+    from scheduler_svc.replica import WARM_UP, StepCostWatch
+
+    watch = StepCostWatch()
+    watch.enabled = True
+    record = StepRecord(plan, stats, result, 0.0, 40_000_000, sched.snapshot())
+    for _ in range(WARM_UP + 1):
+        watch.on_step(record)
+    assert watch._steps[-1].seconds == pytest.approx(0.02)  # 40 ms over the 2 steps run
+
 
 def test_a_cut_plan_moves_cursors_back_over_the_steps_it_did_not_run(fakes):
     """CutSteps ended a 6-step plan after 2: each request keeps 2 tokens, its cursor and
