@@ -31,6 +31,7 @@ from typing import Protocol
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.plan import StepPlan, StepResult
+from scheduler_svc.policy import Policy
 from scheduler_svc.request import Request, RequestStatus
 
 
@@ -42,6 +43,7 @@ class Scheduler(Protocol):
     waiting: list[Request]
     swapped: list[Request]
     pool: BlockPool
+    policy: Policy
     max_model_len: int
 
 
@@ -78,8 +80,9 @@ def extend(sched: Scheduler, plan: StepPlan) -> None:
 
 def applied(sched: Scheduler, plan: StepPlan, result: StepResult) -> None:
     """After a multi-step plan's tokens are applied (`update`): a plan the executor cut short
-    (`cut`) moves its requests' cursors and in-flight counts back over the steps it did not
-    run (their blocks stay, for the next tokens, as after rejected drafts), and the blocks the
+    (CutSteps) moves its requests' cursors and in-flight counts back over the steps it did not
+    run (their blocks stay, for the next tokens, as after rejected drafts); the policy is told
+    the tokens the later steps computed (schedule() told it the first step's); the blocks the
     later steps filled are cached (a block's hash needs its token ids, known only now).
     Nothing for a plan of one step."""
     if plan.num_steps == 1:
@@ -91,5 +94,6 @@ def applied(sched: Scheduler, plan: StepPlan, result: StepResult) -> None:
             continue  # ended (or restarted) while the plan ran
         request.num_computed_tokens -= missed
         request.num_inflight_tokens -= missed
+        sched.policy.on_scheduled(request, result.num_steps - 1)
         end = entry.num_computed_tokens + entry.num_new_tokens + result.num_steps - 1
         sched.pool.cache_full_blocks(request, request.cache_salt, end)

@@ -147,7 +147,7 @@ class Scheduler(RequestQueues):
             self._host_blocks_read = []
         for entry in plan.seqs:
             request = self._by_seq[entry.seq_id]
-            self.policy.on_scheduled(request, entry.num_new_tokens + plan.num_steps - 1)
+            self.policy.on_scheduled(request, entry.num_new_tokens)  # a multi-step plan's later steps: applied()
             request.num_computed_tokens = entry.num_computed_tokens + entry.num_new_tokens + plan.num_steps - 1
             request.num_draft_inflight = len(entry.draft_token_ids)  # 0..k of them will be kept
             if entry.sample:  # the executor samples it (a token a step) and keeps it for the next decode

@@ -225,8 +225,11 @@ def test_the_trace_and_metrics_count_every_step(fakes):
 def test_a_cut_plan_moves_cursors_back_over_the_steps_it_did_not_run(fakes):
     """CutSteps ended a 6-step plan after 2: each request keeps 2 tokens, its cursor and
     in-flight count move back over the other 4, its blocks stay for the next tokens, and only
-    blocks full of known tokens are cached; the next plan decodes from there."""
-    sched = fakes.make_scheduler(num_blocks=64, block_size=BLOCK, num_scheduler_steps=6, enable_prefix_caching=True)
+    blocks full of known tokens are cached; the policy is told the tokens computed, not the
+    ones planned; the next plan decodes from there."""
+    sched = fakes.make_scheduler(
+        num_blocks=64, block_size=BLOCK, num_scheduler_steps=6, enable_prefix_caching=True, scheduling_policy="fair"
+    )
     sched.add_request(fakes.make_request(1, 7, max_tokens=20))
     prefill = sched.schedule()
     sched.update(prefill, StepResult(prefill.step_id, [Sampled(1, 50)]))
@@ -237,6 +240,7 @@ def test_a_cut_plan_moves_cursors_back_over_the_steps_it_did_not_run(fakes):
     assert [o.sampled.token_id for o in outputs] == [60, 61]
     assert request.num_computed_tokens == 9 and request.num_inflight_tokens == 0 and request.num_tokens == 10
     assert len(request.block_ids) == 4 and len(request.block_hashes) == 2  # 9 tokens: two full blocks
+    assert sched.policy.served[request.tenant] == 7 + 2  # the prompt, then the 2 steps that ran
     after = sched.schedule()
     assert after.seqs[0].num_computed_tokens == 9 and after.seqs[0].new_block_ids == [] and after.num_steps == 6
 
