@@ -143,6 +143,58 @@ def _greedy_via_runner(runner, prompts, new_tokens, chunk=256, drafts=None, mask
     return out
 
 
+def _multi_step_via_runner(runner, prompts, new_tokens, k, cut_every=0):
+    """Plays the scheduler with multi-step plans (StepRequest.num_steps): every prompt in one
+    plan, then plans of k decode steps for all of them (fewer for the last), the blocks of all
+    k steps sent up front; every `cut_every`-th plan is cut (CutSteps) before it runs, so it
+    runs one step and the cursors follow the steps it reports. Returns each prompt's tokens."""
+    from chunkserve_contracts.executor.v1 import executor_pb2 as epb
+
+    runner.reset()
+    bs = runner.block_size
+    free = torch.randperm(runner.num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
+    greedy = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1)
+    out: list[list[int]] = [[] for _ in prompts]
+    blocks = [math.ceil(len(p) / bs) for p in prompts]
+    plan = epb.StepRequest(step_id=0)
+    for i, prompt in enumerate(prompts):
+        plan.new_seqs.add(seq_id=i, sampling=greedy)
+        plan.seqs.add(
+            seq_id=i,
+            num_computed_tokens=0,
+            num_new_tokens=len(prompt),
+            token_ids=prompt,
+            block_ids=[free.pop() for _ in range(blocks[i])],
+            sample=True,
+        )
+    for s in runner.execute(plan).sampled:
+        out[s.seq_id].append(s.token_id)
+    done = [len(p) for p in prompts]  # the last sampled token's position
+    step = 0
+    while len(out[0]) < new_tokens:
+        step += 1
+        steps = min(k, new_tokens - len(out[0]))
+        plan = epb.StepRequest(step_id=step, num_steps=steps)
+        for i in range(len(prompts)):
+            need = math.ceil((done[i] + steps) / bs) - blocks[i]
+            plan.seqs.add(
+                seq_id=i,
+                num_computed_tokens=done[i],
+                num_new_tokens=1,
+                block_ids=[free.pop() for _ in range(max(need, 0))],
+                sample=True,
+            )
+            blocks[i] += max(need, 0)
+        if cut_every and step % cut_every == 0:
+            runner.cut_step_id = step
+        response = runner.execute(plan)
+        assert response.num_steps == (1 if cut_every and step % cut_every == 0 else steps)
+        for s in response.sampled:
+            out[s.seq_id].append(s.token_id)
+        done = [d + response.num_steps for d in done]
+    return out
+
+
 def _assert_near_greedy(hf, prompts, got, tol):
     """Each chosen token is within `tol` of HF's best logit given the same prefix."""
     exact = total = 0
@@ -348,3 +400,29 @@ def test_verify_steps_and_token_masks_on_the_gpu(random_checkpoint, name, tmp_pa
         chosen = logits.gather(1, torch.tensor(tokens, device=DEVICE)[:, None])[:, 0]
         assert (best - chosen).max().item() <= 1e-3
     assert masked != plain
+
+
+@pytest.mark.parametrize("name", [n for n, b in BACKENDS if b == 16])
+def test_multi_step_plans_on_the_gpu(random_checkpoint, name, tmp_path):
+    """Multi-step plans (--num-scheduler-steps) on the GPU in float32, decode steps replayed as
+    CUDA graphs where the backend has them: plans of 4 steps, and the same with every other
+    plan cut after its first step (CutSteps), give plain greedy's tokens."""
+    from executor_svc.config import ExecutorConfig
+
+    loaded = _executor().load(
+        ExecutorConfig(
+            model=str(random_checkpoint),
+            device=DEVICE,
+            dtype="float32",
+            block_size=16,
+            attention_backend=name,
+            num_gpu_blocks_override=1024,
+            swap_space=0.0,
+            max_num_batched_tokens=2048,
+            cache_dir=str(tmp_path),
+        )
+    )
+    runner = loaded.runner
+    plain = _greedy_via_runner(runner, RANDOM_PROMPTS, new_tokens=24)
+    assert _multi_step_via_runner(runner, RANDOM_PROMPTS, new_tokens=24, k=4) == plain
+    assert _multi_step_via_runner(runner, RANDOM_PROMPTS, new_tokens=24, k=4, cut_every=2) == plain
