@@ -28,6 +28,14 @@ from dataclasses import dataclass
 # the int4 or 16-bit copy as its class computes it; "half-onednn": the 16-bit copy through
 # oneDNN's F.linear.
 KERNELS = ("mm", "mm-pad", "packed", "gemv-stream", "gemv", "reduced", "half-onednn")
+# At one row the native product comes before the padded and packed library ones: "mm-pad"
+# computes a second, zero row through MKL's small-M sgemm, which reads ~28-30 GB/s however
+# fast the memory is, while the one-row product reads at what the memory gives. On the 2-core
+# EPYC the head at one row took 3.3-4.7 ms with "mm-pad" and 3.0-3.4 with "gemv-stream" while
+# memory read ~33 GB/s, 4.0 against 2.5 at ~60 GB/s: a plan measured in the slow state saw a
+# tie, and the tie kept "mm-pad" for every later state (benchmarks/RESULTS.md, "The head's
+# one-row kernel").
+ONE_ROW_ORDER = ("mm", "gemv-stream", "gemv", "mm-pad", "packed", "reduced", "half-onednn")
 MARGIN = 0.05
 INT4_MAX_ROWS = 32
 # the native few-row product (chunkserve_kernels/csrc/cpu_linear.cpp) is a candidate up to this many rows
@@ -110,12 +118,14 @@ class Plan:
 DEFAULT_PLAN = Plan.of("mm-pad")  # a model no plan was applied to (tests): float32 as `padded_rows` pads
 
 
-def choose(costs: dict[str, float], margin: float = MARGIN) -> str:
-    """The kernel for one bucket from its measured seconds: walk the candidates in KERNELS
-    order; a later one replaces the current choice only if it is faster by more than
-    `margin` (a tie keeps the exact-float32, unpadded, unpacked kernel)."""
+def choose(costs: dict[str, float], margin: float = MARGIN, *, rows: int = 0) -> str:
+    """The kernel for a bucket of `rows` rows (0: any) from its measured seconds: walk the
+    candidates in KERNELS order (ONE_ROW_ORDER at one row); a later one replaces the current
+    choice only if it is faster by more than `margin` (a tie keeps the exact-float32,
+    unpadded, unpacked kernel)."""
+    order = ONE_ROW_ORDER if rows == 1 else KERNELS
     best = None
-    for k in sorted(costs, key=KERNELS.index):
+    for k in sorted(costs, key=order.index):
         if best is None or costs[k] < costs[best] * (1 - margin):
             best = k
     if best is None:

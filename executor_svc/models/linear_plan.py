@@ -84,7 +84,7 @@ FUSED_KERNELS = ("packed", "gemv-stream", "gemv")
 FUSED_MARGIN = 0.2
 OTHERS_MAX = 0.2  # a measurement while other processes used more of our CPUs is not kept
 SPREAD_MAX = 1.25  # nor one whose repeats disagree more (`disturbance`)
-PLAN_FORMAT = 4  # bump when what a stored plan means changes (kernels, bucket semantics)
+PLAN_FORMAT = 5  # bump when what a stored plan means changes (kernels, bucket semantics, tie rules)
 
 
 def buckets_for(budget: int, part: str = "linears") -> tuple[int, ...]:
@@ -186,8 +186,8 @@ def measure(
     others = None if before is None or after is None else after.others_share(before)
     costs = {key: {k: min(v) for k, v in runs.items()} for key, runs in samples.items()}
     fused = {m: _fused_bias(c, gemv and m < LARGE_FROM) for (part, m), c in costs.items() if part == "linears"}
-    body = Plan(*zip(*((m, choose(c)) for m, c in fused.items()), strict=True))
-    head_plan = Plan(*zip(*((m, choose(c)) for (part, m), c in costs.items() if part == "head"), strict=True))
+    body = Plan(*zip(*((m, choose(c, rows=m)) for m, c in fused.items()), strict=True))
+    head_plan = Plan(*zip(*((m, choose(c, rows=m)) for (part, m), c in costs.items() if part == "head"), strict=True))
     return Measured(body, head_plan, costs, time.perf_counter() - t0, disturbance(samples, others))
 
 

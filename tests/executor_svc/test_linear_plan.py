@@ -94,6 +94,18 @@ def test_candidates_follow_the_copies_and_the_caps():
     assert kp.choose({"gemv-stream": 1.0, "gemv": 0.9}) == "gemv"
 
 
+def test_at_one_row_a_tie_goes_to_the_native_product_not_the_padded_one():
+    """MKL's padded product tops out at a lower read rate than the native one-row product, so
+    a tie measured while memory is slow must not keep it (kernel_plan.ONE_ROW_ORDER): at one
+    row "mm-pad" or "packed" must win by the margin; at more rows the order is KERNELS'."""
+    tie = {"mm-pad": 1.0, "packed": 1.01, "gemv-stream": 1.02, "gemv": 1.03}
+    assert kp.choose(tie, rows=1) == "gemv-stream"
+    assert kp.choose(tie) == kp.choose(tie, rows=2) == "mm-pad"
+    assert kp.choose({"mm-pad": 0.9, "gemv-stream": 1.0}, rows=1) == "mm-pad"
+    assert kp.choose({"mm": 1.0, "gemv-stream": 0.97}, rows=1) == "mm"  # exact, unpadded, unpacked first
+    assert set(kp.ONE_ROW_ORDER) == set(kp.KERNELS)
+
+
 def _model(tiny_configs, hf_model_factory, name="llama", seed=0):
     torch.manual_seed(seed)
     config = tiny_configs[name]()
