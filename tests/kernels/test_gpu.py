@@ -339,20 +339,14 @@ def test_cuda_graphs_replay_decode_steps(random_checkpoint, dtype, tmp_path):
         _assert_near_greedy(hf.eval(), prompts, got[True], 0.5)
 
 
-@pytest.mark.parametrize("name", [n for n, b in BACKENDS if b == 16])
-def test_verify_steps_and_token_masks_on_the_gpu(random_checkpoint, name, tmp_path):
-    """What the scheduler's speculative decoding and structured output send, run on the GPU in
-    float32: verify entries (a decode plus drafts, most right, every third one wrong at its
-    end) keep plain greedy's tokens and accept drafts; mask rows keep every token inside its
-    sequence's allowed set, each the best allowed one by HF's logits."""
-    import transformers
-
+def _float32_runner(checkpoint: Path, name: str, tmp_path: Path):
+    """The executor's runner on the GPU in float32 with backend `name`, block size 16: what the
+    checks of plans the scheduler builds (verify steps, masks, multi-step) run on."""
     from executor_svc.config import ExecutorConfig
 
-    worker = _executor()
-    loaded = worker.load(
+    loaded = _executor().load(
         ExecutorConfig(
-            model=str(random_checkpoint),
+            model=str(checkpoint),
             device=DEVICE,
             dtype="float32",
             block_size=16,
@@ -363,7 +357,18 @@ def test_verify_steps_and_token_masks_on_the_gpu(random_checkpoint, name, tmp_pa
             cache_dir=str(tmp_path),
         )
     )
-    runner = loaded.runner
+    return loaded.runner
+
+
+@pytest.mark.parametrize("name", [n for n, b in BACKENDS if b == 16])
+def test_verify_steps_and_token_masks_on_the_gpu(random_checkpoint, name, tmp_path):
+    """What the scheduler's speculative decoding and structured output send, run on the GPU in
+    float32: verify entries (a decode plus drafts, most right, every third one wrong at its
+    end) keep plain greedy's tokens and accept drafts; mask rows keep every token inside its
+    sequence's allowed set, each the best allowed one by HF's logits."""
+    import transformers
+
+    runner = _float32_runner(random_checkpoint, name, tmp_path)
     plain = _greedy_via_runner(runner, RANDOM_PROMPTS, new_tokens=24)
     calls = []
 
@@ -407,22 +412,7 @@ def test_multi_step_plans_on_the_gpu(random_checkpoint, name, tmp_path):
     """Multi-step plans (--num-scheduler-steps) on the GPU in float32, decode steps replayed as
     CUDA graphs where the backend has them: plans of 4 steps, and the same with every other
     plan cut after its first step (CutSteps), give plain greedy's tokens."""
-    from executor_svc.config import ExecutorConfig
-
-    loaded = _executor().load(
-        ExecutorConfig(
-            model=str(random_checkpoint),
-            device=DEVICE,
-            dtype="float32",
-            block_size=16,
-            attention_backend=name,
-            num_gpu_blocks_override=1024,
-            swap_space=0.0,
-            max_num_batched_tokens=2048,
-            cache_dir=str(tmp_path),
-        )
-    )
-    runner = loaded.runner
+    runner = _float32_runner(random_checkpoint, name, tmp_path)
     plain = _greedy_via_runner(runner, RANDOM_PROMPTS, new_tokens=24)
     assert _multi_step_via_runner(runner, RANDOM_PROMPTS, new_tokens=24, k=4) == plain
     assert _multi_step_via_runner(runner, RANDOM_PROMPTS, new_tokens=24, k=4, cut_every=2) == plain
