@@ -415,6 +415,22 @@ def run_workload(tokenizer_dir: Path, work, *, fake: FakeExecutor, **cfg):
     return asyncio.run(main())
 
 
+def draw_prompts(data, n):
+    """n (prompt, max_tokens) pairs for the engine's property tests: prompts of 1-40 tokens,
+    every other one behind a shared prefix of 0-12 (prefix-cache hits), 1-24 tokens each."""
+    from hypothesis import strategies as st
+
+    shared = [(11 * j) % 200 + 20 for j in range(data.draw(st.integers(0, 12), label="shared_len"))]
+    return [
+        (
+            (shared if i % 2 else [])
+            + [(i * 37 + j * 11) % 200 + 20 for j in range(data.draw(st.integers(1, 40), label="prompt_len"))],
+            data.draw(st.integers(1, 24), label="max_tokens"),
+        )
+        for i in range(n)
+    ]
+
+
 def draw_stops_and_aborts(data, base, texts):
     """Per (prompt, max_tokens) of `base` and the text a probe run produced for it, draws a
     stop string cut from that text (or none) and an abort after k deltas (or none): the fake's
@@ -452,6 +468,7 @@ def fakes():
         run_to_completion = staticmethod(run_to_completion)
         run_workload = staticmethod(run_workload)
         draw_stops_and_aborts = staticmethod(draw_stops_and_aborts)
+        draw_prompts = staticmethod(draw_prompts)
         EOS = EOS
         VOCAB = VOCAB
 

@@ -48,15 +48,7 @@ def test_multi_step_changes_no_request_and_leaks_no_block(
     swap; the plain loop, async scheduling, async output processing, or n-gram drafts (a drafted
     plan is not extended, the others may be); aborted requests get a prefix of the same tokens.
     No block, host block or executor sequence is left."""
-    shared = [(11 * j) % 200 + 20 for j in range(data.draw(st.integers(0, 12), label="shared_len"))]
-    base = [
-        (
-            (shared if i % 2 else [])
-            + [(i * 37 + j * 11) % 200 + 20 for j in range(data.draw(st.integers(1, 40), label="prompt_len"))],
-            data.draw(st.integers(1, 24), label="max_tokens"),
-        )
-        for i in range(n)
-    ]
+    base = fakes.draw_prompts(data, n)
     cfg = dict(
         preemption_mode=mode,
         max_num_batched_tokens=data.draw(st.sampled_from([8, 16, 64]), label="budget"),
