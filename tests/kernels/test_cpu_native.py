@@ -299,6 +299,27 @@ def test_gemv_rows_do_not_depend_on_the_batch_or_the_threads(native):
         torch.set_num_threads(threads)
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(threads=st.integers(2, 9), n=st.integers(1, 5000), rows=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_gemv_shares_every_weight_row_once_at_any_thread_count(native, threads, n, rows, seed):
+    """Each thread reads its own run of weight rows and, once done, takes tasks from the back of
+    another's. With more threads than cores (2-9 here, on any machine) the OS preempts threads
+    mid-run, so the others steal; every output must still be its row's one dot product: equal
+    to the one-thread result bitwise (a row no thread took would be whatever `empty` held)."""
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, 64, generator=gen), torch.randn(n, 64, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = torch.ops.chunkserve.gemv(x, w)
+        torch.set_num_threads(threads)
+        for _ in range(3):
+            assert torch.equal(torch.ops.chunkserve.gemv(x, w), want)
+            assert torch.equal(torch.ops.chunkserve.gemv(x, w, None, True), want)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_gemv_refuses_bad_input_without_crashing(native):
     x, w = torch.randn(2, 8), torch.randn(5, 8)
     bad = [
