@@ -67,8 +67,8 @@ def build_metadata(
 
     `context_lens_before[i]` is the sequence's num_computed_tokens (K/V already cached);
     `block_tables[i]` must cover its context after this step. Positions and slots are
-    computed with a handful of vectorized torch ops on the host (this runs every step),
-    then moved to `device` in one go.
+    computed on the host (this runs every step: in lists for small steps, with vectorized
+    torch ops for large ones, see SMALL_STEP_TOKENS), then moved to `device`.
     """
     num_seqs = len(query_lens)
     if num_seqs == 0:
@@ -92,23 +92,19 @@ def build_metadata(
 
     max_blocks = max(len(t) for t in block_tables)
     padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
-    block_table = torch.tensor(padded, dtype=torch.int64)
-    q_lens = torch.tensor(query_lens, dtype=torch.int64)
-    cu_seqlens = torch.zeros(num_seqs + 1, dtype=torch.int64)
-    torch.cumsum(q_lens, 0, out=cu_seqlens[1:])
-    num_tokens = int(cu_seqlens[-1])
-
-    # Token t belongs to sequence seq_of[t] and is its (t - cu[seq])-th new token.
-    seq_of = torch.repeat_interleave(torch.arange(num_seqs), q_lens, output_size=num_tokens)
-    offset_in_query = torch.arange(num_tokens) - cu_seqlens[seq_of]
-    positions = torch.tensor(context_lens_before, dtype=torch.int64)[seq_of] + offset_in_query
-    block_ids = block_table[seq_of, positions // block_size]
-    slot_mapping = block_ids * block_size + positions % block_size
+    if sum(query_lens) <= SMALL_STEP_TOKENS:
+        cu_seqlens, block_table, positions, slot_mapping = _small_step(
+            query_lens, context_lens_before, padded, block_size
+        )
+    else:
+        cu_seqlens, block_table, positions, slot_mapping = _large_step(
+            query_lens, context_lens_before, padded, block_size
+        )
 
     meta = AttentionMetadata(
-        cu_seqlens_q=cu_seqlens.to(device=device, dtype=torch.int32),
+        cu_seqlens_q=cu_seqlens.to(device=device),
         seqused_k=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        block_table=block_table.to(device=device, dtype=torch.int32),
+        block_table=block_table.to(device=device),
         slot_mapping=slot_mapping.to(device),
         max_seqlen_q=max(query_lens),
         max_seqlen_k=max(context_lens),
@@ -117,3 +113,50 @@ def build_metadata(
         context_lens=context_lens,
     )
     return meta, positions.to(device)
+
+
+# Up to this many new tokens a step's positions and slots are worked out in Python lists and
+# made into tensors once each (`_small_step`); above it, with vectorized torch ops
+# (`_large_step`). Both give the same integers. Why: a decode step runs right after its weight
+# reads have flushed the CPU caches, and each of the ~20 small torch ops of the vectorized
+# path then costs 10-20 us: 370 us a batch-1 step of the default model on a 2-core Zen 4 EPYC,
+# where the lists take ~XX us (benchmarks/RESULTS.md, "What a batch-1 step spends outside its
+# weight reads"). Per token the lists cost more than the vectorized ops, hence the bound.
+SMALL_STEP_TOKENS = 256
+
+
+def _small_step(
+    query_lens: list[int], before: list[int], padded: list[list[int]], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cu_seqlens int32, block_table int32, positions int64, slot_mapping int64) from lists."""
+    cu, positions, slots = [0], [], []
+    for q, b, table in zip(query_lens, before, padded):
+        cu.append(cu[-1] + q)
+        for pos in range(b, b + q):
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    return (
+        torch.tensor(cu, dtype=torch.int32),
+        torch.tensor(padded, dtype=torch.int32),
+        torch.tensor(positions, dtype=torch.int64),
+        torch.tensor(slots, dtype=torch.int64),
+    )
+
+
+def _large_step(
+    query_lens: list[int], before: list[int], padded: list[list[int]], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_small_step`'s tensors with vectorized ops: O(sequences) Python for any token count."""
+    num_seqs = len(query_lens)
+    block_table = torch.tensor(padded, dtype=torch.int64)
+    q_lens = torch.tensor(query_lens, dtype=torch.int64)
+    cu_seqlens = torch.zeros(num_seqs + 1, dtype=torch.int64)
+    torch.cumsum(q_lens, 0, out=cu_seqlens[1:])
+    num_tokens = int(cu_seqlens[-1])
+    # Token t belongs to sequence seq_of[t] and is its (t - cu[seq])-th new token.
+    seq_of = torch.repeat_interleave(torch.arange(num_seqs), q_lens, output_size=num_tokens)
+    offset_in_query = torch.arange(num_tokens) - cu_seqlens[seq_of]
+    positions = torch.tensor(before, dtype=torch.int64)[seq_of] + offset_in_query
+    block_ids = block_table[seq_of, positions // block_size]
+    slot_mapping = block_ids * block_size + positions % block_size
+    return cu_seqlens.to(torch.int32), block_table.to(torch.int32), positions, slot_mapping

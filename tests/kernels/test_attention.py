@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chunkserve_kernels import build_metadata, get_backend, get_forward_context, set_forward_context
 
@@ -109,6 +111,41 @@ def test_build_metadata_positions_slots_and_lengths():
     assert meta.seqused_k.tolist() == [3, 7, 6] and meta.context_lens == [3, 7, 6]
     assert meta.block_table.tolist() == [[7, 2, 0], [5, 0, 0], [1, 9, 4]]
     assert (meta.max_seqlen_q, meta.max_seqlen_k) == (3, 7)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seqs=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 90)), min_size=1, max_size=12),
+    block_size=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_build_metadata_small_and_large_steps_give_the_same_tensors(seqs, block_size, seed):
+    """Steps up to SMALL_STEP_TOKENS work out positions and slots in Python lists, larger ones
+    with vectorized ops: both paths, forced on the same random steps, give equal tensors of
+    equal dtypes (tables of distinct shuffled blocks, padded to the longest)."""
+    import random
+    from unittest import mock
+
+    from chunkserve_kernels import metadata
+
+    rng = random.Random(seed)
+    query_lens, before = [q for q, _ in seqs], [b for _, b in seqs]
+    pool = list(range(sum(-(-(b + q) // block_size) + 2 for q, b in seqs)))
+    rng.shuffle(pool)
+    tables = []
+    for q, b in seqs:
+        n = -(-(b + q) // block_size) + rng.randint(0, 2)
+        tables.append([pool.pop() for _ in range(n)])
+    built = {}
+    for bound in (0, 10**9):  # every step large, every step small
+        with mock.patch.object(metadata, "SMALL_STEP_TOKENS", bound):
+            built[bound] = build_metadata(query_lens, before, tables, block_size, "cpu")
+    (large, large_pos), (small, small_pos) = built[0], built[10**9]
+    assert small_pos.equal(large_pos) and small_pos.dtype == large_pos.dtype == torch.int64
+    for name in ("cu_seqlens_q", "seqused_k", "block_table", "slot_mapping"):
+        a, b = getattr(small, name), getattr(large, name)
+        assert a.equal(b) and a.dtype == b.dtype, name
+    assert small.slot_mapping.dtype == torch.int64 and small.block_table.dtype == torch.int32
 
 
 @pytest.mark.parametrize(
