@@ -34,7 +34,10 @@ from chunkserve_contracts.cpu import cpu_info
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_layer.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / n
+    for n in ("cpu_attention.cpp", "cpu_rotary.cpp", "cpu_linear.cpp", "cpu_layer.cpp")
+)
 HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("cpu_ops.h", "cpu_attention_tiles.h"))
 # -fassociative-math (with its prerequisites) lets the float sums vectorise; not -ffast-math,
 # which would also assume no infinities (the softmax starts from -inf) and, on GCC < 13, link

@@ -67,14 +67,6 @@ struct Layer {
 
 const char* const kLinears[] = {"qkv", "o", "gate_up", "down"};
 
-// `apply_rotary` of models/layers.py: x rolled by half the head size, times [-sin, sin], plus
-// x * [cos, cos]; the same three aten ops, so bitwise the same result.
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  at::Tensor rotated = x.roll({x.size(-1) / 2}, {-1});
-  rotated.mul_(sin);
-  return (x * cos).add_(rotated);
-}
-
 // `Linear.apply_kernel` of the plan's "gemv" / "gemv-stream" (the native product on the float32
 // weight), "packed" (oneDNN's on its packed copy) or "reduced" with the int4 copies (the int4 kernel on x
 // in bfloat16, the result cast back to x's dtype when `same_dtype` or there is a bias, then
@@ -181,9 +173,8 @@ class DecodeLayers : public torch::CustomClassHolder {
     const int64_t hd = L.qkv.weight.size(0) / (qk_heads + kv_heads_);
     auto [normed, res] = add_rms_norm(x, residual, L.input_norm, eps_);
     const at::Tensor qkv = linear(normed, L.qkv, kernel, group_, true).view({T, qk_heads + kv_heads_, hd});
-    const at::Tensor qk = rotary(qkv.slice(1, 0, qk_heads), cos, sin);
-    write_kv(cache, qk.slice(1, heads_), qkv.slice(1, qk_heads), slot_mapping);
-    const at::Tensor o = paged_decode_attention(qk.slice(1, 0, heads_), cache, block_table, context_lens, scale_);
+    const at::Tensor q = rotary_kv(qkv, cos, sin, cache, slot_mapping, heads_);
+    const at::Tensor o = paged_decode_attention(q, cache, block_table, context_lens, scale_);
     const at::Tensor y = linear(o.reshape({T, heads_ * hd}), L.o, kernel, group_, false);
     std::tie(normed, res) = add_rms_norm(y, res, L.post_norm, eps_);
     const std::vector<at::Tensor> gate_up = linear(normed, L.gate_up, kernel, group_, true).chunk(2, -1);
