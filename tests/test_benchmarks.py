@@ -195,6 +195,28 @@ def test_batch1_floor_prints_each_figure_against_the_floor_it_measured():
         assert ms > 0 and abs(ms / floor - ratio) <= 0.03 * ratio + 0.005
 
 
+def test_step_ab_takes_turns_between_two_trees_and_prints_each_ratio():
+    """benchmarks/step_ab.py with this tree as both old and new: two short rounds, each with
+    both step times, its ratio, and the median over the rounds."""
+    root = str(BENCHMARKS.parent)
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "step_ab.py"), "--old", root, "--new", root, "--rounds", "2", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rounds = [line.split() for line in out.stdout.splitlines() if line.startswith("round ")]
+    assert [r[1] for r in rounds] == ["1:", "2:"], out.stdout
+    ratios = []
+    for r in rounds:
+        old, new, ratio = float(r[3]), float(r[8]), float(r[13])
+        assert old > 0 and new > 0 and abs(new / old - ratio) <= 0.002 + 0.002 * ratio, r
+        ratios.append(ratio)
+    [last] = [line for line in out.stdout.splitlines() if line.startswith("median new/old")]
+    assert abs(float(last.split()[2]) - sum(ratios) / 2) <= 0.002, last
+
+
 def test_multi_step_benchmark_reports_each_setting_against_the_first():
     """benchmarks/multi_step.py on two servers, one short round: a row per setting, each figure
     with its ratio to the first setting's (1.00x for the first itself)."""
