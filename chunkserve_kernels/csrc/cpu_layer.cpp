@@ -140,12 +140,14 @@ class DecodeLayers : public torch::CustomClassHolder {
   bool has_int4() const { return !layers_.empty() && layers_[0].qkv.int4.defined(); }
   bool has_packed() const { return !layers_.empty() && layers_[0].qkv.packed.defined(); }
 
-  // x [T, hidden] (the embeddings), cos / sin as RotaryEmbedding gives them, kv_cache the whole
+  // x [T, hidden] (the embeddings), positions int64 [T], cos / sin RotaryEmbedding's full-width
+  // tables [positions, head_dim] (rows read at each token's position), kv_cache the whole
   // cache [layers, 2, blocks, block_size, kv_heads, head_dim], slot_mapping / block_table /
   // context_lens the step's decodes (int32 tables and lengths, sequence order); `kernel` the plan's
   // for every linear: "gemv", "gemv-stream", "packed" or "reduced" (the int4 copies). -> (the last
   // layer's MLP output, the residual stream before it is added), what the model's final norm takes.
-  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                                             at::Tensor kv_cache,
                                              at::Tensor slot_mapping, at::Tensor block_table, at::Tensor context_lens,
                                              const std::string& kernel_name) const {
     TORCH_CHECK(x.dim() == 2, "x must be [T, hidden]");
@@ -156,7 +158,7 @@ class DecodeLayers : public torch::CustomClassHolder {
     TORCH_CHECK(kernel != Kernel::kPacked || has_packed(), "packed asked for but the layers have no packed copies");
     std::optional<at::Tensor> residual;
     for (int64_t i = 0; i < num_layers(); ++i) {
-      std::tie(x, residual) = layer_forward(layers_[i], x, residual, cos, sin, kv_cache.select(0, i), slot_mapping,
+      std::tie(x, residual) = layer_forward(layers_[i], x, residual, positions, cos, sin, kv_cache.select(0, i), slot_mapping,
                                             block_table, context_lens, kernel);
     }
     return {x, *residual};
@@ -165,7 +167,8 @@ class DecodeLayers : public torch::CustomClassHolder {
  private:
   // `LlamaDecoderLayer.forward`: (this layer's MLP output, the residual stream before it is added).
   std::tuple<at::Tensor, at::Tensor> layer_forward(const Layer& L, const at::Tensor& x,
-                                                   const std::optional<at::Tensor>& residual, const at::Tensor& cos,
+                                                   const std::optional<at::Tensor>& residual,
+                                                   const at::Tensor& positions, const at::Tensor& cos,
                                                    const at::Tensor& sin, const at::Tensor& cache,
                                                    const at::Tensor& slot_mapping, const at::Tensor& block_table,
                                                    const at::Tensor& context_lens, Kernel kernel) const {
@@ -173,7 +176,7 @@ class DecodeLayers : public torch::CustomClassHolder {
     const int64_t hd = L.qkv.weight.size(0) / (qk_heads + kv_heads_);
     auto [normed, res] = add_rms_norm(x, residual, L.input_norm, eps_);
     const at::Tensor qkv = linear(normed, L.qkv, kernel, group_, true).view({T, qk_heads + kv_heads_, hd});
-    const at::Tensor q = rotary_kv(qkv, cos, sin, cache, slot_mapping, heads_);
+    const at::Tensor q = rotary_kv(qkv, cos, sin, positions, cache, slot_mapping, heads_);
     const at::Tensor o = paged_decode_attention(q, cache, block_table, context_lens, scale_);
     const at::Tensor y = linear(o.reshape({T, heads_ * hd}), L.o, kernel, group_, false);
     std::tie(normed, res) = add_rms_norm(y, res, L.post_norm, eps_);

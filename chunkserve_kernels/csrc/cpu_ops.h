@@ -35,11 +35,12 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::
                                                 const at::Tensor& weight, double eps);
 
 // cpu_rotary.cpp
-// q, k of a step's fused projection [T, heads + 2 kv_heads, head_dim] rotated by the step's
-// [T, 1, head_dim] cos / sin tables (apply_rotary's, bitwise), k and v written at slot_mapping
-// into the cache layer; -> the rotated q [T, heads, head_dim].
-at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cache,
-                     const at::Tensor& slot_mapping, int64_t heads);
+// q, k of a step's fused projection [T, heads + 2 kv_heads, head_dim] rotated by the rows at
+// `positions` (int64 [T]) of the full-width [positions, head_dim] cos / sin tables (apply_rotary's
+// arithmetic, bitwise), k and v written at slot_mapping into the cache layer; -> the rotated q
+// [T, heads, head_dim].
+at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                     const at::Tensor& cache, const at::Tensor& slot_mapping, int64_t heads);
 
 // cpu_linear.cpp
 // stream_one_row: a single row of x reads the weights without asking for lines ahead (the plan's

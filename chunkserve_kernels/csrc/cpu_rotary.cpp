@@ -6,7 +6,8 @@
 // multiplies, an add, the K/V write), each allocating or dispatching, on data the step's weight
 // reads had just pushed out of the caches: ~12 us a layer of a batch-1 step of the default model
 // on a 2-core Zen 4 EPYC, 0.35 ms of a ~19 ms step (benchmarks/RESULTS.md, "What a batch-1 step
-// spends outside its weight reads"). Here it is one loop over the step's heads.
+// spends outside its weight reads"). Here it is one loop over the step's heads, reading each
+// token's row of RotaryEmbedding's tables (models/layers.py) at its position: no per-step tables.
 //
 // Numerics: each output element is fl(fl(x[j] * cos[j]) + fl(x[j'] * sin[j])) with j' the rolled
 // index, as the three aten ops round it; compiled without contraction into a fused multiply-add
@@ -41,8 +42,8 @@ void rotate(const float* __restrict x, const float* __restrict cos, const float*
 
 }  // namespace
 
-at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cache,
-                     const at::Tensor& slot_mapping, int64_t heads) {
+at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                     const at::Tensor& cache, const at::Tensor& slot_mapping, int64_t heads) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 3 && qkv.is_contiguous(),
               "qkv must be a contiguous float32 CPU [T, heads + 2 kv_heads, head_dim] tensor");
   TORCH_CHECK(cache.device().is_cpu() && cache.scalar_type() == at::kFloat && cache.dim() == 5 &&
@@ -53,9 +54,16 @@ at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
               qkv.size(1), ", ", hd, "]; with ", heads, " heads the cache layer needs ", (qkv.size(1) - heads) / 2,
               " KV heads of ", hd, ", it has ", kv_heads, " of ", cache.size(4));
   for (const at::Tensor* table : {&cos, &sin}) {
-    TORCH_CHECK(table->scalar_type() == at::kFloat && table->is_contiguous() && table->numel() == T * hd &&
-                    table->size(0) == T,
-                "cos and sin must be contiguous float32 [T, 1, head_dim] tables");
+    TORCH_CHECK(table->scalar_type() == at::kFloat && table->is_contiguous() && table->dim() == 2 &&
+                    table->size(1) == hd && table->sizes() == cos.sizes(),
+                "cos and sin must be contiguous float32 [positions, head_dim] tables of one size");
+  }
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == T,
+              "positions must be int64 [T]");
+  const at::Tensor pos = positions.contiguous();
+  const int64_t* pos_p = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pos_p[t] >= 0 && pos_p[t] < cos.size(0), "position ", pos_p[t], " outside the tables' ", cos.size(0));
   }
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == T,
               "slot_mapping must be int64 [T]");
@@ -73,8 +81,8 @@ at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   const int64_t row = (heads + 2 * kv_heads) * hd;
   for (int64_t t = 0; t < T; ++t) {
     const float* x = src + t * row;
-    const float* c = cos.data_ptr<float>() + t * hd;
-    const float* s = sin.data_ptr<float>() + t * hd;
+    const float* c = cos.data_ptr<float>() + pos_p[t] * hd;
+    const float* s = sin.data_ptr<float>() + pos_p[t] * hd;
     for (int64_t h = 0; h < heads; ++h) rotate(x + h * hd, c, s, q_p + (t * heads + h) * hd, hd);
     for (int64_t h = 0; h < kv_heads; ++h) {
       rotate(x + (heads + h) * hd, c, s, k_dst + (sm_p[t] * kv_heads + h) * hd, hd);
@@ -87,7 +95,9 @@ at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
 }  // namespace chunkserve
 
 TORCH_LIBRARY_FRAGMENT(chunkserve, m) {
-  m.def("rotary_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) cache, Tensor slot_mapping, int heads) -> Tensor");
+  m.def(
+      "rotary_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) cache, Tensor slot_mapping, int heads) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(chunkserve, CPU, m) { m.impl("rotary_kv", &chunkserve::rotary_kv); }

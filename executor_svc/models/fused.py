@@ -24,7 +24,7 @@ from executor_svc.models.kernel_plan import Plan
 from executor_svc.models.quant import GROUP_SIZE, Int4Weights
 
 if TYPE_CHECKING:
-    from executor_svc.models.layers import Linear
+    from executor_svc.models.layers import Linear, RotaryEmbedding
 
 
 def _linear_tensors(name: str, lin: Linear) -> dict[str, torch.Tensor]:
@@ -72,10 +72,11 @@ class FusedDecode:
         self.kernels |= {"reduced"} if self.native.has_int4() else set()
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: Plan
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, plan: Plan
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's MLP output, the residual stream before it) when this step runs
-        fused (module doc), else None and nothing was computed."""
+        fused (module doc), else None and nothing was computed. The layers read each token's
+        cos / sin from `rotary`'s tables at its position: no per-step tables."""
         if x.dtype != torch.float32 or x.device.type != "cpu":
             return None
         kernel = plan(x.shape[0])
@@ -86,4 +87,8 @@ class FusedDecode:
         if inputs is None:
             return None
         tables, context_lens = inputs
-        return self.native.forward(x, cos, sin, ctx.kv_cache, ctx.meta.slot_mapping, tables, context_lens, kernel)
+        # a decode's position is its context length less one: the tables' length from host ints
+        cos, sin = rotary.tables(ctx.meta.max_seqlen_k)
+        return self.native.forward(
+            x, positions, cos, sin, ctx.kv_cache, ctx.meta.slot_mapping, tables, context_lens, kernel
+        )

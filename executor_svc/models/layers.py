@@ -215,8 +215,23 @@ def rope_parameters(config: Any) -> dict[str, Any]:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for absolute positions, computed per step from `inv_freq` (no position table:
-    a 128K-context table would cost more memory than a small model's KV cache)."""
+    """cos/sin for absolute positions. On a CPU they are read from tables of every position up
+    to the largest seen yet; elsewhere computed per step.
+
+    Why tables on a CPU: a decode step there builds its cos/sin right after its weight reads
+    have flushed the caches, where the ~10 small ops of computing them cost ~90-140 us of a
+    batch-1 step of the default model on a 2-core Zen 4 EPYC; the fused decode layers read the
+    rows at each token's position in C++ (cpu_rotary.cpp) and the step pays no op for them at
+    all (benchmarks/RESULTS.md, "What a batch-1 step spends outside its weight reads"). The tables
+    grow in blocks of TABLE_BLOCK positions, each block computed by the same ops on a tensor
+    whose size is a whole number of vectors, so every entry is what computing its position
+    alone gives (ATen's vector cos/sin; a per-step tensor whose size is not a whole number of
+    vectors would have its last entries from the scalar ones, and a position's bits would
+    depend on the step's other tokens). They hold only the positions some step reached: at
+    128K tokens of context and head_dim 128, 134 MB. On a GPU a table would need the largest
+    position on the host each step (a sync), and CUDA graphs replay fixed buffers."""
+
+    TABLE_BLOCK = 512
 
     def __init__(self, head_dim: int, params: dict[str, Any], device: torch.device | str) -> None:
         super().__init__()
@@ -230,14 +245,43 @@ class RotaryEmbedding(nn.Module):
         if rope_type == "llama3":
             inv_freq = _llama3_scale(inv_freq, params)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self._cos = self._sin = torch.empty(0, head_dim, device=device)  # the CPU tables, float32
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] positions -> `cos`, `sin` of shape [T, 1, head_dim] in `dtype`, the half-width
         tables doubled to full width as `apply_rotary` wants them: [cos, cos], [-sin, sin]
         (built once per step and shared by every layer, so a layer pays 4 ops, not 8)."""
+        if positions.device.type != "cpu" or positions.numel() == 0:
+            cos, sin = self._compute(positions)
+            return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+        cos, sin = self.tables(int(positions.max()) + 1)
+        cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+
+    def tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CPU tables, full-width float32 [>= length, head_dim] cos and sin (row p: position
+        p, as `forward` gives it), grown first where shorter; what the fused decode layers read."""
+        if length > self._cos.shape[0]:
+            self._grow(length)
+        return self._cos, self._sin
+
+    def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-width float32 [T, head_dim] cos and sin of `positions` (int64 [T])."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
-        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+    def _grow(self, needed: int) -> None:
+        """Tables for at least `needed` positions: twice the old length or more, in whole blocks
+        (new tensors: tables handed out before stay as they were)."""
+        length = max(needed, 2 * self._cos.shape[0])
+        length = -(-length // self.TABLE_BLOCK) * self.TABLE_BLOCK
+        blocks = [
+            self._compute(torch.arange(start, start + self.TABLE_BLOCK, device=self.inv_freq.device))
+            for start in range(self._cos.shape[0], length, self.TABLE_BLOCK)
+        ]
+        self._cos = torch.cat([self._cos, *(c for c, _ in blocks)])
+        self._sin = torch.cat([self._sin, *(s for _, s in blocks)])
 
 
 def _llama3_scale(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:

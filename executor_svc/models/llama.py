@@ -120,10 +120,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, x.dtype)  # once per step, shared by all layers
-        fused = None if self.fused is None else self.fused.forward(x, cos, sin, self.plan)
+        fused = None if self.fused is None else self.fused.forward(x, positions, self.rotary_emb, self.plan)
         if fused is not None:
             return self.norm.add_forward(*fused)[0]
+        cos, sin = self.rotary_emb(positions, x.dtype)  # once per step, shared by all layers
         residual = None
         for layer in self.layers:
             x, residual = layer.forward(x, residual, cos, sin)

@@ -188,12 +188,14 @@ def test_the_layers_object_refuses_bad_tensors_and_arguments(tiny_configs, hf_mo
     x = torch.randn(1, model.config.hidden_size)
     cache = torch.zeros(2, 2, 4, 4, attn.kv_heads, attn.head_dim)  # 2 layers of cache for 1 layer
     tail = (torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
-    cos = sin = torch.zeros(1, 1, attn.head_dim)
+    pos, cos = torch.zeros(1, dtype=torch.long), torch.zeros(1, attn.head_dim)
     with pytest.raises(RuntimeError, match="kv_cache must be"):
-        layers.forward(x, cos, sin, cache, *tail, "gemv")
+        layers.forward(x, pos, cos, cos, cache, *tail, "gemv")
     with pytest.raises(RuntimeError, match="no int4 copies"):
-        layers.forward(x, cos, sin, cache[:1], *tail, "reduced")
+        layers.forward(x, pos, cos, cos, cache[:1], *tail, "reduced")
     with pytest.raises(RuntimeError, match="no packed copies"):
-        layers.forward(x, cos, sin, cache[:1], *tail, "packed")
+        layers.forward(x, pos, cos, cos, cache[:1], *tail, "packed")
     with pytest.raises(RuntimeError, match="no fused path for the linear kernel mm"):
-        layers.forward(x, cos, sin, cache[:1], *tail, "mm")
+        layers.forward(x, pos, cos, cos, cache[:1], *tail, "mm")
+    with pytest.raises(RuntimeError, match="position 1 outside the tables' 1"):
+        layers.forward(x, pos + 1, cos, cos, cache[:1], *tail, "gemv")

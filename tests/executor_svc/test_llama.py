@@ -113,6 +113,32 @@ def test_sliding_window_caps_max_model_len(tiny_configs):
     assert get_model_class(config)(config).max_model_len == 64
 
 
+def test_rotary_tables_on_cpu_equal_computing_and_do_not_depend_on_the_step():
+    """On a CPU cos/sin come from tables grown in blocks (layers.RotaryEmbedding): equal bit for
+    bit to computing them per step where that is all vector arithmetic (head_dim 64), a
+    position's rows the same whatever else the step holds (head_dim 80: 40 frequencies, where a
+    per-step tensor of 3 tokens would end in the scalar cos), and rows kept as they grow."""
+    from executor_svc.models.layers import RotaryEmbedding
+
+    params = {"rope_type": "default", "rope_theta": 10000.0}
+    rot = RotaryEmbedding(64, params, "cpu")
+    positions = torch.tensor([0, 5, 511, 512, 4095, 1])
+    cos, sin = rot(positions, torch.float32)
+    want_cos, want_sin = rot._compute(positions)
+    assert torch.equal(cos, want_cos.unsqueeze(1)) and torch.equal(sin, want_sin.unsqueeze(1))
+    first, _ = rot.tables(1)
+    assert first.shape[0] >= 4096 and first.shape[0] % RotaryEmbedding.TABLE_BLOCK == 0
+    grown, _ = rot.tables(first.shape[0] + 1)
+    assert grown.shape[0] >= 2 * first.shape[0] and torch.equal(grown[: first.shape[0]], first)
+    odd = RotaryEmbedding(80, params, "cpu")
+    alone = [odd(torch.tensor([p]), torch.float32) for p in (7, 300, 2000)]
+    together = odd(torch.tensor([7, 300, 2000]), torch.float32)
+    for i, (c, s) in enumerate(alone):
+        assert torch.equal(together[0][i], c[0]) and torch.equal(together[1][i], s[0])
+    bf16 = rot(positions, torch.bfloat16)
+    assert torch.equal(bf16[0], cos.to(torch.bfloat16)) and bf16[0].shape == (6, 1, 64)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_is_bitwise_hf(dtype):
     """apply_rotary with the full-width tables RotaryEmbedding builds once per step (issue 18)

@@ -163,42 +163,47 @@ def test_native_write_kv_equals_aten_write_from_strided_views(native, layout):
 )
 def test_rotary_kv_is_apply_rotary_and_write_kv_bitwise(native, tokens, heads, head_dim, scale, seed):
     """The fused layers' one-pass rotary + K/V write (cpu_rotary.cpp) against what the Python
-    layers run: `apply_rotary` on q and k, then the native K/V write. Random tables (not only
-    real cos/sin) and large values, where a fused multiply-add would round differently; odd
-    head sizes roll by the floor of half."""
+    layers run: `apply_rotary` with the tables' rows at each token's position, then the native
+    K/V write. Random tables (not only real cos/sin) and large values, where a fused
+    multiply-add would round differently; odd head sizes roll by the floor of half."""
     from executor_svc.models.layers import apply_rotary
 
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     qkv = torch.randn(tokens, hq + 2 * hkv, head_dim, generator=gen) * scale
-    cos, sin = (torch.randn(tokens, 1, head_dim, generator=gen) for _ in range(2))
+    cos, sin = (torch.randn(9, head_dim, generator=gen) for _ in range(2))
+    positions = torch.randint(0, 9, (tokens,), generator=gen)
     cache = torch.randn(2, 5, 4, hkv, head_dim, generator=gen)
     slots = torch.randperm(20, generator=gen)[:tokens]
     want_cache = cache.clone()
-    qk = apply_rotary(qkv[:, : hq + hkv], cos, sin)
+    qk = apply_rotary(qkv[:, : hq + hkv], cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
     native.write_kv(want_cache, qk[:, hq:], qkv[:, hq + hkv :], slots)
-    q = torch.ops.chunkserve.rotary_kv(qkv, cos, sin, cache, slots, hq)
+    q = torch.ops.chunkserve.rotary_kv(qkv, cos, sin, positions, cache, slots, hq)
     assert q.shape == (tokens, hq, head_dim)
     assert torch.equal(q, qk[:, :hq])
     assert torch.equal(cache, want_cache)
 
 
 def test_rotary_kv_refuses_bad_input_without_crashing(native):
-    qkv, cos, cache = torch.randn(2, 5, 8), torch.randn(2, 1, 8), torch.zeros(2, 3, 4, 1, 8)
-    slots = torch.tensor([0, 11])
+    qkv, cos, cache = torch.randn(2, 5, 8), torch.randn(4, 8), torch.zeros(2, 3, 4, 1, 8)
+    slots, pos = torch.tensor([0, 11]), torch.tensor([0, 3])
     op = torch.ops.chunkserve.rotary_kv
     for args, message in (
-        ((qkv, cos, cos, cache, torch.tensor([0, 12]), 3), "outside the cache"),
-        ((qkv, cos, cos, cache, slots, 2), "KV heads"),
-        ((qkv, cos[:1], cos, cache, slots, 3), "cos and sin"),
-        ((qkv.transpose(0, 1), cos, cos, cache, slots, 3), "contiguous float32"),
-        ((qkv, cos, cos, cache, slots.int(), 3), "int64"),
+        ((qkv, cos, cos, pos, cache, torch.tensor([0, 12]), 3), "outside the cache"),
+        ((qkv, cos, cos, pos + 1, cache, slots, 3), "position 4 outside the tables' 4"),
+        ((qkv, cos, cos, pos - 1, cache, slots, 3), "position -1 outside"),
+        ((qkv, cos, cos, pos, cache, slots, 2), "KV heads"),
+        ((qkv, cos, cos[:2], pos, cache, slots, 3), "cos and sin"),
+        ((qkv, cos[:, :4], cos[:, :4], pos, cache, slots, 3), "cos and sin"),
+        ((qkv.transpose(0, 1), cos, cos, pos, cache, slots, 3), "contiguous float32"),
+        ((qkv, cos, cos, pos, cache, slots.int(), 3), "int64"),
+        ((qkv, cos, cos, pos.int(), cache, slots, 3), "positions must be int64"),
     ):
         before = cache.clone()
         with pytest.raises(RuntimeError, match=message):
             op(*args)
         assert torch.equal(cache, before)
-    assert op(qkv, cos, cos, cache, slots, 3).shape == (2, 3, 8)
+    assert op(qkv, cos, cos, pos, cache, slots, 3).shape == (2, 3, 8)
 
 
 def test_native_refuses_bad_input_without_crashing(native):
