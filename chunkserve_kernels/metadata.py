@@ -117,11 +117,13 @@ def build_metadata(
 
 # Up to this many new tokens a step's positions and slots are worked out in Python lists and
 # made into tensors once each (`_small_step`); above it, with vectorized torch ops
-# (`_large_step`). Both give the same integers. Why: a decode step runs right after its weight
-# reads have flushed the CPU caches, and each of the ~20 small torch ops of the vectorized
-# path then costs 10-20 us: 370 us a batch-1 step of the default model on a 2-core Zen 4 EPYC,
-# where the lists take ~XX us (benchmarks/RESULTS.md, "What a batch-1 step spends outside its
-# weight reads"). Per token the lists cost more than the vectorized ops, hence the bound.
+# (`_large_step`). Both give the same integers. Why: on a CPU a decode step's metadata is built
+# right after the previous step's weight reads have flushed the caches, where each of the
+# vectorized path's ~15 small torch ops costs far more than in a warm loop: 370 us a batch-1
+# step of the default model on a 2-core Zen 4 EPYC, 95-103 us with the lists
+# (benchmarks/RESULTS.md, "What a batch-1 step spends outside its weight reads"). Per token the
+# lists cost more: warm, one 256-token sequence took 57 us in lists against 69, one of 512 took
+# 115 against 78, 32 decodes 90 against 138; hence the bound.
 SMALL_STEP_TOKENS = 256
 
 
