@@ -151,9 +151,9 @@ void group(const float* x, int64_t M, int64_t K, const float* w, const float* bi
 // before), each core read a task, then jumped past the other core's next one: every task began a
 // new stream for the hardware prefetcher. A core reading its own run front to back is one
 // stream from the product's start to its end. While memory read ~60 GB/s on a 2-core Zen 4 EPYC,
-// one product over the default model's 425 MB of decoder weights read at 56-58 GB/s this way
-// against 49-50 with the shared counter, and its 121 products one after another at 45-48 GB/s
-// against 40-43 (benchmarks/RESULTS.md, "One run of weight rows per thread"). Taking from the
+// one product over the default model's 425 MB of decoder weights read at 56-66 GB/s this way
+// against 48-56 with the shared counter, and its 121 products one after another at 45-56 GB/s
+// against 40-47 (two runs; benchmarks/RESULTS.md, "One run of weight rows per thread"). Taking from the
 // back of another's run keeps what the shared counter was for: when the OS takes a core from one
 // thread mid-product (a busy neighbour, the scheduler process), the other does the rest of that
 // thread's rows instead of waiting for them. Tasks are half the rows left in the run, between
