@@ -67,7 +67,10 @@ def measure(child: subprocess.Popen) -> tuple[float, float]:
     """(median step ms, read GB/s) of one turn."""
     child.stdin.write("go\n")
     child.stdin.flush()
-    ms, gbs = child.stdout.readline().split()
+    line = child.stdout.readline()
+    if not line:
+        raise SystemExit(f"a child exited mid-run (rc {child.wait()}); its error is above")
+    ms, gbs = line.split()
     return float(ms), float(gbs)
 
 
