@@ -36,7 +36,14 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / n
-    for n in ("cpu_attention.cpp", "cpu_rotary.cpp", "cpu_linear.cpp", "cpu_layer.cpp")
+    for n in (
+        "cpu_attention.cpp",
+        "cpu_rotary.cpp",
+        "cpu_silu.cpp",
+        "cpu_argmax.cpp",
+        "cpu_linear.cpp",
+        "cpu_layer.cpp",
+    )
 )
 HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("cpu_ops.h", "cpu_attention_tiles.h"))
 # -fassociative-math (with its prerequisites) lets the float sums vectorise; not -ffast-math,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from chunkserve_kernels import cpu_native
 from executor_svc.penalties import (
     NO_PENALTIES,
     LogitBias,
@@ -129,6 +130,15 @@ def _draw(probs: torch.Tensor, specs: list[SamplingSpec], positions: list[int]) 
     return torch.where(dead, probs.argmax(dim=-1), ids)
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)`, the same indices; on the native op (csrc/cpu_argmax.cpp, ~9x
+    faster over a 49K vocabulary) where it loaded and the rows are contiguous float32 on the CPU
+    (a batch-1 step's; a batch's logits are the head's transposed view and keep aten's)."""
+    if logits.dtype == torch.float32 and logits.stride(-1) == 1 and logits.device.type == "cpu" and cpu_native.loaded():
+        return torch.ops.chunkserve.greedy_argmax(logits)
+    return logits.argmax(dim=-1)
+
+
 def apply_token_masks(logits: torch.Tensor, masks: dict[int, bytes]) -> torch.Tensor:
     """`logits` with -inf at every token t a row's packed mask does not allow (a new tensor;
     rows without a mask copied as they are). A mask is ceil(V / 32) little-endian 32-bit
@@ -184,7 +194,7 @@ def sample(
             apply_logit_bias(logits, biased)
         if histories:
             apply_penalties(logits, {r: (params[r].penalties, *histories[r]) for r in histories})
-    token_ids = logits.argmax(dim=-1)
+    token_ids = greedy_ids(logits)
     random_rows = [i for i, s in enumerate(params) if not s.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)

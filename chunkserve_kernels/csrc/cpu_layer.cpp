@@ -18,10 +18,12 @@
 #include "cpu_ops.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -94,7 +96,8 @@ class DecodeLayers : public torch::CustomClassHolder {
   // eps of both norms, this model's query and KV heads, the attention scale, and the int4 copies'
   // weights per scale (models/quant.GROUP_SIZE).
   DecodeLayers(double eps, int64_t heads, int64_t kv_heads, double scale, int64_t int4_group)
-      : eps_(eps), heads_(heads), kv_heads_(kv_heads), scale_(scale), group_(int4_group) {
+      : eps_(eps), heads_(heads), kv_heads_(kv_heads), scale_(scale), group_(int4_group),
+        native_silu_(silu_mul_matches_aten()) {
     TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads must be a positive multiple of kv_heads");
   }
 
@@ -139,32 +142,58 @@ class DecodeLayers : public torch::CustomClassHolder {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   bool has_int4() const { return !layers_.empty() && layers_[0].qkv.int4.defined(); }
   bool has_packed() const { return !layers_.empty() && layers_[0].qkv.packed.defined(); }
+  bool native_silu() const { return native_silu_; }
 
-  // x [T, hidden] (the embeddings), positions int64 [T], cos / sin RotaryEmbedding's full-width
-  // tables [positions, head_dim] (rows read at each token's position), kv_cache the whole
-  // cache [layers, 2, blocks, block_size, kv_heads, head_dim], slot_mapping / block_table /
-  // context_lens the step's decodes (int32 tables and lengths, sequence order); `kernel` the plan's
-  // for every linear: "gemv", "gemv-stream", "packed" or "reduced" (the int4 copies). -> (the last
-  // layer's MLP output, the residual stream before it is added), what the model's final norm takes.
-  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin,
-                                             at::Tensor kv_cache,
-                                             at::Tensor slot_mapping, at::Tensor block_table, at::Tensor context_lens,
-                                             const std::string& kernel_name) const {
-    TORCH_CHECK(x.dim() == 2, "x must be [T, hidden]");
+  // The model's two ends around the layers: the embedding table [vocab, hidden] the step's ids
+  // are looked up in, and the final norm's weight and eps (what `LlamaModel.forward` does before
+  // and after its layers), so that a step is one call from ids to the normed hidden states.
+  void set_ends(at::Tensor embedding, at::Tensor final_norm, double final_eps) {
+    TORCH_CHECK(embedding.scalar_type() == at::kFloat && embedding.dim() == 2 && embedding.is_contiguous(),
+                "the embedding must be a contiguous float32 [vocab, hidden] table");
+    TORCH_CHECK(final_norm.dim() == 1 && final_norm.size(0) == embedding.size(1),
+                "the final norm's weight must be [hidden] of the embedding's hidden ", embedding.size(1));
+    embedding_ = std::move(embedding), final_norm_ = std::move(final_norm), final_eps_ = final_eps;
+  }
+
+  // input_ids int64 [T], positions int64 [T], cos / sin RotaryEmbedding's full-width tables
+  // [positions, head_dim] (rows read at each token's position), kv_cache the whole cache [layers,
+  // 2, blocks, block_size, kv_heads, head_dim], slot_mapping / block_table / context_lens the
+  // step's decodes (int32 tables and lengths, sequence order); `kernel` the plan's for every
+  // linear: "gemv", "gemv-stream", "packed" or "reduced" (the int4 copies). -> the final-normed
+  // hidden states [T, hidden], what `LlamaModel.forward` returns.
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& cos,
+                     const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_table, const at::Tensor& context_lens, const std::string& kernel_name) const {
+    TORCH_CHECK(embedding_.defined(), "DecodeLayers: set_ends (the embedding and the final norm) before forward");
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == num_layers(), "kv_cache must be [layers, 2, ...] for ",
                 num_layers(), " layers");
     const Kernel kernel = kernel_named(kernel_name);
     TORCH_CHECK(kernel != Kernel::kInt4 || has_int4(), "int4 asked for but the layers have no int4 copies");
     TORCH_CHECK(kernel != Kernel::kPacked || has_packed(), "packed asked for but the layers have no packed copies");
+    at::Tensor x = embed(input_ids);
     std::optional<at::Tensor> residual;
     for (int64_t i = 0; i < num_layers(); ++i) {
       std::tie(x, residual) = layer_forward(layers_[i], x, residual, positions, cos, sin, kv_cache.select(0, i), slot_mapping,
                                             block_table, context_lens, kernel);
     }
-    return {x, *residual};
+    return std::get<0>(add_rms_norm(x, residual, final_norm_, final_eps_));
   }
 
  private:
+  // The embedding rows of `ids` (F.embedding's result, copied row by row).
+  at::Tensor embed(const at::Tensor& ids) const {
+    TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "input_ids must be int64 [T]");
+    const at::Tensor id = ids.contiguous();
+    const int64_t T = id.size(0), vocab = embedding_.size(0), hidden = embedding_.size(1);
+    at::Tensor x = at::empty({T, hidden}, embedding_.options());
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t row = id.data_ptr<int64_t>()[t];
+      TORCH_CHECK(row >= 0 && row < vocab, "token id ", row, " outside the embedding's ", vocab, " rows");
+      std::memcpy(x.data_ptr<float>() + t * hidden, embedding_.data_ptr<float>() + row * hidden, hidden * sizeof(float));
+    }
+    return x;
+  }
+
   // `LlamaDecoderLayer.forward`: (this layer's MLP output, the residual stream before it is added).
   std::tuple<at::Tensor, at::Tensor> layer_forward(const Layer& L, const at::Tensor& x,
                                                    const std::optional<at::Tensor>& residual,
@@ -180,16 +209,25 @@ class DecodeLayers : public torch::CustomClassHolder {
     const at::Tensor o = paged_decode_attention(q, cache, block_table, context_lens, scale_);
     const at::Tensor y = linear(o.reshape({T, heads_ * hd}), L.o, kernel, group_, false);
     std::tie(normed, res) = add_rms_norm(y, res, L.post_norm, eps_);
-    const std::vector<at::Tensor> gate_up = linear(normed, L.gate_up, kernel, group_, true).chunk(2, -1);
-    const at::Tensor h = at::silu(gate_up[0]) * gate_up[1];
-    return {linear(h, L.down, kernel, group_, false), res};
+    const at::Tensor gate_up = linear(normed, L.gate_up, kernel, group_, true);
+    return {linear(activation(gate_up), L.down, kernel, group_, false), res};
+  }
+
+  // silu(gate) * up: one native pass where it gives aten's bits (cpu_silu.cpp), else aten's ops.
+  at::Tensor activation(const at::Tensor& gate_up) const {
+    if (native_silu_ && gate_up.numel() / 2 < at::internal::GRAIN_SIZE) return silu_mul(gate_up);
+    const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
+    return at::silu(halves[0]) * halves[1];
   }
 
   double eps_;
   int64_t heads_, kv_heads_;
   double scale_;
   int64_t group_;
+  bool native_silu_;  // silu_mul_matches_aten(), asked once
   std::vector<Layer> layers_;
+  at::Tensor embedding_, final_norm_;  // set_ends
+  double final_eps_ = 0;
 };
 
 }  // namespace chunkserve
@@ -201,5 +239,7 @@ TORCH_LIBRARY_FRAGMENT(chunkserve, m) {
       .def("num_layers", &chunkserve::DecodeLayers::num_layers)
       .def("has_int4", &chunkserve::DecodeLayers::has_int4)
       .def("has_packed", &chunkserve::DecodeLayers::has_packed)
+      .def("native_silu", &chunkserve::DecodeLayers::native_silu)
+      .def("set_ends", &chunkserve::DecodeLayers::set_ends)
       .def("forward", &chunkserve::DecodeLayers::forward);
 }

@@ -42,6 +42,13 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::
 at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
                      const at::Tensor& cache, const at::Tensor& slot_mapping, int64_t heads);
 
+// cpu_silu.cpp
+// silu(gate) * up for gate_up [T, 2 x intermediate] (the fused projection's halves) -> [T,
+// intermediate], bitwise aten's silu and multiply where `silu_mul_matches_aten()` (checked on
+// probe values in this process) and the step is under at::internal::GRAIN_SIZE elements.
+at::Tensor silu_mul(const at::Tensor& gate_up);
+bool silu_mul_matches_aten();
+
 // cpu_linear.cpp
 // stream_one_row: a single row of x reads the weights without asking for lines ahead (the plan's
 // "gemv-stream"; several rows always ask).

@@ -24,7 +24,7 @@ from executor_svc.models.kernel_plan import Plan
 from executor_svc.models.quant import GROUP_SIZE, Int4Weights
 
 if TYPE_CHECKING:
-    from executor_svc.models.layers import Linear, RotaryEmbedding
+    from executor_svc.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
 
 
 def _linear_tensors(name: str, lin: Linear) -> dict[str, torch.Tensor]:
@@ -42,8 +42,11 @@ def _linear_tensors(name: str, lin: Linear) -> dict[str, torch.Tensor]:
 class FusedDecode:
     """The decoder layers' weights in one native object, and the rule for which steps use it."""
 
-    def __init__(self, layers: torch.nn.ModuleList) -> None:
-        """`layers` are LlamaDecoderLayers whose norms and attention run the native ops."""
+    def __init__(self, embedding: Embedding, layers: torch.nn.ModuleList, norm: RMSNorm) -> None:
+        """`layers` are LlamaDecoderLayers whose norms and attention run the native ops; the
+        native call also looks up the step's ids in `embedding` and applies the final `norm`
+        (a batch-1 step's embedding lookup and final norm cost ~65 us each as op calls from
+        Python, where the step's weight reads have just pushed everything out of the caches)."""
         first = layers[0]
         attn, norms = first.self_attn, (first.input_layernorm, first.post_attention_layernorm)
         self.backend = attn.attn.backend
@@ -67,19 +70,20 @@ class FusedDecode:
             ):
                 tensors |= _linear_tensors(name, lin)
             self.native.add_layer(tensors)
+        self.native.set_ends(embedding.weight, norm.weight, norm.eps)
         # the kernels of the plan's that the fused layers can run
         self.kernels = {"gemv", "gemv-stream"} | ({"packed"} if self.native.has_packed() else set())
         self.kernels |= {"reduced"} if self.native.has_int4() else set()
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, plan: Plan
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(the last layer's MLP output, the residual stream before it) when this step runs
-        fused (module doc), else None and nothing was computed. The layers read each token's
-        cos / sin from `rotary`'s tables at its position: no per-step tables."""
-        if x.dtype != torch.float32 or x.device.type != "cpu":
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, plan: Plan
+    ) -> torch.Tensor | None:
+        """The final-normed hidden states [T, hidden] (what `LlamaModel.forward` returns) when
+        this step runs fused (module doc), else None and nothing was computed. The layers read
+        each token's cos / sin from `rotary`'s tables at its position: no per-step tables."""
+        if input_ids.device.type != "cpu":
             return None
-        kernel = plan(x.shape[0])
+        kernel = plan(input_ids.shape[0])
         if kernel not in self.kernels:
             return None
         ctx = get_forward_context()
@@ -90,5 +94,5 @@ class FusedDecode:
         # a decode's position is its context length less one: the tables' length from host ints
         cos, sin = rotary.tables(ctx.meta.max_seqlen_k)
         return self.native.forward(
-            x, positions, cos, sin, ctx.kv_cache, ctx.meta.slot_mapping, tables, context_lens, kernel
+            input_ids, positions, cos, sin, ctx.kv_cache, ctx.meta.slot_mapping, tables, context_lens, kernel
         )

@@ -119,10 +119,10 @@ class LlamaModel(nn.Module):
         self.fused: FusedDecode | None = None  # LlamaForCausalLM.use_fused_decode
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        fused = None if self.fused is None else self.fused.forward(x, positions, self.rotary_emb, self.plan)
+        fused = None if self.fused is None else self.fused.forward(input_ids, positions, self.rotary_emb, self.plan)
         if fused is not None:
-            return self.norm.add_forward(*fused)[0]
+            return fused
+        x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)  # once per step, shared by all layers
         residual = None
         for layer in self.layers:
@@ -225,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("the fused decode layers have no tensor-parallel collectives")
         if not self.backend.native or not all(m.native for m in self.modules() if isinstance(m, RMSNorm)):
             raise ValueError("the fused decode layers need the native norms and attention (use_native_kernels)")
-        self.model.fused = FusedDecode(self.model.layers)
+        self.model.fused = FusedDecode(self.model.embed_tokens, self.model.layers, self.model.norm)
 
     def prepack(self) -> int:
         """Gives every float32 CPU linear, the head included, oneDNN's packed copy (the plan's

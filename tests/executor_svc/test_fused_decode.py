@@ -89,6 +89,7 @@ def test_fused_steps_equal_the_python_layers_bitwise(
     gemv = {"gemv", "gemv-stream"}
     want = {"float32": gemv, "int4": gemv | {"reduced"}, "packed": gemv | {"packed"}, "stream": gemv}[mode]
     assert fused.fused.kernels == want
+    assert fused.fused.native.native_silu()  # silu * up on the native pass (cpu_silu.cpp), not aten's
     spy = _Spy(fused)
     runs = {m: paged_runner(m, block_size=block_size, num_blocks=256, seed=seed) for m in (fused, plain)}
     gen = torch.Generator().manual_seed(seed)
@@ -185,17 +186,32 @@ def test_the_layers_object_refuses_bad_tensors_and_arguments(tiny_configs, hf_mo
             fresh().add_layer(bad)
     layers = fresh()
     layers.add_layer(good)
-    x = torch.randn(1, model.config.hidden_size)
+    ids = torch.zeros(1, dtype=torch.long)
     cache = torch.zeros(2, 2, 4, 4, attn.kv_heads, attn.head_dim)  # 2 layers of cache for 1 layer
     tail = (torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
     pos, cos = torch.zeros(1, dtype=torch.long), torch.zeros(1, attn.head_dim)
+    with pytest.raises(RuntimeError, match="set_ends"):
+        layers.forward(ids, pos, cos, cos, cache[:1], *tail, "gemv")
+    embedding, norm = model.model.embed_tokens.weight, model.model.norm.weight
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        layers.set_ends(embedding.double(), norm, 1e-5)
+    with pytest.raises(RuntimeError, match="final norm's weight must be"):
+        layers.set_ends(embedding, norm[1:], 1e-5)
+    layers.set_ends(embedding, norm, 1e-5)
     with pytest.raises(RuntimeError, match="kv_cache must be"):
-        layers.forward(x, pos, cos, cos, cache, *tail, "gemv")
+        layers.forward(ids, pos, cos, cos, cache, *tail, "gemv")
     with pytest.raises(RuntimeError, match="no int4 copies"):
-        layers.forward(x, pos, cos, cos, cache[:1], *tail, "reduced")
+        layers.forward(ids, pos, cos, cos, cache[:1], *tail, "reduced")
     with pytest.raises(RuntimeError, match="no packed copies"):
-        layers.forward(x, pos, cos, cos, cache[:1], *tail, "packed")
+        layers.forward(ids, pos, cos, cos, cache[:1], *tail, "packed")
     with pytest.raises(RuntimeError, match="no fused path for the linear kernel mm"):
-        layers.forward(x, pos, cos, cos, cache[:1], *tail, "mm")
+        layers.forward(ids, pos, cos, cos, cache[:1], *tail, "mm")
     with pytest.raises(RuntimeError, match="position 1 outside the tables' 1"):
-        layers.forward(x, pos + 1, cos, cos, cache[:1], *tail, "gemv")
+        layers.forward(ids, pos + 1, cos, cos, cache[:1], *tail, "gemv")
+    vocab = model.config.vocab_size
+    for bad_id in (vocab, -1):
+        with pytest.raises(RuntimeError, match=f"token id {bad_id} outside the embedding's {vocab} rows"):
+            layers.forward(ids + bad_id, pos, cos, cos, cache[:1], *tail, "gemv")
+    with pytest.raises(RuntimeError, match="input_ids must be int64"):
+        layers.forward(ids.int(), pos, cos, cos, cache[:1], *tail, "gemv")
+    assert layers.forward(ids, pos, cos, cos, cache[:1], *tail, "gemv").shape == (1, model.config.hidden_size)
