@@ -65,28 +65,42 @@ class ModelRunner:
         # Decode-only steps of up to its largest bucket run through it (executor_svc/cuda_graphs.py).
         self.graphs: DecodeGraphs | None = None
         self.threads = threads
-        # CutSteps: the multi-step plan to end after the step under way (set by a gRPC thread).
+        # CutSteps: the multi-step plan to end after the step under way (set by a gRPC thread,
+        # `cut_steps`); `_cut` says the same to a fused greedy loop running that plan natively.
         self.cut_step_id: int | None = None
+        self._cut = torch.zeros(1, dtype=torch.int32)
+        self._running_step_id: int | None = None
 
     def reset(self) -> None:
         self.cut_step_id = None  # a new scheduler numbers its steps from 0 again
         self.seqs.clear()
         self.holders = [0] * self.num_blocks
 
+    def cut_steps(self, step_id: int) -> None:
+        """CutSteps: the multi-step plan `step_id` ends after the step under way (from a gRPC
+        thread, while `execute` runs). The runner sets `_running_step_id` before it reads
+        `cut_step_id`, and this sets `cut_step_id` before it reads `_running_step_id`, so a
+        running fused loop (`_greedy_steps`) sees the cut whichever thread comes first."""
+        self.cut_step_id = step_id
+        if self._running_step_id == step_id:
+            self._cut.fill_(1)
+
     def execute(self, plan: epb.StepRequest) -> epb.StepResponse:
         """Runs one plan (each step with the thread count the governor gives its size,
-        threads.py), and a multi-step plan's decodes after it."""
+        threads.py), and a multi-step plan's decodes after it (in the plan's first step's
+        native call where that step is a fused greedy one, `_greedy_steps`)."""
         response = self._execute_timed(plan)
-        if plan.num_steps > 1:
+        if plan.num_steps > 1 and not response.num_steps:
             return self._more_steps(plan, response)
-        response.num_steps = 1
+        response.num_steps = response.num_steps or 1
         return response
 
     def _execute_timed(self, plan: epb.StepRequest) -> epb.StepResponse:
         response = self._execute(plan)
         response.num_threads = torch.get_num_threads()
         if self.threads is not None and response.num_tokens:
-            self.threads.observe(response.num_tokens, response.execute_ns / 1e9, time.monotonic())
+            steps = max(response.num_steps, 1)  # the governor takes steps, of this many tokens each
+            self.threads.observe(response.num_tokens // steps, response.execute_ns / 1e9 / steps, time.monotonic())
         return response
 
     def _more_steps(self, plan: epb.StepRequest, first: epb.StepResponse) -> epb.StepResponse:
@@ -155,7 +169,10 @@ class ModelRunner:
             meta, positions = build_metadata(query_lens, computed, tables, self.block_size, self.device)
             input_ids = torch.tensor(checked.token_ids, dtype=torch.long, device=self.device)
             with set_forward_context(meta, self.kv_cache):
-                hidden = self.model(input_ids, positions)
+                greedy = self._greedy_steps(plan, checked, (input_ids, positions))
+                hidden = self.model(input_ids, positions) if greedy is None else None
+            if greedy is not None:
+                return self._greedy_response(plan, greedy, response, start, swapped)
         forwarded = time.perf_counter_ns()
         if checked.prompt_rows:  # every rank: the head is collective under tensor parallelism
             response.prompt_logprobs.extend(self._prompt_logprobs(hidden, checked))
@@ -182,6 +199,46 @@ class ModelRunner:
         response.sample_ns = done - forwarded
         response.execute_ns = done - start
         response.num_tokens = len(checked.token_ids)
+        return response
+
+    def _greedy_steps(self, plan: epb.StepRequest, checked: CheckedPlan, inputs: tuple) -> list[list[int]] | None:
+        """Each step's greedy tokens ([steps][sequences]) where every row samples plainly greedy
+        (no logprobs, masks, drafts, penalties, bias or allowed tokens) and the step runs fused:
+        forward, head, argmax and a multi-step plan's decodes after it in one native call
+        (`greedy_decode`), the tokens of step by step. Else None, nothing computed."""
+        if checked.prompt_rows or checked.masks or checked.drafts or len(checked.rows) != len(checked.token_ids):
+            return None
+        if not all(self.seqs[s.seq_id].sampling.plain_greedy for s in plan.seqs) or not hasattr(
+            self.model, "greedy_decode"
+        ):
+            return None
+        self._running_step_id = plan.step_id
+        self._cut.fill_(int(self.cut_step_id == plan.step_id))
+        try:
+            tokens = self.model.greedy_decode(*inputs, max(plan.num_steps, 1), self._cut)
+        finally:
+            self._running_step_id = None
+        return None if tokens is None else tokens.tolist()
+
+    def _greedy_response(
+        self, plan: epb.StepRequest, tokens: list[list[int]], response: epb.StepResponse, start: int, swapped: int
+    ) -> epb.StepResponse:
+        """Keeps `_greedy_steps`' tokens as `_accept` and `_more_steps` keep theirs: cursors past
+        the steps after the first, the last token fed to the next plan, the answer holding each
+        sequence's tokens together in step order."""
+        forwarded = time.perf_counter_ns()
+        for i, s in enumerate(plan.seqs):
+            state = self.seqs[s.seq_id]
+            state.num_computed_tokens += len(tokens) - 1
+            state.last_token = tokens[-1][i]
+            response.sampled.extend(epb.SampledToken(seq_id=s.seq_id, token_id=step[i]) for step in tokens)
+        done = time.perf_counter_ns()
+        response.forward_ns, response.sample_ns, response.execute_ns = (
+            forwarded - swapped,
+            done - forwarded,
+            done - start,
+        )
+        response.num_tokens, response.num_steps = len(plan.seqs) * len(tokens), len(tokens)
         return response
 
     @staticmethod

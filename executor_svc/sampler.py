@@ -72,6 +72,19 @@ class SamplingSpec:
         # Below ~1e-5, logits / temperature overflows float32; such a request means greedy.
         return self.temperature < _GREEDY_BELOW
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that reads or changes the logits first: no logprobs, penalties,
+        bias, allowed or bad words. Its token is the raw logits' argmax alone."""
+        return (
+            self.greedy
+            and self.num_logprobs < 0
+            and not self.penalties.active
+            and self.logit_bias is None
+            and self.allowed is None
+            and not self.bad_words
+        )
+
 
 @dataclass(slots=True)
 class SampleOutput:

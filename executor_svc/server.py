@@ -138,7 +138,7 @@ class ExecutorServicer(epb_grpc.ExecutorServicer):
 
     def CutSteps(self, request: epb.CutStepsRequest, context: grpc.ServicerContext) -> epb.CutStepsResponse:
         # Read by the compute thread between a multi-step plan's steps (ModelRunner._more_steps).
-        self._loaded.runner.cut_step_id = request.step_id
+        self._loaded.runner.cut_steps(request.step_id)
         return epb.CutStepsResponse()
 
     def Reset(self, request: epb.ResetRequest, context: grpc.ServicerContext) -> epb.ResetResponse:

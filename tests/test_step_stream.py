@@ -347,6 +347,7 @@ def test_cut_steps_reaches_the_runner_only_with_the_executor_token():
 
     model, compute = ScriptedModel(), futures.ThreadPoolExecutor(max_workers=1)
     model.runner = types.SimpleNamespace(cut_step_id=None)
+    model.runner.cut_steps = lambda step_id: setattr(model.runner, "cut_step_id", step_id)  # ModelRunner's
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=[SyncBearerTokenInterceptor("s3cret")])
     epb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(model, compute), server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"

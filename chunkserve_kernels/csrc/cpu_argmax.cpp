@@ -9,6 +9,8 @@
 // products"). Comparisons only, so the result is exact: the same index as aten's, never a
 // rounding away.
 
+#include "cpu_ops.h"
+
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

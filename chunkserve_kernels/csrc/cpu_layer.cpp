@@ -179,7 +179,78 @@ class DecodeLayers : public torch::CustomClassHolder {
     return std::get<0>(add_rms_norm(x, residual, final_norm_, final_eps_));
   }
 
+  // The vocabulary projection for `greedy`: `weight` float32 [vocab, hidden] (the embedding's
+  // when they are tied), with `bias` and `packed` (oneDNN's copy) where the head has them.
+  void set_head(c10::Dict<std::string, at::Tensor> tensors) {
+    LayerLinear head;
+    head.weight = take(tensors, "weight");
+    if (tensors.contains("bias")) head.bias = take(tensors, "bias");
+    if (tensors.contains("packed")) head.packed = take(tensors, "packed");
+    std::string unknown;
+    for (const auto& item : tensors) unknown += " " + item.key();
+    TORCH_CHECK(unknown.empty(), "DecodeLayers.set_head: unknown tensor names:", unknown);
+    TORCH_CHECK(head.weight.scalar_type() == at::kFloat && head.weight.dim() == 2 &&
+                    (!embedding_.defined() || head.weight.size(1) == embedding_.size(1)),
+                "the head's weight must be float32 [vocab, hidden]");
+    head_ = std::move(head);
+  }
+
+  // `steps` greedy decode steps of the step's sequences, one token each in sequence order: each
+  // is `forward`, the head through `head_kernel` ("gemv", "gemv-stream" or "packed") and the
+  // first index of each row's largest logit (greedy_argmax, cpu_argmax.cpp), and each step
+  // after the first feeds back the tokens the one before chose, one position on, its K/V
+  // written at that position's slot of the sequence's block table (which must cover every
+  // step). The same ops as one Python step each (`LlamaModel.forward`, `compute_logits`, the
+  // sampler's argmax), so the same tokens. `cut` int32 [1]: read before each step after the
+  // first, nonzero ends the loop there (the executor's CutSteps, set from another thread).
+  // -> int64 [steps run, sequences] token ids.
+  at::Tensor greedy(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& cos,
+                    const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                    const at::Tensor& context_lens, int64_t steps, const std::string& kernel_name,
+                    const std::string& head_kernel_name, const at::Tensor& cut) const {
+    TORCH_CHECK(head_.weight.defined(), "DecodeLayers: set_head before greedy");
+    const Kernel head_kernel = kernel_named(head_kernel_name);
+    TORCH_CHECK(head_kernel == Kernel::kGemv || head_kernel == Kernel::kGemvStream ||
+                    (head_kernel == Kernel::kPacked && head_.packed.defined()),
+                "no fused head for the kernel ", head_kernel_name);
+    const int64_t S = input_ids.size(0);
+    TORCH_CHECK(steps >= 1 && positions.scalar_type() == at::kLong && positions.sizes() == input_ids.sizes() &&
+                    context_lens.scalar_type() == at::kInt && context_lens.sizes() == input_ids.sizes() &&
+                    block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.size(0) == S &&
+                    cut.scalar_type() == at::kInt && cut.numel() == 1,
+                "greedy takes steps >= 1, int64 positions and int32 context lengths [S], int32 block tables [S, "
+                "blocks] and an int32 cut flag [1]");
+    const int64_t bs = kv_cache.size(3), slots = kv_cache.size(2) * bs;
+    const at::Tensor tables = block_table.contiguous();
+    at::Tensor ids = input_ids, pos = positions.clone(), ctx = context_lens.clone();
+    at::Tensor out = at::empty({steps, S}, input_ids.options().dtype(at::kLong));
+    int64_t done = 0;
+    for (; done < steps && (done == 0 || cut.data_ptr<int32_t>()[0] == 0); ++done) {
+      const at::Tensor slot_mapping = decode_slots(tables, pos, bs, slots);
+      const at::Tensor hidden = forward(ids, pos, cos, sin, kv_cache, slot_mapping, tables, ctx, kernel_name);
+      ids = greedy_argmax(linear(hidden, head_, head_kernel, group_, true));
+      out[done].copy_(ids);
+      pos.add_(1), ctx.add_(1);
+    }
+    return out.narrow(0, 0, done);
+  }
+
  private:
+  // Each sequence's slot for its token at `pos`: its block table's block at pos / bs, offset
+  // pos % bs (build_metadata's slot_mapping), checked against the table and the cache.
+  static at::Tensor decode_slots(const at::Tensor& tables, const at::Tensor& pos, int64_t bs, int64_t slots) {
+    const int64_t S = pos.size(0), width = tables.size(1);
+    at::Tensor slot_mapping = at::empty({S}, pos.options());
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t p = pos.data_ptr<int64_t>()[s];
+      TORCH_CHECK(p >= 0 && p / bs < width, "position ", p, " outside the block table's ", width, " blocks");
+      const int64_t slot = int64_t{tables.data_ptr<int32_t>()[s * width + p / bs]} * bs + p % bs;
+      TORCH_CHECK(slot >= 0 && slot < slots, "slot ", slot, " outside the cache's ", slots, " slots");
+      slot_mapping.data_ptr<int64_t>()[s] = slot;
+    }
+    return slot_mapping;
+  }
+
   // The embedding rows of `ids` (F.embedding's result, copied row by row).
   at::Tensor embed(const at::Tensor& ids) const {
     TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "input_ids must be int64 [T]");
@@ -227,6 +298,7 @@ class DecodeLayers : public torch::CustomClassHolder {
   bool native_silu_;  // silu_mul_matches_aten(), asked once
   std::vector<Layer> layers_;
   at::Tensor embedding_, final_norm_;  // set_ends
+  LayerLinear head_;                   // set_head
   double final_eps_ = 0;
 };
 
@@ -241,5 +313,7 @@ TORCH_LIBRARY_FRAGMENT(chunkserve, m) {
       .def("has_packed", &chunkserve::DecodeLayers::has_packed)
       .def("native_silu", &chunkserve::DecodeLayers::native_silu)
       .def("set_ends", &chunkserve::DecodeLayers::set_ends)
+      .def("set_head", &chunkserve::DecodeLayers::set_head)
+      .def("greedy", &chunkserve::DecodeLayers::greedy)
       .def("forward", &chunkserve::DecodeLayers::forward);
 }

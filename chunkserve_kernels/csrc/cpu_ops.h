@@ -49,6 +49,11 @@ at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
 at::Tensor silu_mul(const at::Tensor& gate_up);
 bool silu_mul_matches_aten();
 
+// cpu_argmax.cpp
+// The first index of each row's largest value (a row with a NaN: its first NaN), int64 [N], for
+// float32 logits [N, V] with contiguous rows: aten's argmax(dim=-1), exactly.
+at::Tensor greedy_argmax(const at::Tensor& logits);
+
 // cpu_linear.cpp
 // stream_one_row: a single row of x reads the weights without asking for lines ahead (the plan's
 // "gemv-stream"; several rows always ask).

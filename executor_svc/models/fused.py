@@ -15,7 +15,7 @@ hypothesis test holds them bitwise equal), so this is a question of speed only. 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,11 +42,12 @@ def _linear_tensors(name: str, lin: Linear) -> dict[str, torch.Tensor]:
 class FusedDecode:
     """The decoder layers' weights in one native object, and the rule for which steps use it."""
 
-    def __init__(self, embedding: Embedding, layers: torch.nn.ModuleList, norm: RMSNorm) -> None:
+    def __init__(self, embedding: Embedding, layers: torch.nn.ModuleList, norm: RMSNorm, head: Linear) -> None:
         """`layers` are LlamaDecoderLayers whose norms and attention run the native ops; the
         native call also looks up the step's ids in `embedding` and applies the final `norm`
         (a batch-1 step's embedding lookup and final norm cost ~65 us each as op calls from
-        Python, where the step's weight reads have just pushed everything out of the caches)."""
+        Python, where the step's weight reads have just pushed everything out of the caches),
+        and `greedy` goes on through the `head` to each row's greedy token."""
         first = layers[0]
         attn, norms = first.self_attn, (first.input_layernorm, first.post_attention_layernorm)
         self.backend = attn.attn.backend
@@ -71,6 +72,9 @@ class FusedDecode:
                 tensors |= _linear_tensors(name, lin)
             self.native.add_layer(tensors)
         self.native.set_ends(embedding.weight, norm.weight, norm.eps)
+        self.head = head
+        self.native.set_head({"weight": head.weight} | ({} if head.packed is None else {"packed": head.packed}))
+        self.head_kernels = {"gemv", "gemv-stream"} | ({"packed"} if head.packed is not None else set())
         # the kernels of the plan's that the fused layers can run
         self.kernels = {"gemv", "gemv-stream"} | ({"packed"} if self.native.has_packed() else set())
         self.kernels |= {"reduced"} if self.native.has_int4() else set()
@@ -81,6 +85,43 @@ class FusedDecode:
         """The final-normed hidden states [T, hidden] (what `LlamaModel.forward` returns) when
         this step runs fused (module doc), else None and nothing was computed. The layers read
         each token's cos / sin from `rotary`'s tables at its position: no per-step tables."""
+        inputs = self._inputs(input_ids, plan)
+        if inputs is None:
+            return None
+        ctx, kernel, tables, context_lens = inputs
+        # a decode's position is its context length less one: the tables' length from host ints
+        cos, sin = rotary.tables(ctx.meta.max_seqlen_k)
+        return self.native.forward(
+            input_ids, positions, cos, sin, ctx.kv_cache, ctx.meta.slot_mapping, tables, context_lens, kernel
+        )
+
+    def greedy(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        plan: Plan,
+        steps: int,
+        cut: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """int64 [steps run, sequences]: each sequence's greedy token of this step and of up to
+        `steps` - 1 decodes after it, each fed the token before (`DecodeLayers.greedy`: what
+        `forward`, the head and the sampler's argmax give step by step, with no Python between
+        the steps; `cut` [1] nonzero ends it after the step under way). None, and nothing
+        computed, when this step does not run fused or the head's kernel has no fused path."""
+        inputs = self._inputs(input_ids, plan)
+        head_kernel = self.head.plan(input_ids.shape[0])
+        if inputs is None or head_kernel not in self.head_kernels:
+            return None
+        ctx, kernel, tables, context_lens = inputs
+        cos, sin = rotary.tables(ctx.meta.max_seqlen_k + steps - 1)
+        return self.native.greedy(
+            input_ids, positions, cos, sin, ctx.kv_cache, tables, context_lens, steps, kernel, head_kernel, cut
+        )
+
+    def _inputs(self, input_ids: torch.Tensor, plan: Plan) -> tuple[Any, str, torch.Tensor, torch.Tensor] | None:
+        """(the forward context, the plan's kernel, the decode tables and context lengths) of a
+        step that runs fused, else None."""
         if input_ids.device.type != "cpu":
             return None
         kernel = plan(input_ids.shape[0])
@@ -90,9 +131,4 @@ class FusedDecode:
         inputs = self.backend.decode_inputs(ctx.meta, ctx.kv_cache[0])
         if inputs is None:
             return None
-        tables, context_lens = inputs
-        # a decode's position is its context length less one: the tables' length from host ints
-        cos, sin = rotary.tables(ctx.meta.max_seqlen_k)
-        return self.native.forward(
-            input_ids, positions, cos, sin, ctx.kv_cache, ctx.meta.slot_mapping, tables, context_lens, kernel
-        )
+        return ctx, kernel, *inputs

@@ -184,6 +184,20 @@ class LlamaForCausalLM(nn.Module):
         """[T] token ids at [T] absolute positions -> final-normed hidden states [T, hidden]."""
         return self.model(input_ids, positions)
 
+    def greedy_decode(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, steps: int, cut: torch.Tensor
+    ) -> torch.Tensor | None:
+        """int64 [steps run, sequences]: the greedy tokens of this pure-decode step and of up to
+        `steps` - 1 decodes after it in one native call (FusedDecode.greedy), or None, with
+        nothing computed, where the step does not run fused: then `forward` and
+        `compute_logits` serve it."""
+        fused = self.model.fused
+        return (
+            None
+            if fused is None
+            else fused.greedy(input_ids, positions, self.model.rotary_emb, self.model.plan, steps, cut)
+        )
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the given rows only (the vocab projection is the
         single most expensive matmul per row, so callers pass just the rows that sample).
@@ -225,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("the fused decode layers have no tensor-parallel collectives")
         if not self.backend.native or not all(m.native for m in self.modules() if isinstance(m, RMSNorm)):
             raise ValueError("the fused decode layers need the native norms and attention (use_native_kernels)")
-        self.model.fused = FusedDecode(self.model.embed_tokens, self.model.layers, self.model.norm)
+        self.model.fused = FusedDecode(self.model.embed_tokens, self.model.layers, self.model.norm, self.lm_head)
 
     def prepack(self) -> int:
         """Gives every float32 CPU linear, the head included, oneDNN's packed copy (the plan's

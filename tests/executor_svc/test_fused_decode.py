@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chunkserve_kernels import cpu_native
+from chunkserve_kernels import build_metadata, cpu_native, set_forward_context
 from executor_svc.collectives import TPInfo
 from executor_svc.config import ExecutorConfig
 from executor_svc.models import fused as fused_mod
@@ -36,7 +36,7 @@ PLANS = {
 }
 
 
-def _native_model(tiny_configs, hf_model_factory, name, fused, mode="float32"):
+def _native_model(tiny_configs, hf_model_factory, name, fused, mode="float32", head="mm"):
     assert cpu_native.load() is None
     torch.manual_seed(0)
     config = tiny_configs[name]()
@@ -48,7 +48,7 @@ def _native_model(tiny_configs, hf_model_factory, name, fused, mode="float32"):
         quantize_model(model, "int4")
     if mode == "packed":
         assert model.prepack() > 0
-    model.use_plan(PLANS[mode], Plan.of("mm"))
+    model.use_plan(PLANS[mode], Plan.of(head))
     if fused:
         model.use_fused_decode()
     return model
@@ -115,6 +115,91 @@ def test_fused_steps_equal_the_python_layers_bitwise(
     # size with the packed copies), no other
     most = 6 if mode == "packed" else 3
     assert spy.fused == sum(all(len(t) == 1 for t in w.values()) and len(w) <= most for w in taken)
+
+
+# the head's kernel in each mode; the fused greedy loop takes these (an "mm" head keeps Python)
+HEAD_PLANS = {"float32": "gemv", "int4": "gemv-stream", "packed": "packed", "stream": "gemv-stream"}
+
+
+def _kv_rows(run, sid: int) -> torch.Tensor:
+    """A sequence's cached K/V in position order, [layers, 2, positions, kv_heads, head_dim]."""
+    pos = torch.arange(run.computed[sid])
+    blocks = torch.tensor(run.tables[sid])[pos // run.block_size]
+    return run.kv_cache[:, :, blocks, pos % run.block_size]
+
+
+def _greedy_loop(run, last: dict[int, int], steps: int, cut: int = 0) -> torch.Tensor | None:
+    """`DecodeLayers.greedy` through the model for every sequence in `last` (its last token),
+    the block tables grown up front to hold all the steps, as a multi-step plan's are."""
+    ids = list(last)
+    for sid in ids:
+        table = run.tables[sid]
+        while len(table) * run.block_size < run.computed[sid] + steps:
+            table.append(run.free.pop())
+    meta, positions = build_metadata(
+        [1] * len(ids), [run.computed[s] for s in ids], [run.tables[s] for s in ids], run.block_size, "cpu"
+    )
+    with torch.inference_mode(), set_forward_context(meta, run.kv_cache):
+        out = run.model.greedy_decode(
+            torch.tensor([last[s] for s in ids]), positions, steps, torch.tensor([cut], dtype=torch.int32)
+        )
+    if out is not None:
+        for sid in ids:
+            run.computed[sid] += out.shape[0]
+    return out
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    name=st.sampled_from(["llama", "smollm_tied", "llama_bias_headdim", "qwen2_bias"]),
+    mode=st.sampled_from(["float32", "int4", "packed", "stream"]),
+    prompts=st.lists(st.integers(1, 12), min_size=1, max_size=3),
+    steps=st.integers(1, 6),
+    block_size=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_fused_greedy_loop_gives_the_tokens_of_single_steps(
+    tiny_configs, hf_model_factory, paged_runner, name, mode, prompts, steps, block_size, seed
+):
+    """`steps` greedy decodes in one native call (forward, head, argmax, the token fed back)
+    against the Python layers step by step with `compute_logits` and the argmax: the same
+    tokens, the same K/V at every position."""
+    fused = _native_model(tiny_configs, hf_model_factory, name, fused=True, mode=mode, head=HEAD_PLANS[mode])
+    plain = _native_model(tiny_configs, hf_model_factory, name, fused=False, mode=mode, head=HEAD_PLANS[mode])
+    runs = {m: paged_runner(m, block_size=block_size, num_blocks=256, seed=seed) for m in (fused, plain)}
+    gen = torch.Generator().manual_seed(seed)
+    vocab = fused.config.vocab_size
+    work = {sid: torch.randint(0, vocab, (n,), generator=gen).tolist() for sid, n in enumerate(prompts)}
+    hidden = {m: r.step(work) for m, r in runs.items()}  # the prefill: Python layers on both
+    last = {sid: int(plain.compute_logits(hidden[plain][sid][-1:]).argmax()) for sid in work}
+    want = []
+    token = dict(last)
+    for _ in range(steps):
+        rows = runs[plain].step({sid: [t] for sid, t in token.items()})
+        token = {sid: int(plain.compute_logits(rows[sid]).argmax()) for sid in token}
+        want.append([token[sid] for sid in work])
+    got = _greedy_loop(runs[fused], last, steps)
+    assert got is not None and got.tolist() == want, (name, mode)
+    for sid in work:
+        assert torch.equal(_kv_rows(runs[fused], sid), _kv_rows(runs[plain], sid))
+
+
+def test_the_fused_greedy_loop_stops_at_a_cut_and_declines_what_it_cannot_run(
+    tiny_configs, hf_model_factory, paged_runner
+):
+    model = _native_model(tiny_configs, hf_model_factory, "llama", fused=True)
+    run = paged_runner(model, block_size=4)
+    hidden = run.step({0: [1, 2, 3], 1: [4, 5]})
+    last = {sid: int(model.compute_logits(rows[-1:]).argmax()) for sid, rows in hidden.items()}
+    assert _greedy_loop(run, last, 5) is None  # the head's plan is "mm": the head stays in Python
+    model.use_plan(PLAN, Plan.of("gemv"))
+    assert _greedy_loop(run, last, 5, cut=1).shape == (1, 2)  # a cut flag already set: the first step only
+    assert run.computed == {0: 4, 1: 3}
+    model.use_plan(PLAN, Plan.of("packed"))  # no packed copies made
+    assert _greedy_loop(run, last, 2) is None
+    model.use_plan(Plan.of("mm"), Plan.of("gemv"))  # the layers' plan: not fused
+    assert _greedy_loop(run, last, 2) is None
+    assert run.computed == {0: 4, 1: 3}  # nothing computed by the declines
 
 
 def test_other_steps_keep_the_python_layers(tiny_configs, hf_model_factory, paged_runner):

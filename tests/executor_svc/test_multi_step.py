@@ -187,3 +187,112 @@ def test_cut_steps_ends_the_plan_after_the_step_under_way(runner, monkeypatch):
     assert response.num_steps == 2 and {seq_id: t[2:] for seq_id, t in single.items()} == rest
     runner.reset()
     assert runner.cut_step_id is None
+
+
+PLAIN = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1)
+
+
+@pytest.fixture(scope="module")
+def fused_runner(tiny):
+    """The tiny model's executor with a plan whose 1-3 row steps and head take the native
+    product, so a plainly greedy decode step runs fused, head and argmax included."""
+    from executor_svc.config import ExecutorConfig
+    from executor_svc.models.kernel_plan import Plan
+    from executor_svc.worker import load
+
+    path = tiny[2]
+    loaded = load(
+        ExecutorConfig(model=str(path), block_size=4, num_gpu_blocks_override=32, cache_dir=str(path / "cache"))
+    )
+    model = loaded.runner.model
+    model.use_plan(Plan((1, 2, 3, 4), ("gemv", "gemv", "gemv", "mm")), Plan.of("gemv"))
+    model.use_fused_decode()
+    return loaded.runner
+
+
+def _plain_prefill(runner) -> None:
+    runner.reset()
+    plan = epb.StepRequest(step_id=1)
+    for seq_id, prompt in PROMPTS.items():
+        plan.new_seqs.add(seq_id=seq_id, sampling=PLAIN)
+        plan.seqs.add(
+            seq_id=seq_id,
+            num_computed_tokens=0,
+            num_new_tokens=len(prompt),
+            token_ids=prompt,
+            block_ids=TABLES[seq_id],
+            sample=True,
+        )
+    runner.execute(plan)
+
+
+class _Loops:
+    """Records each native greedy call: (steps asked, steps run), None where it declined."""
+
+    def __init__(self, runner, monkeypatch, before=None):
+        self.calls, real = [], runner.model.greedy_decode
+
+        def spy(input_ids, positions, steps, cut):
+            if before is not None:
+                before()
+            out = real(input_ids, positions, steps, cut)
+            self.calls.append(None if out is None else (steps, out.shape[0]))
+            return out
+
+        monkeypatch.setattr(runner.model, "greedy_decode", spy)
+
+
+def test_a_plainly_greedy_multi_step_plan_runs_in_one_native_call(fused_runner, monkeypatch):
+    """The same tokens and cursors as one-step plans on the Python layers (the fused path off),
+    the answer grouped per sequence in step order, and the next plan goes on from there."""
+    runner = fused_runner
+    runner.model.use_fused_decode(False)
+    _plain_prefill(runner)
+    single = {seq_id: [] for seq_id in PROMPTS}
+    for k in range(6):
+        for seq_id, got in _tokens(runner.execute(_decode_plan(runner, 2 + k)).sampled).items():
+            single[seq_id] += got
+    cursors = {seq_id: runner.seqs[seq_id].num_computed_tokens for seq_id in PROMPTS}
+    runner.model.use_fused_decode()
+
+    loops = _Loops(runner, monkeypatch)
+    _plain_prefill(runner)
+    response = runner.execute(_decode_plan(runner, 2, num_steps=5))
+    assert loops.calls == [(5, 5)]
+    assert response.num_steps == 5 and response.num_tokens == 10
+    assert [s.seq_id for s in response.sampled] == [1] * 5 + [2] * 5
+    after = runner.execute(_decode_plan(runner, 3))  # one step: the loop with steps 1
+    assert loops.calls == [(5, 5), (1, 1)] and after.num_steps == 1
+    got = _tokens(response.sampled)
+    for seq_id, t in _tokens(after.sampled).items():
+        got[seq_id] += t
+    assert got == single
+    assert {seq_id: runner.seqs[seq_id].num_computed_tokens for seq_id in PROMPTS} == cursors
+
+
+def test_a_cut_reaches_the_native_loop_of_its_plan(fused_runner, monkeypatch):
+    """CutSteps for the plan under way, arriving as its native loop starts: one step runs, the
+    cursors stand after it, and the next plan goes on with the tokens uncut plans give. A cut
+    naming an earlier plan changes nothing."""
+    runner = fused_runner
+    _plain_prefill(runner)
+    whole = _tokens(runner.execute(_decode_plan(runner, 2, num_steps=4)).sampled)
+
+    _plain_prefill(runner)
+    runner.cut_steps(1)  # an earlier plan's
+    loops = _Loops(runner, monkeypatch, before=lambda: runner.cut_steps(2))
+    response = runner.execute(_decode_plan(runner, 2, num_steps=4))
+    assert loops.calls == [(4, 1)] and response.num_steps == 1
+    rest = runner.execute(_decode_plan(runner, 3, num_steps=3))
+    got = _tokens(response.sampled)
+    for seq_id, t in _tokens(rest.sampled).items():
+        got[seq_id] += t
+    assert got == whole and loops.calls == [(4, 1), (3, 3)]
+
+
+def test_rows_that_are_not_plainly_greedy_keep_the_step_by_step_path(fused_runner, monkeypatch):
+    runner = fused_runner
+    _prefill(runner)  # one greedy sequence with logprobs, one seeded and penalized
+    loops = _Loops(runner, monkeypatch)
+    response = runner.execute(_decode_plan(runner, 2, num_steps=3))
+    assert loops.calls == [] and response.num_steps == 3
