@@ -217,15 +217,21 @@ class DecodeLayers : public torch::CustomClassHolder {
     TORCH_CHECK(steps >= 1 && positions.scalar_type() == at::kLong && positions.sizes() == input_ids.sizes() &&
                     context_lens.scalar_type() == at::kInt && context_lens.sizes() == input_ids.sizes() &&
                     block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.size(0) == S &&
-                    cut.scalar_type() == at::kInt && cut.numel() == 1,
+                    cut.device().is_cpu() && cut.scalar_type() == at::kInt && cut.numel() == 1,
                 "greedy takes steps >= 1, int64 positions and int32 context lengths [S], int32 block tables [S, "
                 "blocks] and an int32 cut flag [1]");
     const int64_t bs = kv_cache.size(3), slots = kv_cache.size(2) * bs;
     const at::Tensor tables = block_table.contiguous();
-    at::Tensor ids = input_ids, pos = positions.clone(), ctx = context_lens.clone();
+    at::Tensor ids = input_ids, pos = positions.clone(at::MemoryFormat::Contiguous);
+    at::Tensor ctx = context_lens.clone(at::MemoryFormat::Contiguous);
     at::Tensor out = at::empty({steps, S}, input_ids.options().dtype(at::kLong));
+    for (int64_t s = 0; s < S; ++s) {  // every step's position inside its table, before any is run
+      const int64_t last = pos.data_ptr<int64_t>()[s] + steps - 1;
+      TORCH_CHECK(last / bs < tables.size(1), "position ", last, " outside the block table's ", tables.size(1), " blocks");
+    }
+    const int32_t* cut_flag = cut.data_ptr<int32_t>();  // written by another thread: read atomically
     int64_t done = 0;
-    for (; done < steps && (done == 0 || cut.data_ptr<int32_t>()[0] == 0); ++done) {
+    for (; done < steps && (done == 0 || __atomic_load_n(cut_flag, __ATOMIC_RELAXED) == 0); ++done) {
       const at::Tensor slot_mapping = decode_slots(tables, pos, bs, slots);
       const at::Tensor hidden = forward(ids, pos, cos, sin, kv_cache, slot_mapping, tables, ctx, kernel_name);
       ids = greedy_argmax(linear(hidden, head_, head_kernel, group_, true));

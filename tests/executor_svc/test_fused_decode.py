@@ -300,3 +300,47 @@ def test_the_layers_object_refuses_bad_tensors_and_arguments(tiny_configs, hf_mo
     with pytest.raises(RuntimeError, match="input_ids must be int64"):
         layers.forward(ids.int(), pos, cos, cos, cache[:1], *tail, "gemv")
     assert layers.forward(ids, pos, cos, cos, cache[:1], *tail, "gemv").shape == (1, model.config.hidden_size)
+    table, ctx_lens, cut = tail[1], tail[2], torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="set_head before greedy"):
+        layers.greedy(ids, pos, cos, cos, cache[:1], table, ctx_lens, 1, "gemv", "gemv", cut)
+    with pytest.raises(RuntimeError, match="unknown tensor names: extra"):
+        layers.set_head({"weight": embedding, "extra": norm})
+    layers.set_head({"weight": embedding})
+    for head_kernel in ("reduced", "packed"):  # no int4 head; no packed copy given
+        with pytest.raises(RuntimeError, match=f"no fused head for the kernel {head_kernel}"):
+            layers.greedy(ids, pos, cos, cos, cache[:1], table, ctx_lens, 1, "gemv", head_kernel, cut)
+    with pytest.raises(RuntimeError, match="int32 cut flag"):
+        layers.greedy(ids, pos, cos, cos, cache[:1], table, ctx_lens, 1, "gemv", "gemv", cut.long())
+    with pytest.raises(RuntimeError, match="steps >= 1"):
+        layers.greedy(ids, pos, cos, cos, cache[:1], table, ctx_lens, 0, "gemv", "gemv", cut)
+    # the table's one block holds positions 0-3: a fifth step would write outside it (refused before any step)
+    before = cache.clone()
+    with pytest.raises(RuntimeError, match="position 4 outside the block table's 1 blocks"):
+        layers.greedy(
+            ids,
+            pos,
+            torch.zeros(8, attn.head_dim),
+            torch.zeros(8, attn.head_dim),
+            cache[:1],
+            table,
+            ctx_lens,
+            5,
+            "gemv",
+            "gemv",
+            cut,
+        )
+    assert torch.equal(cache, before)
+    got = layers.greedy(
+        ids,
+        pos,
+        torch.zeros(8, attn.head_dim),
+        torch.zeros(8, attn.head_dim),
+        cache[:1],
+        table,
+        ctx_lens,
+        4,
+        "gemv",
+        "gemv",
+        cut,
+    )
+    assert got.shape == (4, 1) and got.dtype == torch.long
