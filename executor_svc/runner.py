@@ -19,6 +19,7 @@ from chunkserve_kernels.forward_context import set_forward_context
 from chunkserve_kernels.metadata import build_metadata
 from executor_svc.collectives import NO_TP, PlanChannel, TPInfo
 from executor_svc.cuda_graphs import DecodeGraphs
+from executor_svc.models.fused import GreedyDecodes
 from executor_svc.penalties import TokenHistory
 from executor_svc.plan_check import CheckedPlan, SeqState, check_plan
 from executor_svc.sampler import SampleOutput, sample
@@ -166,13 +167,13 @@ class ModelRunner:
         if graphs is not None and len(query_lens) == len(checked.token_ids) and graphs.bucket(len(query_lens)):
             hidden = graphs.run(checked.token_ids, computed, tables)
         else:
+            greedy = self._greedy_steps(plan, checked, tables)
+            if greedy is not None:
+                return self._greedy_response(plan, greedy, response, start, swapped)
             meta, positions = build_metadata(query_lens, computed, tables, self.block_size, self.device)
             input_ids = torch.tensor(checked.token_ids, dtype=torch.long, device=self.device)
             with set_forward_context(meta, self.kv_cache):
-                greedy = self._greedy_steps(plan, checked, (input_ids, positions))
-                hidden = self.model(input_ids, positions) if greedy is None else None
-            if greedy is not None:
-                return self._greedy_response(plan, greedy, response, start, swapped)
+                hidden = self.model(input_ids, positions)
         forwarded = time.perf_counter_ns()
         if checked.prompt_rows:  # every rank: the head is collective under tensor parallelism
             response.prompt_logprobs.extend(self._prompt_logprobs(hidden, checked))
@@ -201,21 +202,26 @@ class ModelRunner:
         response.num_tokens = len(checked.token_ids)
         return response
 
-    def _greedy_steps(self, plan: epb.StepRequest, checked: CheckedPlan, inputs: tuple) -> list[list[int]] | None:
-        """Each step's greedy tokens ([steps][sequences]) where every row samples plainly greedy
-        (no logprobs, masks, drafts, penalties, bias or allowed tokens) and the step runs fused:
-        forward, head, argmax and a multi-step plan's decodes after it in one native call
-        (`greedy_decode`), the tokens of step by step. Else None, nothing computed."""
-        if checked.prompt_rows or checked.masks or checked.drafts or len(checked.rows) != len(checked.token_ids):
+    def _greedy_steps(
+        self, plan: epb.StepRequest, checked: CheckedPlan, tables: list[list[int]]
+    ) -> list[list[int]] | None:
+        """Each step's greedy tokens ([steps][sequences]) where the plan is one decode per
+        sequence, every row samples plainly greedy (no logprobs, masks, penalties, bias or
+        allowed tokens) and the step runs fused: forward, head, argmax and a multi-step plan's
+        decodes after it in one native call (`greedy_decode`, from the block tables and cursors
+        alone), the tokens of step by step. Else None, nothing computed."""
+        if checked.prompt_rows or checked.drafts or checked.masks or len(checked.rows) != len(checked.token_ids):
             return None
-        if not all(self.seqs[s.seq_id].sampling.plain_greedy for s in plan.seqs) or not hasattr(
-            self.model, "greedy_decode"
-        ):
+        seqs = self.seqs
+        if any(n != 1 for n in checked.query_lens) or not all(seqs[s.seq_id].sampling.plain_greedy for s in plan.seqs):
             return None
+        if not hasattr(self.model, "greedy_decode") or self.device.type != "cpu":
+            return None
+        batch = GreedyDecodes.of(checked.token_ids, checked.computed, tables, self.kv_cache)
         self._running_step_id = plan.step_id
         self._cut.fill_(int(self.cut_step_id == plan.step_id))
         try:
-            tokens = self.model.greedy_decode(*inputs, max(plan.num_steps, 1), self._cut)
+            tokens = self.model.greedy_decode(batch, max(plan.num_steps, 1), self._cut)
         finally:
             self._running_step_id = None
         return None if tokens is None else tokens.tolist()

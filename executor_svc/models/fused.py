@@ -15,7 +15,8 @@ hypothesis test holds them bitwise equal), so this is a question of speed only. 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,35 @@ def _linear_tensors(name: str, lin: Linear) -> dict[str, torch.Tensor]:
     if isinstance(lin.reduced, Int4Weights):
         out[f"{name}.int4"], out[f"{name}.int4_scales"] = lin.reduced.packed, lin.reduced.scales_and_zeros
     return out
+
+
+@dataclass(slots=True)
+class GreedyDecodes:
+    """A pure-decode step's inputs for `FusedDecode.greedy`, one token per sequence in sequence
+    order: what the native loop reads instead of the step's AttentionMetadata (which it would
+    not use, and which costs ~0.1 ms to build after a batch-1 step's weight reads)."""
+
+    input_ids: torch.Tensor  # int64 [S]
+    positions: torch.Tensor  # int64 [S]: each token's position, its sequence's cached tokens
+    block_tables: torch.Tensor  # int32 [S, blocks], padded with 0, covering every step to run
+    context_lens: torch.Tensor  # int32 [S]: positions + 1
+    max_context: int  # the largest context length, for the rotary tables
+    kv_cache: torch.Tensor  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+
+    @classmethod
+    def of(
+        cls, token_ids: list[int], computed: list[int], tables: list[list[int]], kv_cache: torch.Tensor
+    ) -> GreedyDecodes:
+        """From host lists: each sequence's token, cached-token count and block table."""
+        width = max(map(len, tables))
+        return cls(
+            torch.tensor(token_ids),
+            torch.tensor(computed),
+            torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            torch.tensor([c + 1 for c in computed], dtype=torch.int32),
+            max(computed) + 1,
+            kv_cache,
+        )
 
 
 class FusedDecode:
@@ -85,43 +115,6 @@ class FusedDecode:
         """The final-normed hidden states [T, hidden] (what `LlamaModel.forward` returns) when
         this step runs fused (module doc), else None and nothing was computed. The layers read
         each token's cos / sin from `rotary`'s tables at its position: no per-step tables."""
-        inputs = self._inputs(input_ids, plan)
-        if inputs is None:
-            return None
-        ctx, kernel, tables, context_lens = inputs
-        # a decode's position is its context length less one: the tables' length from host ints
-        cos, sin = rotary.tables(ctx.meta.max_seqlen_k)
-        return self.native.forward(
-            input_ids, positions, cos, sin, ctx.kv_cache, ctx.meta.slot_mapping, tables, context_lens, kernel
-        )
-
-    def greedy(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
-        plan: Plan,
-        steps: int,
-        cut: torch.Tensor,
-    ) -> torch.Tensor | None:
-        """int64 [steps run, sequences]: each sequence's greedy token of this step and of up to
-        `steps` - 1 decodes after it, each fed the token before (`DecodeLayers.greedy`: what
-        `forward`, the head and the sampler's argmax give step by step, with no Python between
-        the steps; `cut` [1] nonzero ends it after the step under way). None, and nothing
-        computed, when this step does not run fused or the head's kernel has no fused path."""
-        inputs = self._inputs(input_ids, plan)
-        head_kernel = self.head.plan(input_ids.shape[0])
-        if inputs is None or head_kernel not in self.head_kernels:
-            return None
-        ctx, kernel, tables, context_lens = inputs
-        cos, sin = rotary.tables(ctx.meta.max_seqlen_k + steps - 1)
-        return self.native.greedy(
-            input_ids, positions, cos, sin, ctx.kv_cache, tables, context_lens, steps, kernel, head_kernel, cut
-        )
-
-    def _inputs(self, input_ids: torch.Tensor, plan: Plan) -> tuple[Any, str, torch.Tensor, torch.Tensor] | None:
-        """(the forward context, the plan's kernel, the decode tables and context lengths) of a
-        step that runs fused, else None."""
         if input_ids.device.type != "cpu":
             return None
         kernel = plan(input_ids.shape[0])
@@ -131,4 +124,39 @@ class FusedDecode:
         inputs = self.backend.decode_inputs(ctx.meta, ctx.kv_cache[0])
         if inputs is None:
             return None
-        return ctx, kernel, *inputs
+        tables, context_lens = inputs
+        # a decode's position is its context length less one: the tables' length from host ints
+        cos, sin = rotary.tables(ctx.meta.max_seqlen_k)
+        return self.native.forward(
+            input_ids, positions, cos, sin, ctx.kv_cache, ctx.meta.slot_mapping, tables, context_lens, kernel
+        )
+
+    def greedy(
+        self, batch: GreedyDecodes, rotary: RotaryEmbedding, plan: Plan, steps: int, cut: torch.Tensor
+    ) -> torch.Tensor | None:
+        """int64 [steps run, sequences]: each sequence's greedy token of this step and of up to
+        `steps` - 1 decodes after it, each fed the token before (`DecodeLayers.greedy`: what
+        `forward`, the head and the sampler's argmax give step by step, with no Python between
+        the steps; `cut` [1] nonzero ends it after the step under way). None, and nothing
+        computed, when the plan's kernels for this many rows have no fused path or the cache
+        is not the native attention's (float32, contiguous, on the CPU)."""
+        rows, cache = batch.input_ids.shape[0], batch.kv_cache
+        kernel, head_kernel = plan(rows), self.head.plan(rows)
+        if kernel not in self.kernels or head_kernel not in self.head_kernels:
+            return None
+        if cache.device.type != "cpu" or cache.dtype != torch.float32 or not cache.is_contiguous():
+            return None
+        cos, sin = rotary.tables(batch.max_context + steps - 1)
+        return self.native.greedy(
+            batch.input_ids,
+            batch.positions,
+            cos,
+            sin,
+            cache,
+            batch.block_tables,
+            batch.context_lens,
+            steps,
+            kernel,
+            head_kernel,
+            cut,
+        )

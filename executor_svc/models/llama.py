@@ -18,7 +18,7 @@ from torch import nn
 
 from chunkserve_kernels import AttentionBackend, get_backend
 from executor_svc.collectives import NO_TP, TPInfo, all_gather_last, check_divisible, shard_rows
-from executor_svc.models.fused import FusedDecode
+from executor_svc.models.fused import FusedDecode, GreedyDecodes
 from executor_svc.models.kernel_plan import DEFAULT_PLAN, Plan
 from executor_svc.models.layers import (
     Embedding,
@@ -184,19 +184,13 @@ class LlamaForCausalLM(nn.Module):
         """[T] token ids at [T] absolute positions -> final-normed hidden states [T, hidden]."""
         return self.model(input_ids, positions)
 
-    def greedy_decode(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, steps: int, cut: torch.Tensor
-    ) -> torch.Tensor | None:
-        """int64 [steps run, sequences]: the greedy tokens of this pure-decode step and of up to
+    def greedy_decode(self, batch: GreedyDecodes, steps: int, cut: torch.Tensor) -> torch.Tensor | None:
+        """int64 [steps run, sequences]: the greedy tokens of a pure-decode step and of up to
         `steps` - 1 decodes after it in one native call (FusedDecode.greedy), or None, with
-        nothing computed, where the step does not run fused: then `forward` and
-        `compute_logits` serve it."""
+        nothing computed, where that does not apply: then `forward` and `compute_logits` serve
+        the step."""
         fused = self.model.fused
-        return (
-            None
-            if fused is None
-            else fused.greedy(input_ids, positions, self.model.rotary_emb, self.model.plan, steps, cut)
-        )
+        return None if fused is None else fused.greedy(batch, self.model.rotary_emb, self.model.plan, steps, cut)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the given rows only (the vocab projection is the

@@ -15,11 +15,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chunkserve_kernels import build_metadata, cpu_native, set_forward_context
+from chunkserve_kernels import cpu_native
 from executor_svc.collectives import TPInfo
 from executor_svc.config import ExecutorConfig
 from executor_svc.models import fused as fused_mod
 from executor_svc.models import get_model_class
+from executor_svc.models.fused import GreedyDecodes
 from executor_svc.models.kernel_plan import Plan
 from executor_svc.models.quant import quantize_model
 
@@ -136,13 +137,11 @@ def _greedy_loop(run, last: dict[int, int], steps: int, cut: int = 0) -> torch.T
         table = run.tables[sid]
         while len(table) * run.block_size < run.computed[sid] + steps:
             table.append(run.free.pop())
-    meta, positions = build_metadata(
-        [1] * len(ids), [run.computed[s] for s in ids], [run.tables[s] for s in ids], run.block_size, "cpu"
+    batch = GreedyDecodes.of(
+        [last[s] for s in ids], [run.computed[s] for s in ids], [run.tables[s] for s in ids], run.kv_cache
     )
-    with torch.inference_mode(), set_forward_context(meta, run.kv_cache):
-        out = run.model.greedy_decode(
-            torch.tensor([last[s] for s in ids]), positions, steps, torch.tensor([cut], dtype=torch.int32)
-        )
+    with torch.inference_mode():
+        out = run.model.greedy_decode(batch, steps, torch.tensor([cut], dtype=torch.int32))
     if out is not None:
         for sid in ids:
             run.computed[sid] += out.shape[0]

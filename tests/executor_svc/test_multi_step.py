@@ -232,10 +232,10 @@ class _Loops:
     def __init__(self, runner, monkeypatch, before=None):
         self.calls, real = [], runner.model.greedy_decode
 
-        def spy(input_ids, positions, steps, cut):
+        def spy(batch, steps, cut):
             if before is not None:
                 before()
-            out = real(input_ids, positions, steps, cut)
+            out = real(batch, steps, cut)
             self.calls.append(None if out is None else (steps, out.shape[0]))
             return out
 
