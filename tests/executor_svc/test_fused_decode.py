@@ -313,33 +313,14 @@ def test_the_layers_object_refuses_bad_tensors_and_arguments(tiny_configs, hf_mo
     with pytest.raises(RuntimeError, match="steps >= 1"):
         layers.greedy(ids, pos, cos, cos, cache[:1], table, ctx_lens, 0, "gemv", "gemv", cut)
     # the table's one block holds positions 0-3: a fifth step would write outside it (refused before any step)
+    rows = torch.zeros(8, attn.head_dim)  # rotary tables for 8 positions
+
+    def run_steps(steps):
+        return layers.greedy(ids, pos, rows, rows, cache[:1], table, ctx_lens, steps, "gemv", "gemv", cut)
+
     before = cache.clone()
     with pytest.raises(RuntimeError, match="position 4 outside the block table's 1 blocks"):
-        layers.greedy(
-            ids,
-            pos,
-            torch.zeros(8, attn.head_dim),
-            torch.zeros(8, attn.head_dim),
-            cache[:1],
-            table,
-            ctx_lens,
-            5,
-            "gemv",
-            "gemv",
-            cut,
-        )
+        run_steps(5)
     assert torch.equal(cache, before)
-    got = layers.greedy(
-        ids,
-        pos,
-        torch.zeros(8, attn.head_dim),
-        torch.zeros(8, attn.head_dim),
-        cache[:1],
-        table,
-        ctx_lens,
-        4,
-        "gemv",
-        "gemv",
-        cut,
-    )
+    got = run_steps(4)
     assert got.shape == (4, 1) and got.dtype == torch.long

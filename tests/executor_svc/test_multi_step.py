@@ -20,6 +20,7 @@ SEEDED = epb.SamplingParams(
 )
 PROMPTS = {1: [3, 17, 9, 44, 23, 8, 61], 2: [5, 12, 30, 2, 7]}
 SAMPLING = {1: GREEDY, 2: SEEDED}
+PLAIN = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1)  # greedy alone: the native loop's
 TABLES = {1: list(range(0, 8)), 2: list(range(8, 16))}  # 32 slots each at block size 4
 
 
@@ -29,13 +30,13 @@ def runner(tiny):
     return tiny[1].runner
 
 
-def _prefill(runner) -> dict[int, int]:
+def _prefill(runner, sampling: dict[int, epb.SamplingParams] = SAMPLING) -> dict[int, int]:
     """Both prompts in one step; their cursors then sit on the first sampled token."""
     runner.reset()
     plan = epb.StepRequest(step_id=1)
     for seq_id, prompt in PROMPTS.items():
-        penalized = SAMPLING[seq_id].frequency_penalty != 0
-        plan.new_seqs.add(seq_id=seq_id, sampling=SAMPLING[seq_id], prompt_token_ids=prompt if penalized else [])
+        penalized = sampling[seq_id].frequency_penalty != 0
+        plan.new_seqs.add(seq_id=seq_id, sampling=sampling[seq_id], prompt_token_ids=prompt if penalized else [])
         plan.seqs.add(
             seq_id=seq_id,
             num_computed_tokens=0,
@@ -189,9 +190,6 @@ def test_cut_steps_ends_the_plan_after_the_step_under_way(runner, monkeypatch):
     assert runner.cut_step_id is None
 
 
-PLAIN = epb.SamplingParams(temperature=0.0, top_p=1.0, num_logprobs=-1)
-
-
 @pytest.fixture(scope="module")
 def fused_runner(tiny):
     """The tiny model's executor with a plan whose 1-3 row steps and head take the native
@@ -211,19 +209,7 @@ def fused_runner(tiny):
 
 
 def _plain_prefill(runner) -> None:
-    runner.reset()
-    plan = epb.StepRequest(step_id=1)
-    for seq_id, prompt in PROMPTS.items():
-        plan.new_seqs.add(seq_id=seq_id, sampling=PLAIN)
-        plan.seqs.add(
-            seq_id=seq_id,
-            num_computed_tokens=0,
-            num_new_tokens=len(prompt),
-            token_ids=prompt,
-            block_ids=TABLES[seq_id],
-            sample=True,
-        )
-    runner.execute(plan)
+    _prefill(runner, {seq_id: PLAIN for seq_id in PROMPTS})
 
 
 class _Loops:
