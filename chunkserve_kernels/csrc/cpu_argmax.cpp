@@ -14,7 +14,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__) || defined(__AVX2__)  // x86 only: other targets build the scalar paths
 #include <immintrin.h>
+#endif
 
 #include <cmath>
 #include <limits>
