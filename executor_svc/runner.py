@@ -215,7 +215,7 @@ class ModelRunner:
         seqs = self.seqs
         if any(n != 1 for n in checked.query_lens) or not all(seqs[s.seq_id].sampling.plain_greedy for s in plan.seqs):
             return None
-        if not hasattr(self.model, "greedy_decode") or self.device.type != "cpu":
+        if getattr(self.model, "fused", None) is None or self.device.type != "cpu":  # no fused path at all
             return None
         batch = GreedyDecodes.of(checked.token_ids, checked.computed, tables, self.kv_cache)
         self._running_step_id = plan.step_id
