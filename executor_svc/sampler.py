@@ -6,7 +6,9 @@ Two properties drive the design:
   the token being sampled), and uses exactly one uniform draw (inverse-CDF sampling), so
   the stream never depends on how many numbers other rows consumed.
 - The common case is cheap: an all-greedy batch is one argmax, and log_softmax / top-k
-  over the 49K vocab run only when some row asked for logprobs.
+  over the 49K vocab run only when some row asked for logprobs. (A CPU step whose rows are all
+  plainly greedy and that runs fused never gets here: the native call ends in the argmax,
+  runner.py `_greedy_steps`.)
 Logprobs describe the model, not the sampler: they come from the raw logits, before
 temperature and filtering (what OpenAI-style APIs report) — but after a structured-output
 token mask, which comes before everything: a token the grammar forbids has probability 0 for
