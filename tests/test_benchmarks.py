@@ -197,10 +197,12 @@ def test_batch1_floor_prints_each_figure_against_the_floor_it_measured():
 
 def test_step_ab_takes_turns_between_two_trees_and_prints_each_ratio():
     """benchmarks/step_ab.py with this tree as both old and new: two short rounds, each with
-    both step times, its ratio, and the median over the rounds."""
+    both figures, its ratio, and the median over the rounds. With plans of 2 steps each
+    (--num-steps; one-step turns time batch1_floor.step_ms, which its own test runs)."""
     root = str(BENCHMARKS.parent)
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "step_ab.py"), "--old", root, "--new", root, "--rounds", "2", "--steps", "2"],
+        [sys.executable, str(BENCHMARKS / "step_ab.py"), "--old", root, "--new", root, "--rounds", "2", "--steps", "2"]
+        + ["--num-steps", "2"],
         capture_output=True,
         text=True,
         timeout=600,
