@@ -112,6 +112,8 @@ def main() -> None:
         help="k > 1: plans of k decode steps (multi-step decoding); the figure is ms a token",
     )
     args = ap.parse_args()
+    if args.num_steps < 1 or args.steps < 1:
+        ap.error("--steps and --num-steps must be at least 1")
     trees = {"old": Path(args.old).resolve(), "new": Path(args.new).resolve()}
     tmp = Path(tempfile.mkdtemp())
     children = {}
