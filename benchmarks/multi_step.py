@@ -13,9 +13,12 @@ otherwise), each round every server once, the first one moving each round:
   token each) are sent one after another, each after a random pause of 0-50 ms (the same
   pauses for every server): the median and worst time to their token.
 
-and prints the medians over rounds, each server's as a ratio to the first one's.
+and prints the medians over rounds, each server's as a ratio to the first one's, and how many
+tokens a message of the batch-1 stream carried (1 where each step's tokens stream as it ends,
+`--multi-step-stream-outputs`, the default; about k with a `b` after k, e.g. `8b`, a server
+with `--no-multi-step-stream-outputs`, whose plans answer once).
 
-    .venv/bin/python benchmarks/multi_step.py [--steps 1 4 8] [--rounds 3] [--streams 32]
+    .venv/bin/python benchmarks/multi_step.py [--steps 1 4 8 8b] [--rounds 3] [--streams 32]
 """
 
 from __future__ import annotations
@@ -72,27 +75,53 @@ async def arrival_waits(address: str, arrivals: int, seed: int) -> list[float]:
         return waits
 
 
+async def batch1(address: str, max_tokens: int) -> tuple[float, float]:
+    """(decode tok/s after the first token, tokens a message) of one greedy request."""
+    import grpc
+
+    from chunkserve.client import build_request
+    from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        sizes, first, last = [], None, None
+        async for msg in pb_grpc.GenerationStub(channel).Generate(
+            build_request(PROMPT, temperature=0.0, max_tokens=max_tokens)
+        ):
+            if msg.token_ids:
+                last = time.perf_counter()
+                first = first or last
+                sizes.append(len(msg.token_ids))
+        return (sum(sizes) - 1) / (last - first), (sum(sizes) - 1) / max(1, len(sizes) - 1)
+
+
+def server_flags(steps: str) -> list[str]:
+    """--steps value (k, or k then `b`: the plan's tokens in one answer) -> scheduler flags."""
+    k = int(steps.removesuffix("b"))
+    if k < 1:
+        raise SystemExit(f"--steps: {steps!r} is not a step count")
+    return ["--num-scheduler-steps", str(k)] + (["--no-multi-step-stream-outputs"] if steps.endswith("b") else [])
+
+
 def main() -> None:
     from chunkserve.launch import start_server
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, nargs="+", default=[1, 4, 8], help="--num-scheduler-steps per server")
+    ap.add_argument(
+        "--steps", nargs="+", default=["1", "4", "8"], help="--num-scheduler-steps per server (kb: without streaming)"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens of the batch-1 request")
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--stream-tokens", type=int, default=64, help="tokens of each of the --streams requests")
     ap.add_argument("--arrivals", type=int, default=12)
     args = ap.parse_args()
+    flags = [server_flags(k) for k in args.steps]
 
     servers = []
     try:
-        for k in args.steps:
+        for server_args in flags:
             servers.append(
-                start_server(
-                    Path(tempfile.mkdtemp()),
-                    ["--model", "default", "--dtype", "float32"],
-                    ["--num-scheduler-steps", str(k)],
-                )
+                start_server(Path(tempfile.mkdtemp()), ["--model", "default", "--dtype", "float32"], server_args)
             )
             asyncio.run(generate(servers[-1].address, PROMPT, 8))  # warm both processes
         rows = {k: [] for k in args.steps}
@@ -101,12 +130,13 @@ def main() -> None:
             order = list(range(len(servers)))
             for i in order[rnd % len(order) :] + order[: rnd % len(order)]:
                 k, address = args.steps[i], servers[i].address
-                _, one = asyncio.run(generate(address, PROMPT, args.max_tokens))
+                one, per_message = asyncio.run(batch1(address, args.max_tokens))
                 many = asyncio.run(streams_rate(address, prompts, args.stream_tokens))
                 waits = asyncio.run(arrival_waits(address, args.arrivals, seed=rnd))
-                rows[k].append((one, many, statistics.median(waits), max(waits)))
+                rows[k].append((one, many, statistics.median(waits), max(waits), per_message))
                 print(
-                    f"round {rnd + 1} steps {k}: batch 1 {one:.1f} tok/s, {args.streams} streams {many:.0f} tok/s, "
+                    f"round {rnd + 1} steps {k}: batch 1 {one:.1f} tok/s ({per_message:.1f} tokens a message), "
+                    f"{args.streams} streams {many:.0f} tok/s, "
                     f"arrivals' token after {1000 * statistics.median(waits):.0f} ms median, "
                     f"{1000 * max(waits):.0f} ms worst",
                     flush=True,
@@ -119,13 +149,14 @@ def main() -> None:
     base = [statistics.median(r[i] for r in rows[args.steps[0]]) for i in range(4)]
     print(f"\nfloat32 default model, medians of {args.rounds} rounds; ratios to --num-scheduler-steps {args.steps[0]}")
     print(
-        f"{'steps':>5} {'batch-1 tok/s':>20} {f'{args.streams} streams tok/s':>22} {'arrival median ms':>22} {'worst ms':>18}"
+        f"{'steps':>5} {'batch-1 tok/s':>20} {f'{args.streams} streams tok/s':>22} {'arrival median ms':>22} "
+        f"{'worst ms':>18} {'tokens/message':>15}"
     )
     for k in args.steps:
-        m = [statistics.median(r[i] for r in rows[k]) for i in range(4)]
+        m = [statistics.median(r[i] for r in rows[k]) for i in range(5)]
         print(
             f"{k:>5} {m[0]:>11.1f} ({m[0] / base[0]:.2f}x) {m[1]:>13.0f} ({m[1] / base[1]:.2f}x) "
-            f"{1000 * m[2]:>13.0f} ({m[2] / base[2]:.2f}x) {1000 * m[3]:>9.0f} ({m[3] / base[3]:.2f}x)"
+            f"{1000 * m[2]:>13.0f} ({m[2] / base[2]:.2f}x) {1000 * m[3]:>9.0f} ({m[3] / base[3]:.2f}x) {m[4]:>15.1f}"
         )
 
 

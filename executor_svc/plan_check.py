@@ -363,3 +363,29 @@ def _check_swaps(plan: epb.StepRequest, st: ExecutorState, c: CheckedPlan) -> se
                 c.swapped_out.add(seq_id)
                 _count(c.holder_delta, table, -1)
     return destinations
+
+
+def verify_as_decodes(checked: CheckedPlan, tables: list[list[int]]) -> tuple[list[int], list[int], list[list[int]]]:
+    """(query lengths, cached lengths, block tables) with each verify entry (one with drafts) cut
+    into one decode row per token, all on its block table: row j attends to the cache up to
+    its own position, which is causal attention over the chunk because every layer writes the
+    step's K/V before it attends. So a verify step is a decode step of 1 + k rows per
+    drafting sequence: each row is computed by the kernels plain decoding uses for that token
+    (decode attention, which reads such a run's KV once; CUDA graphs' decode buckets; the
+    CPU's fused layers where the plan gives that row count to them), so greedy equality
+    rests on batch invariance, not on prefill and decode kernels agreeing. On the 2-core CPU
+    it costs about what the varlen path costs (both 2-3x a fused 1-row decode at 1 + 3..8
+    rows, docs/speculative.md)."""
+    query_lens: list[int] = []
+    computed: list[int] = []
+    out: list[list[int]] = []
+    for i, (n, start, table) in enumerate(zip(checked.query_lens, checked.computed, tables)):
+        if i in checked.drafts:
+            query_lens += [1] * n
+            computed += range(start, start + n)
+            out += [table] * n
+        else:
+            query_lens.append(n)
+            computed.append(start)
+            out.append(table)
+    return query_lens, computed, out

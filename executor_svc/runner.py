@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -21,11 +22,12 @@ from executor_svc.collectives import NO_TP, PlanChannel, TPInfo
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.models.fused import GreedyDecodes
 from executor_svc.penalties import TokenHistory
-from executor_svc.plan_check import CheckedPlan, SeqState, check_plan
+from executor_svc.plan_check import CheckedPlan, SeqState, check_plan, verify_as_decodes
 from executor_svc.sampler import SampleOutput, sample
 from executor_svc.threads import ThreadGovernor
 
 PROMPT_LOGPROB_SLICE = 128  # rows of prompt logprobs through the head at a time
+Emit = Callable[[epb.StepResponse], None]  # takes a streamed plan's steps before its last (`execute`)
 
 
 class ModelRunner:
@@ -86,32 +88,35 @@ class ModelRunner:
         if self._running_step_id == step_id:
             self._cut.fill_(1)
 
-    def execute(self, plan: epb.StepRequest) -> epb.StepResponse:
+    def execute(self, plan: epb.StepRequest, emit: Emit | None = None) -> epb.StepResponse:
         """Runs one plan (each step with the thread count the governor gives its size,
         threads.py), and a multi-step plan's decodes after it (in the plan's first step's
-        native call where that step is a fused greedy one, `_greedy_steps`)."""
-        response = self._execute_timed(plan)
-        if plan.num_steps > 1 and not response.num_steps:
-            return self._more_steps(plan, response)
+        native call where that step is a fused greedy one, `_greedy_steps`). With `emit` (a
+        streamed plan: StepRequest.stream_steps) each of those steps but the last is handed to
+        emit as it ends, and the answer holds the last step's tokens (`_more_steps`)."""
+        response = self._execute_timed(plan, 1 if emit is not None else plan.num_steps)
+        if plan.num_steps > 1 and (not response.num_steps or emit is not None):
+            return self._more_steps(plan, response, emit)
         response.num_steps = response.num_steps or 1
         return response
 
-    def _execute_timed(self, plan: epb.StepRequest) -> epb.StepResponse:
-        response = self._execute(plan)
+    def _execute_timed(self, plan: epb.StepRequest, native_steps: int = 1) -> epb.StepResponse:
+        response = self._execute(plan, native_steps)
         response.num_threads = torch.get_num_threads()
         if self.threads is not None and response.num_tokens:
             steps = max(response.num_steps, 1)  # the governor takes steps, of this many tokens each
             self.threads.observe(response.num_tokens // steps, response.execute_ns / 1e9 / steps, time.monotonic())
         return response
 
-    def _more_steps(self, plan: epb.StepRequest, first: epb.StepResponse) -> epb.StepResponse:
+    def _more_steps(self, plan: epb.StepRequest, first: epb.StepResponse, emit: Emit | None) -> epb.StepResponse:
         """The num_steps - 1 decodes after a multi-step plan's step (StepRequest.num_steps), each
         an ordinary plan of one decode per sequence that feeds back the token sampled last: the
         same computation, so the same tokens, as num_steps plans from the scheduler. The check
         of the first covered theirs (plan_check.py). Every TP rank derives the same plans. The
         answer holds each sequence's tokens together in step order, and the steps' summed times.
         CutSteps ends the plan after the step under way; never under tensor parallelism, whose
-        ranks would have to agree on where."""
+        ranks would have to agree on where. With `emit`, a step's answer goes to it once another
+        step follows, and the plan's answer holds only the last step's tokens."""
         decode = epb.StepRequest(step_id=plan.step_id)
         for s in plan.seqs:
             decode.seqs.add(
@@ -124,6 +129,8 @@ class ModelRunner:
         for _ in range(plan.num_steps - 1):
             if self.cut_step_id == plan.step_id and not self.tp.enabled:
                 break
+            if emit is not None:
+                emit(steps[-1])
             for s in decode.seqs:
                 s.num_computed_tokens += 1
             steps.append(self._execute_timed(decode))
@@ -139,13 +146,15 @@ class ModelRunner:
             out.forward_ns += r.forward_ns
             out.sample_ns += r.sample_ns
             out.num_tokens += r.num_tokens
-        if first.sampled:  # rank 0: one token per sequence and step, in batch order
+        if emit is not None:
+            out.sampled.extend(steps[-1].sampled)
+        elif first.sampled:  # rank 0: one token per sequence and step, in batch order
             for i in range(len(plan.seqs)):
                 out.sampled.extend(r.sampled[i] for r in steps)
         return out
 
     @torch.inference_mode()
-    def _execute(self, plan: epb.StepRequest) -> epb.StepResponse:
+    def _execute(self, plan: epb.StepRequest, native_steps: int = 1) -> epb.StepResponse:
         start, start_unix = time.perf_counter_ns(), time.time_ns()
         checked = self.validate(plan)
         self._apply(plan, checked)
@@ -162,12 +171,12 @@ class ModelRunner:
         states = [self.seqs[s.seq_id] for s in plan.seqs]
         query_lens, computed, tables = checked.query_lens, checked.computed, [st.block_table for st in states]
         if checked.drafts:
-            query_lens, computed, tables = _verify_as_decodes(checked, tables)
+            query_lens, computed, tables = verify_as_decodes(checked, tables)
         graphs = self.graphs
         if graphs is not None and len(query_lens) == len(checked.token_ids) and graphs.bucket(len(query_lens)):
             hidden = graphs.run(checked.token_ids, computed, tables)
         else:
-            greedy = self._greedy_steps(plan, checked, tables)
+            greedy = self._greedy_steps(plan, checked, tables, native_steps)
             if greedy is not None:
                 return self._greedy_response(plan, greedy, response, start, swapped)
             meta, positions = build_metadata(query_lens, computed, tables, self.block_size, self.device)
@@ -203,7 +212,7 @@ class ModelRunner:
         return response
 
     def _greedy_steps(
-        self, plan: epb.StepRequest, checked: CheckedPlan, tables: list[list[int]]
+        self, plan: epb.StepRequest, checked: CheckedPlan, tables: list[list[int]], steps: int
     ) -> list[list[int]] | None:
         """Each step's greedy tokens ([steps][sequences]) where the plan is one decode per
         sequence, every row samples plainly greedy (no logprobs, masks, penalties, bias or
@@ -221,7 +230,7 @@ class ModelRunner:
         self._running_step_id = plan.step_id
         self._cut.fill_(int(self.cut_step_id == plan.step_id))
         try:
-            tokens = self.model.greedy_decode(batch, max(plan.num_steps, 1), self._cut)
+            tokens = self.model.greedy_decode(batch, max(steps, 1), self._cut)
         finally:
             self._running_step_id = None
         return None if tokens is None else tokens.tolist()
@@ -369,29 +378,3 @@ def _histories(checked: CheckedPlan, states: list[SeqState]) -> dict[int, tuple[
             start = first.setdefault(i, pos)
             rows[row] = (history, checked.drafts.get(i, [])[: pos - start])
     return rows or None
-
-
-def _verify_as_decodes(checked: CheckedPlan, tables: list[list[int]]) -> tuple[list[int], list[int], list[list[int]]]:
-    """(query lengths, cached lengths, block tables) with each verify entry (one with drafts) cut
-    into one decode row per token, all on its block table: row j attends to the cache up to
-    its own position, which is causal attention over the chunk because every layer writes the
-    step's K/V before it attends. So a verify step is a decode step of 1 + k rows per
-    drafting sequence: each row is computed by the kernels plain decoding uses for that token
-    (decode attention, which reads such a run's KV once; CUDA graphs' decode buckets; the
-    CPU's fused layers where the plan gives that row count to them), so greedy equality
-    rests on batch invariance, not on prefill and decode kernels agreeing. On the 2-core CPU
-    it costs about what the varlen path costs (both 2-3x a fused 1-row decode at 1 + 3..8
-    rows, docs/speculative.md)."""
-    query_lens: list[int] = []
-    computed: list[int] = []
-    out: list[list[int]] = []
-    for i, (n, start, table) in enumerate(zip(checked.query_lens, checked.computed, tables)):
-        if i in checked.drafts:
-            query_lens += [1] * n
-            computed += range(start, start + n)
-            out += [table] * n
-        else:
-            query_lens.append(n)
-            computed.append(start)
-            out.append(table)
-    return query_lens, computed, out

@@ -94,14 +94,18 @@ class ExecutorServicer(epb_grpc.ExecutorServicer):
     ) -> Iterator[epb.StepOutcome]:
         """Steps over one stream (the scheduler's way). A reader thread queues each step on the
         compute thread as it arrives, so a step sent while the one before runs (async
-        scheduling) starts the moment that one ends; this thread answers them in order."""
-        pending: queue.SimpleQueue[tuple[epb.StepRequest, futures.Future | str] | None] = queue.SimpleQueue()
+        scheduling) starts the moment that one ends; this thread answers them in order, a
+        streamed multi-step plan's steps (stream_steps) each as it ends."""
+        pending: queue.SimpleQueue[tuple[epb.StepRequest, futures.Future | str, queue.SimpleQueue] | None] = (
+            queue.SimpleQueue()
+        )
         context.add_callback(lambda: pending.put(None))  # cancelled or gone: stop answering
 
         def read() -> None:
             try:
                 for request in requests:
-                    pending.put((request, self._queue_in_stream(request)))
+                    steps: queue.SimpleQueue[epb.StepResponse | None] = queue.SimpleQueue()
+                    pending.put((request, self._queue_in_stream(request, steps), steps))
             except Exception:  # noqa: BLE001 - the stream broke: the callback above ends the answers
                 pass
             finally:
@@ -109,27 +113,35 @@ class ExecutorServicer(epb_grpc.ExecutorServicer):
 
         threading.Thread(target=read, name="step-stream", daemon=True).start()
         while (item := pending.get()) is not None:
-            request, step = item
+            request, step, steps = item
             if isinstance(step, str):
                 yield _error(request.step_id, grpc.StatusCode.FAILED_PRECONDITION, step)
                 continue
+            while (earlier := steps.get()) is not None:  # a streamed plan's steps before its last
+                earlier.more_steps, earlier.num_steps = True, 1
+                yield epb.StepOutcome(result=earlier)
             try:
                 yield epb.StepOutcome(result=step.result())
             except (PlanError, torch.OutOfMemoryError) as exc:
                 yield _error(request.step_id, *_refusal(request.step_id, exc))
 
-    def _queue_in_stream(self, request: epb.StepRequest) -> futures.Future | str:
+    def _queue_in_stream(
+        self, request: epb.StepRequest, steps: queue.SimpleQueue[epb.StepResponse | None]
+    ) -> futures.Future | str:
         """Queues a streamed step on the compute thread; why not, when it follows a step other
-        than the one queued last (a stream's steps arrive in order, so it never should)."""
+        than the one queued last (a stream's steps arrive in order, so it never should).
+        `steps` gets a plan's earlier steps where it asks for them (stream_steps), then None."""
         with self._order:
             if request.HasField("follows_step_id") and request.follows_step_id != self._last_queued:
                 return (
                     f"step {request.step_id} follows step {request.follows_step_id}, "
                     f"but the step queued before it was {self._last_queued}"
                 )
-            step = self._compute.submit(self._loaded.step, request)
+            emit = steps.put if request.stream_steps and request.num_steps > 1 else None
+            step = self._compute.submit(self._loaded.step, request, emit)
             self._last_queued = request.step_id
             self._order.notify_all()
+        step.add_done_callback(lambda _: steps.put(None))
         return step
 
     def _notify(self) -> None:

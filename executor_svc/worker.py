@@ -38,7 +38,7 @@ from executor_svc.models import linear_plan
 from executor_svc.models.kernel_plan import Plan, table_plan
 from executor_svc.models.layers import prepack_measured
 from executor_svc.models.quant import default_rules, half_weights_model, quantize_model
-from executor_svc.runner import ModelRunner
+from executor_svc.runner import Emit, ModelRunner
 from executor_svc.threads import ThreadGovernor, choose_counts
 from executor_svc.tp_group import CMD_RESET, Leader
 
@@ -76,11 +76,11 @@ class Loaded:
     handshake: epb.HandshakeResponse
     leader: Leader | None = None  # rank 0 of a tensor-parallel group: sends every command to the others
 
-    def step(self, request: epb.StepRequest) -> epb.StepResponse:
-        """Runs one plan (on the compute thread); in a group every rank runs it."""
+    def step(self, request: epb.StepRequest, emit: Emit | None = None) -> epb.StepResponse:
+        """Runs one plan (on the compute thread; every rank of a group runs it); `emit`: see execute."""
         if self.leader is None:
-            return self.runner.execute(request)
-        return self.leader.run(self.runner.execute, request, payload=request.SerializeToString())
+            return self.runner.execute(request, emit)
+        return self.leader.run(self.runner.execute, request, emit, payload=request.SerializeToString())
 
     def reset(self) -> None:
         if self.leader is None:

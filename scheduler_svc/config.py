@@ -247,9 +247,18 @@ class SchedulerConfig:
         metadata={
             "help": "multi-step decoding (vLLM's flag): a step of decodes alone, with no request waiting, runs up "
             "to this many decode steps in the executor from one plan, so the scheduler and the hop between the "
-            "processes are paid once for that many tokens (at batch 1 on CPU ~2 ms a token); tokens then "
-            "arrive in bursts, and a request that arrives cuts the plan short after the step under way; "
+            "processes are paid once for that many tokens (at batch 1 on CPU ~2 ms a token); each step's tokens still "
+            "stream as it ends (--multi-step-stream-outputs), and a request that arrives cuts the plan short after "
+            "the step under way; "
             f"1..{MAX_SCHEDULER_STEPS}; greedy output unchanged (docs/architecture.md)"
+        },
+    )
+    multi_step_stream_outputs: bool = field(
+        default=True,
+        metadata={
+            "help": "with --num-scheduler-steps, stream each token as its step ends (vLLM's flag of this name): "
+            "the executor answers every step of a multi-step plan, so only the plan and the scheduling are paid "
+            "once for k tokens, and a plan whose requests all ended is cut; off: a plan's tokens arrive together"
         },
     )
     step_timeout_s: float = field(

@@ -18,41 +18,19 @@ import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from scheduler_svc.config import overlap_limit
 from scheduler_svc.errors import InternalError, QueueFullError, ServingError, StepFailedError, UnavailableError
 from scheduler_svc.grammar import CompileTasks, GrammarCompiler, check_constrained
 from scheduler_svc.observer import Observer, StepRecord
 from scheduler_svc.output import LiveRequest, RequestStream, StreamDelta
-from scheduler_svc.plan import StepPlan, StepResult, StepStats
+from scheduler_svc.plan import StepPlan, StepResult
 from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingParams
 from scheduler_svc.scheduler import Scheduler, TokenOutput
+from scheduler_svc.sent_step import SentStep, StepRunner
 from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class StepRunner(Protocol):
-    """What the loop needs from the executor (the gRPC client, or a fake in tests)."""
-
-    async def step(self, plan: StepPlan, timeout: float) -> StepResult: ...
-    def cut_steps(self, step_id: int) -> None: ...
-
-
-@dataclass(slots=True)
-class _Step:
-    """A step sent to the executor; once `_apply` has applied its result to the scheduler, its
-    outputs and record wait here until `_deliver` serves them to streams and observers."""
-
-    plan: StepPlan
-    stats: StepStats
-    future: asyncio.Future[StepResult]
-    planned_at: float  # wall clock
-    started: int  # perf_counter_ns when planned
-    outputs: list[TokenOutput] = field(default_factory=list)
-    record: StepRecord | None = None
 
 
 class Engine:
@@ -85,6 +63,7 @@ class Engine:
         self.observers = observers
         self.overlap_max_seqs = overlap_limit(scheduler.config, device)
         self._cuttable: int | None = None  # a multi-step plan in flight, not cut yet (multi_step.py)
+        self._awaiting: SentStep | None = None  # the step whose result the loop awaits (`_result`)
         # Structured output: constraints compile off the loop while prefill runs (grammar.py).
         self.grammars = CompileTasks(grammars, lambda _: self._wake.set(), self._compile_failed)
 
@@ -175,7 +154,7 @@ class Engine:
         # With --async-output-processing a step's streams and observers are served after the
         # next step is sent, while the executor computes it (vLLM's async output processing):
         # `done` holds them meanwhile and is delivered before any wait, failure or cancellation.
-        done: _Step | None = None
+        done: SentStep | None = None
         while not self.is_dead:  # until the executor is gone (a failure path below)
             cycle_start = time.perf_counter_ns()
             sent = self._plan_and_send(None)
@@ -215,8 +194,8 @@ class Engine:
         apply it and serve it while N+1 runs. At most two steps are at the executor; N+1's
         follows_step_id makes the executor run it after N. The scheduler committed N when it
         planned it (scheduler.py), so N+1 can hold a decode of the token N samples."""
-        inflight: _Step | None = None
-        done: _Step | None = None
+        inflight: SentStep | None = None
+        done: SentStep | None = None
         last_applied, limit = time.perf_counter_ns(), self.overlap_max_seqs
         try:
             while not self.is_dead:  # until the executor is gone (a failure path below)
@@ -256,11 +235,17 @@ class Engine:
                 if pending is not None:
                     pending.future.cancel()
 
-    async def _result(self, step: _Step, refused_ok: bool = False) -> StepResult | None:
+    async def _result(self, step: SentStep, refused_ok: bool = False) -> StepResult | None:
         """A step's result, or None when it failed: the one failure path of both loops. A step
         the executor refused (or ran out of memory in) and survived fails its requests, unless
         `refused_ok` (a step planned on top of a failed one: `_restart_step` starts them over);
-        an executor that failed or vanished fails every request and this engine (`is_dead`)."""
+        an executor that failed or vanished fails every request and this engine (`is_dead`).
+        The steps a streamed plan answers before its last are applied and served as they come
+        while it is awaited (`_streamed`); those that came earlier, first (not when refused_ok:
+        its requests start over)."""
+        if not refused_ok:
+            self._awaiting = step
+            self._apply_streamed(step)
         try:
             return await step.future
         except asyncio.CancelledError:
@@ -273,9 +258,27 @@ class Engine:
         except Exception as exc:  # the executor failed or vanished
             log.exception("step %d failed", step.plan.step_id)
             self._fail_all(f"executor unavailable: step failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._awaiting = None
         return None
 
-    def _apply(self, step: _Step, result: StepResult) -> _Step:
+    def _streamed(self, step: SentStep, result: StepResult) -> None:
+        """A step of a plan sent with stream_steps, not its last (on the step stream's reader task):
+        served now if the loop awaits that plan, else once it does (`_result`; a step before it comes first)."""
+        step.streamed.append(result)
+        if self._awaiting is step:
+            self._apply_streamed(step)
+
+    def _apply_streamed(self, step: SentStep) -> None:
+        """Gives the plan's streamed steps' tokens to their requests and streams them; a plan whose
+        requests all ended (EOS, a stop string) is cut: its later steps would be computed for nothing."""
+        for result in step.streamed:
+            self._emit(self.scheduler.apply_tokens(result))
+        step.streamed.clear()
+        if step.plan.stream_steps and not any(entry.request_id in self._live for entry in step.plan.seqs):
+            self._cut()
+
+    def _apply(self, step: SentStep, result: StepResult) -> SentStep:
         """Applies a step's result to the scheduler; its outputs and record are not served yet."""
         step.outputs = self.scheduler.update(step.plan, result)
         self._cuttable = None if self._cuttable == step.plan.step_id else self._cuttable
@@ -283,7 +286,7 @@ class Engine:
         step.record = StepRecord(step.plan, step.stats, result, step.planned_at, step_ns, state)
         return step
 
-    def _plan_and_send(self, inflight: _Step | None) -> _Step | None:
+    def _plan_and_send(self, inflight: SentStep | None) -> SentStep | None:
         """Plans the next step and sends it (after `inflight`); None when there is nothing to send."""
         if not self.scheduler.has_work():
             return None
@@ -292,11 +295,13 @@ class Engine:
             return None
         plan.follows_step_id = None if inflight is None else inflight.plan.step_id
         self._cuttable = plan.step_id if plan.num_steps > 1 else None
-        planned_at, started = time.time(), time.perf_counter_ns()
-        future = asyncio.ensure_future(self.executor.step(plan, self.step_timeout_s))
-        return _Step(plan, stats, future, planned_at, started)
+        plan.stream_steps = plan.num_steps > 1 and self.scheduler.config.multi_step_stream_outputs
+        step = SentStep(plan, stats, time.time(), time.perf_counter_ns())
+        streamed = [lambda result: self._streamed(step, result)] if plan.stream_steps else []  # StepRunner
+        step.future = asyncio.ensure_future(self.executor.step(plan, self.step_timeout_s, *streamed))
+        return step
 
-    async def _restart_step(self, step: _Step) -> None:
+    async def _restart_step(self, step: SentStep) -> None:
         """Waits out a step planned on top of one that failed and starts its live requests over
         (Scheduler.restart: new sequence ids, their old results ignored), its swap victims
         too: whether the executor refused it (its sequences were unknown or behind there) or
@@ -315,7 +320,7 @@ class Engine:
                 restarted += 1
         log.warning("step %d followed a failed step: %d of its requests start over", plan.step_id, restarted)
 
-    def _deliver(self, done: _Step | None) -> None:
+    def _deliver(self, done: SentStep | None) -> None:
         """Streams a step's tokens and tells the observers; returns None (the new `done`).
 
         Deferred under async output processing, so a stop string ends its request one step

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 
 import grpc
 
@@ -86,6 +87,7 @@ def plan_to_proto(plan: StepPlan) -> epb.StepRequest:
         swap_in=[epb.BlockCopy(src=h, dst=d) for h, d in plan.swap_in],
         follows_step_id=plan.follows_step_id,
         num_steps=plan.num_steps,
+        stream_steps=plan.stream_steps,
     )
 
 
@@ -127,17 +129,22 @@ class StepStream:
 
     def __init__(self, stub: epb_grpc.ExecutorStub, metadata: tuple[tuple[str, str], ...]) -> None:
         self._call = stub.StepStream(metadata=metadata)
-        self._waiting: deque[tuple[int, asyncio.Future[epb.StepOutcome]]] = deque()
+        # (step id, its outcome, what takes its earlier steps' answers where it streams them)
+        self._waiting: deque[tuple[int, asyncio.Future[epb.StepOutcome], Callable[[epb.StepResponse], None] | None]]
+        self._waiting = deque()
         self._write = asyncio.Lock()  # FIFO: plans go out in the order they were queued
         self.broken: BaseException | None = None
         self._reader = asyncio.get_running_loop().create_task(self._read(), name="executor-step-stream")
 
-    async def step(self, request: epb.StepRequest, timeout: float) -> epb.StepOutcome:
-        """Writes one plan and waits (up to timeout) for its outcome."""
+    async def step(
+        self, request: epb.StepRequest, timeout: float, on_step: Callable[[epb.StepResponse], None] | None = None
+    ) -> epb.StepOutcome:
+        """Writes one plan and waits (up to timeout) for its outcome; `on_step` gets the answers
+        of a streamed plan's steps before its last (StepRequest.stream_steps) as they arrive."""
         if self.broken is not None:
             raise ExecutorGoneError(f"step stream broken: {self.broken}")
         future: asyncio.Future[epb.StepOutcome] = asyncio.get_running_loop().create_future()
-        self._waiting.append((request.step_id, future))
+        self._waiting.append((request.step_id, future, on_step))
         # Shielded: a caller that stops waiting mid-write (an engine stopping) must not cut the
         # write off, or whether the plan went out, and so the order of outcomes, is unknown.
         await asyncio.shield(asyncio.ensure_future(self._send(request)))
@@ -159,10 +166,17 @@ class StepStream:
     async def _read(self) -> None:
         try:
             while (outcome := await self._call.read()) is not grpc.aio.EOF:
-                step_id, future = self._waiting.popleft() if self._waiting else (None, None)
+                step_id, future, on_step = self._waiting[0] if self._waiting else (None, None, None)
                 got = outcome.result.step_id if outcome.HasField("result") else outcome.error.step_id
                 if got != step_id:
                     raise ExecutorGoneError(f"the executor answered step {got} where step {step_id} was next")
+                if outcome.result.more_steps:  # one step of a streamed plan; its answer follows
+                    if on_step is None:
+                        raise ExecutorGoneError(f"the executor streamed the steps of plan {got}, not asked to")
+                    if not future.done():
+                        on_step(outcome.result)
+                    continue
+                self._waiting.popleft()
                 if not future.done():  # its caller may have stopped waiting
                     future.set_result(outcome)
             raise ExecutorGoneError("the executor ended the step stream")
@@ -178,7 +192,7 @@ class StepStream:
             self.broken = reason
             self._call.cancel()
         while self._waiting:
-            _, future = self._waiting.popleft()
+            _, future, _ = self._waiting.popleft()
             if not future.done():
                 future.set_exception(reason)
                 future.exception()  # marks it seen: a caller that stopped waiting never reads it
@@ -208,12 +222,17 @@ class ExecutorClient:
             metadata=self._metadata,
         )
 
-    async def step(self, plan: StepPlan, timeout: float) -> StepResult:
+    async def step(
+        self, plan: StepPlan, timeout: float, on_step: Callable[[StepResult], None] | None = None
+    ) -> StepResult:
         """Runs one step. A step the executor refused while staying alive (out of memory, a
-        rejected plan) raises StepFailedError; anything else means the executor is gone."""
+        rejected plan) raises StepFailedError; anything else means the executor is gone. A plan
+        with stream_steps hands its steps before the last to `on_step` as they come, on the
+        stream's reader task; the result is then the last step's."""
         if self._steps is None or self._steps.broken is not None:
             self._steps = StepStream(self._stub, self._metadata)
-        outcome = await self._steps.step(plan_to_proto(plan), timeout)
+        each = None if on_step is None else (lambda msg: on_step(result_from_proto(msg)))
+        outcome = await self._steps.step(plan_to_proto(plan), timeout, each)
         if outcome.HasField("result"):
             return result_from_proto(outcome.result)
         code = _CODES.get(outcome.error.code, grpc.StatusCode.UNKNOWN)

@@ -5,8 +5,10 @@ gRPC hop both ways, the client's stream) costs ~1.9 ms of CPU a token on a 2-cor
 the same cores the step's threads fill, so it lengthens a ~15-20 ms step by about as much
 (benchmarks/RESULTS.md, "Batch 1: what the server adds to the step"). A plan with
 num_steps = k has the executor run k decode steps in a row, feeding back its own tokens
-(executor.proto, StepRequest.num_steps): that cost is paid once for k tokens, and a request's
-k tokens reach its stream together (one message: output.py folds queued deltas).
+(executor.proto, StepRequest.num_steps): the planning and the plan's message are paid once for
+k tokens. With --multi-step-stream-outputs (the default) the executor answers each step as it
+ends and the engine streams its tokens at once (engine.py); off, a request's k tokens reach its
+stream together (one message: output.py folds queued deltas).
 
 `extend` runs once a plan holds everything else (scheduler.py). It extends only a plan of
 decodes alone, and only while nothing could join the steps it delays: no request waiting or
@@ -19,9 +21,9 @@ a grammar (a mask per token, which needs the token before) or drafts are never e
 A request that arrives while the k steps run is not held back by them: the engine asks the
 executor to end the plan after the step under way (CutSteps), and `applied` moves cursors and
 in-flight counts back over the steps it did not run (docs/architecture.md, "Multi-step
-decoding"); a cancelled request cuts it too. Tokens arrive k at a time, so inter-token latency is bursty. Greedy tokens are the
-same: each step is the computation a plan of its own would run
-(tests/scheduler_svc/test_multi_step.py).
+decoding"); a cancelled request cuts it too, and so does the engine once every request of a
+streamed plan has ended. Greedy tokens are the same: each step is the computation a plan of its
+own would run (tests/scheduler_svc/test_multi_step.py).
 """
 
 from __future__ import annotations

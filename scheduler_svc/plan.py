@@ -111,8 +111,9 @@ class StepPlan:
     # one after it (None: nothing in flight).
     follows_step_id: int | None = None
     # Multi-step decoding (multi_step.py): the executor runs this plan, then num_steps - 1 more
-    # decode steps of its sequences.
+    # decode steps of its sequences; with stream_steps it answers each of them as it ends.
     num_steps: int = 1
+    stream_steps: bool = False
 
     @property
     def num_tokens(self) -> int:

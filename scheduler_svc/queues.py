@@ -1,14 +1,18 @@
 """The request queues and how a request moves between them; scheduler.py (a subclass) decides
 which moves when. A live request is in one of `waiting`, `running`, `swapped`, and every move
 (queued, finished, preempted by swap or recompute, restarted) keeps its device blocks, its host
-blocks and the executor state the next plan drops consistent with that queue.
+blocks and the executor state the next plan drops consistent with that queue. A step's sampled
+tokens reach their requests here too (`apply_tokens`), since a token may finish its request.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.plan import StepPlan
+from scheduler_svc.grammar import advance_grammar
+from scheduler_svc.plan import Sampled, StepPlan, StepResult, TokenOutput
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from scheduler_svc.spec.drafter import Drafter
 
@@ -28,6 +32,7 @@ class RequestQueues:
         self._dropped_seq_ids: list[int] = []  # executor state to drop in the next plan
         self.num_steps = 0  # plans built so far
         self.drafter: Drafter | None = None  # speculative decoding (scheduler_svc/spec), set by the scheduler
+        self.max_model_len = 0  # set by the scheduler
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -135,3 +140,27 @@ class RequestQueues:
         if self.host_pool is not None and request.host_block_ids:
             self.host_pool.release(request.host_block_ids)
         request.host_block_ids = []
+
+    # ---- a step's tokens -------------------------------------------------------------
+
+    def apply_tokens(self, result: StepResult, verified: Container[int] = ()) -> list[TokenOutput]:
+        """Gives each request its sampled tokens but those of `verified` sequences: `update`'s,
+        and a streamed multi-step plan's steps before its last as they come (engine.py)."""
+        outputs = []
+        for sampled in result.sampled:
+            request = self._by_seq.get(sampled.seq_id)
+            if request is None or request.is_finished or request.num_inflight_tokens == 0 or sampled.seq_id in verified:
+                continue
+            request.num_inflight_tokens -= 1
+            outputs.append(self.append_token(request, sampled))
+        return outputs
+
+    def append_token(self, request: Request, sampled: Sampled) -> TokenOutput:
+        """Gives a request one token of a step's result; finishes it when the token ends it."""
+        request.output_token_ids.append(sampled.token_id)
+        reason = request.stop_reason(sampled.token_id, self.max_model_len)
+        if request.matcher is not None:
+            reason = advance_grammar(request, sampled.token_id, reason)
+        if reason is not None:
+            self.finish(request, reason)
+        return TokenOutput(request, sampled, reason)

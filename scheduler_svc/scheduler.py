@@ -23,9 +23,7 @@ from scheduler_svc import multi_step
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.budget import BudgetController
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.grammar import advance_grammar
 from scheduler_svc.plan import (
-    Sampled,
     ScheduledSeq,
     StepPlan,
     StepResult,
@@ -380,21 +378,6 @@ class Scheduler(RequestQueues):
                 request.prompt_logprobs.append((p.logprob, p.top, p.rank))
         outputs: list[TokenOutput] = []
         verified = apply_verified(self, plan, result, outputs)  # verify entries: drafts kept or rolled back
-        for sampled in result.sampled:
-            request = self._by_seq.get(sampled.seq_id)
-            if request is None or request.is_finished or request.num_inflight_tokens == 0 or sampled.seq_id in verified:
-                continue
-            request.num_inflight_tokens -= 1
-            outputs.append(self.append_token(request, sampled))
+        outputs += self.apply_tokens(result, verified)
         multi_step.applied(self, plan, result)  # a multi-step plan: cut short? blocks its later steps filled
         return outputs
-
-    def append_token(self, request: Request, sampled: Sampled) -> TokenOutput:
-        """Gives a request one token of a step's result; finishes it when the token ends it."""
-        request.output_token_ids.append(sampled.token_id)
-        reason = request.stop_reason(sampled.token_id, self.max_model_len)
-        if request.matcher is not None:
-            reason = advance_grammar(request, sampled.token_id, reason)
-        if reason is not None:
-            self.finish(request, reason)
-        return TokenOutput(request, sampled, reason)

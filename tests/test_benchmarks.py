@@ -221,12 +221,14 @@ def test_step_ab_takes_turns_between_two_trees_and_prints_each_ratio():
 
 def test_multi_step_benchmark_reports_each_setting_against_the_first():
     """benchmarks/multi_step.py on two servers, one short round: a row per setting, each figure
-    with its ratio to the first setting's (1.00x for the first itself)."""
+    with its ratio to the first setting's (1.00x for the first itself), and the tokens a message
+    of the batch-1 stream carried: one a message with one step a plan, more in plans of 4
+    answered at once (`4b`)."""
     out = subprocess.run(
         [
             sys.executable,
             str(BENCHMARKS / "multi_step.py"),
-            *("--steps", "1", "4", "--rounds", "1", "--streams", "2", "--stream-tokens", "4"),
+            *("--steps", "1", "4b", "--rounds", "1", "--streams", "2", "--stream-tokens", "4"),
             *("--arrivals", "2", "--max-tokens", "12"),
         ],
         capture_output=True,
@@ -234,10 +236,11 @@ def test_multi_step_benchmark_reports_each_setting_against_the_first():
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["1"], ["4"])]
-    assert [r[0] for r in rows] == ["1", "4"], out.stdout
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["1"], ["4b"])]
+    assert [r[0] for r in rows] == ["1", "4b"], out.stdout
     assert rows[0][2::2] == ["(1.00x)"] * 4, out.stdout
     assert all(float(r[i]) > 0 for r in rows for i in (1, 3, 5, 7)), out.stdout
+    assert float(rows[0][9]) == 1.0 and float(rows[1][9]) > 1.5, out.stdout
 
 
 @pytest.mark.slow  # loads the default model, ~20 s

@@ -43,9 +43,22 @@ class ScriptedModel:
         self.hold: dict[int, threading.Event] = {}
         self.held = threading.Condition()
         self.holding: set[int] = set()
+        self.emitted: dict[int, int] = {}  # step id -> steps it streamed
+        self.refuse_after: dict[int, int] = {}
 
-    def step(self, request: epb.StepRequest) -> epb.StepResponse:
+    def step(self, request: epb.StepRequest, emit=None) -> epb.StepResponse:
+        """A multi-step plan's steps are its step id + 1000 * j; with `emit` (stream_steps) all
+        but the last go to it; a step in `refuse_after` fails after that many were emitted."""
         sid = request.step_id
+        if emit is not None:
+            self.emitted[sid] = 0
+            for j in range(request.num_steps - 1):
+                if self.refuse_after.get(sid) == j:
+                    raise PlanError(f"step {sid}: refused after {j} steps on purpose")
+                emit(epb.StepResponse(step_id=sid, sampled=[epb.SampledToken(seq_id=1, token_id=sid + 1000 * j)]))
+                self.emitted[sid] += 1
+            last = epb.SampledToken(seq_id=1, token_id=sid + 1000 * (request.num_steps - 1))
+            return epb.StepResponse(step_id=sid, sampled=[last], num_steps=request.num_steps)
         if sid in self.hold:
             with self.held:
                 self.holding.add(sid)
@@ -84,8 +97,8 @@ def executor():
     compute.shutdown()
 
 
-def plan(step_id: int, follows: int | None = None) -> StepPlan:
-    p = StepPlan(step_id=step_id)
+def plan(step_id: int, follows: int | None = None, num_steps: int = 1, stream: bool = False) -> StepPlan:
+    p = StepPlan(step_id=step_id, num_steps=num_steps, stream_steps=stream)
     p.follows_step_id = follows
     return p
 
@@ -369,3 +382,70 @@ def test_cut_steps_reaches_the_runner_only_with_the_executor_token():
     finally:
         server.stop(None)
         compute.shutdown()
+
+
+def test_a_streamed_plan_answers_each_step_in_order_and_the_plans_behind_it_their_own(executor):
+    """StepRequest.stream_steps: the steps before the last reach on_step as they come, in
+    order and before the plan's own answer (its last step, num_steps all of them); a plan sent
+    on top of it gets its own answer after."""
+    address, model = executor
+
+    async def main():
+        client = ExecutorClient(address)
+        seen = []
+        try:
+            streamed = asyncio.ensure_future(
+                client.step(plan(1, num_steps=4, stream=True), 60, lambda r: seen.append((r.step_id, r.sampled)))
+            )
+            behind = asyncio.ensure_future(client.step(plan(2, follows=1), 60))
+            last = await streamed
+            assert [(sid, [s.token_id for s in sampled]) for sid, sampled in seen] == [
+                (1, [1]),
+                (1, [1001]),
+                (1, [2001]),
+            ]
+            assert [s.token_id for s in last.sampled] == [3001] and last.num_steps == 4
+            assert (await behind).step_id == 2
+        finally:
+            await client.close()
+
+    run(main())
+    assert model.emitted == {1: 3}
+
+
+def test_a_plan_without_stream_steps_and_a_unary_step_get_one_answer(executor):
+    address, model = executor
+
+    async def main():
+        client = ExecutorClient(address)
+        try:
+            whole = await client.step(plan(1, num_steps=4), 60)
+            assert whole.step_id == 1 and model.emitted == {}
+        finally:
+            await client.close()
+        async with grpc.aio.insecure_channel(address) as channel:
+            unary = await epb_grpc.ExecutorStub(channel).Step(
+                epb.StepRequest(step_id=2, num_steps=4, stream_steps=True)
+            )
+        assert unary.step_id == 2 and not unary.more_steps and model.emitted == {}
+
+    run(main())
+
+
+def test_a_streamed_plan_refused_midway_fails_after_the_steps_it_answered_and_the_stream_goes_on(executor):
+    address, model = executor
+    model.refuse_after[1] = 2
+
+    async def main():
+        client = ExecutorClient(address)
+        seen = []
+        try:
+            with pytest.raises(StepFailedError, match="refused after 2 steps"):
+                await client.step(plan(1, num_steps=4, stream=True), 60, seen.append)
+            assert [r.sampled[0].token_id for r in seen] == [1, 1001]
+            stream = client._steps
+            assert (await client.step(plan(2), 60)).step_id == 2 and client._steps is stream
+        finally:
+            await client.close()
+
+    run(main())

@@ -173,11 +173,11 @@ def test_cut_steps_ends_the_plan_after_the_step_under_way(runner, monkeypatch):
     calls = []
     timed = runner._execute_timed
 
-    def counting(plan):
+    def counting(plan, *native_steps):
         calls.append(plan.step_id)
         if len(calls) == 2:
             runner.cut_step_id = 2
-        return timed(plan)
+        return timed(plan, *native_steps)
 
     monkeypatch.setattr(runner, "_execute_timed", counting)
     response = runner.execute(_decode_plan(runner, 2, num_steps=5))
@@ -282,3 +282,50 @@ def test_rows_that_are_not_plainly_greedy_keep_the_step_by_step_path(fused_runne
     loops = _Loops(runner, monkeypatch)
     response = runner.execute(_decode_plan(runner, 2, num_steps=3))
     assert loops.calls == [] and response.num_steps == 3
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_streamed_plan_emits_its_steps_one_by_one_with_the_tokens_of_a_whole_plan(
+    runner, fused_runner, monkeypatch, fused
+):
+    """`execute` with `emit` (StepRequest.stream_steps): each step but the last goes to emit as
+    it ends, one token a sequence; the answer is the last step's tokens, with num_steps and
+    the tokens of all steps; together the very tokens, logprobs and cursors of the plan
+    answered whole. On the fused path every step is its own native call of one step. A cut
+    made while a step is emitted (the scheduler saw its requests end) ends the plan after the
+    step that follows it: an emitted step promised the plan's answer after it."""
+    if fused:
+        runner, prefill = fused_runner, _plain_prefill
+        loops = _Loops(runner, monkeypatch)
+    else:
+        prefill = _prefill
+    prefill(runner)
+    whole = _tokens(runner.execute(_decode_plan(runner, 2, num_steps=4)).sampled)
+    cursors = {seq_id: runner.seqs[seq_id].num_computed_tokens for seq_id in PROMPTS}
+
+    prefill(runner)
+    emitted = []
+    response = runner.execute(_decode_plan(runner, 2, num_steps=4), emitted.append)
+    assert [[s.seq_id for s in r.sampled] for r in emitted] == [[1, 2]] * 3
+    assert [s.seq_id for s in response.sampled] == [1, 2] and response.num_steps == 4 and response.num_tokens == 8
+    got = {seq_id: [] for seq_id in PROMPTS}
+    for r in [*emitted, response]:
+        for seq_id, t in _tokens(r.sampled).items():
+            got[seq_id] += t
+    assert got == whole
+    assert {seq_id: runner.seqs[seq_id].num_computed_tokens for seq_id in PROMPTS} == cursors
+    if fused:
+        assert loops.calls == [(4, 4)] + [(1, 1)] * 4
+
+    prefill(runner)
+    emitted = []
+    response = runner.execute(
+        _decode_plan(runner, 2, num_steps=4), lambda r: (emitted.append(r), len(emitted) == 2 and runner.cut_steps(2))
+    )
+    assert len(emitted) == 2 and response.num_steps == 3
+    rest = runner.execute(_decode_plan(runner, 3))  # goes on after the third step
+    got = {seq_id: [] for seq_id in PROMPTS}
+    for r in [*emitted, response, rest]:
+        for seq_id, t in _tokens(r.sampled).items():
+            got[seq_id] += t
+    assert got == whole

@@ -42,7 +42,7 @@ class _Loaded:
     def __init__(self) -> None:
         self.ran: list[int] = []
 
-    def step(self, request):
+    def step(self, request, emit=None):
         self.ran.append(request.step_id)
         return epb.StepResponse(step_id=request.step_id)
 

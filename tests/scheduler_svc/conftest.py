@@ -4,6 +4,7 @@ standing in for ExecutorClient, and a byte-level tokenizer."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 import grpc
@@ -73,12 +74,27 @@ class FakeExecutor:
         # (at least 1; a plan cut after it ran whole is not affected, as on the real executor).
         self.cuts: list[int] = []
         self.steps_when_cut = lambda plan: 1
+        self.streamed_steps = 0  # steps of multi-step plans answered before their last (stream_steps)
 
     def cut_steps(self, step_id: int) -> None:
         self.cuts.append(step_id)
 
     def execute(self, plan: StepPlan, ran: int | None = None) -> StepResult:
         """Runs a plan; a multi-step plan runs `ran` of its steps (default all)."""
+        steps = self.run_steps(plan, ran)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def run_steps(
+        self, plan: StepPlan, ran: int | None = None, on_step: Callable[[StepResult], None] | None = None
+    ) -> Generator[None, None, StepResult]:
+        """`execute`, pausing (a yield) after each answer it gives `on_step`: with `on_step` (a
+        plan with stream_steps) each step but the last goes to it as it ends, as on the real
+        executor (ModelRunner.execute); a cut then ends the plan after the step under way, and
+        the result holds the last step's tokens."""
         self.plans.append(plan)
         if plan.num_steps == 1:
             return self._execute_one(plan, 0)
@@ -90,16 +106,26 @@ class FakeExecutor:
             )
         more = plan.num_steps - 1
         steps = [self._execute_one(plan, more)]
-        ran = plan.num_steps if ran is None else ran
+        ran, cut_before = plan.num_steps if ran is None else ran, plan.step_id in self.cuts
         for j in range(1, ran):
+            if on_step is not None:
+                if not cut_before and plan.step_id in self.cuts:  # asked once a step's tokens were seen
+                    break
+                on_step(StepResult(plan.step_id, list(steps[-1].sampled), execute_ns=steps[-1].execute_ns))
+                self.streamed_steps += 1
+                yield  # the scheduler reads that answer while the next step runs
             decodes = [
                 ScheduledSeq(s.seq_id, s.request_id, s.num_computed_tokens + s.num_new_tokens + j - 1, 1, [], [], True)
                 for s in plan.seqs
             ]
             steps.append(self._execute_one(StepPlan(plan.step_id, decodes), more - j))
+        ran = len(steps)
         for s in plan.seqs:  # cut: the blocks of the steps not run stay with the sequence
             self.seqs[s.seq_id]["rolled_back"] = self.seqs[s.seq_id].get("rolled_back") or ran < plan.num_steps
-        sampled = [r.sampled[i] for i in range(len(plan.seqs)) for r in steps]
+        if on_step is not None:
+            sampled = list(steps[-1].sampled)
+        else:
+            sampled = [r.sampled[i] for i in range(len(plan.seqs)) for r in steps]
         return StepResult(
             plan.step_id, sampled, steps[0].prompt_logprobs, execute_ns=steps[0].execute_ns, num_steps=ran
         )
@@ -246,7 +272,10 @@ class FakeExecutor:
                 return False
         return True
 
-    async def step(self, plan: StepPlan, timeout: float) -> StepResult:
+    async def step(
+        self, plan: StepPlan, timeout: float, on_step: Callable[[StepResult], None] | None = None
+    ) -> StepResult:
+        assert (on_step is not None) == plan.stream_steps, "on_step goes with a plan that streams its steps"
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         assert self.in_flight == 1 or (plan.follows_step_id is not None and self.in_flight == 2), (
@@ -261,9 +290,18 @@ class FakeExecutor:
                 raise refusal
             if self.refuse_bad_plans and not self._consistent(plan):
                 raise StepFailedError(f"step {plan.step_id} refused", grpc.StatusCode.INVALID_ARGUMENT)
+            ran = None  # all of a multi-step plan's steps, unless it was cut before it started
             if plan.step_id in self.cuts and plan.num_steps > 1:
-                return self.execute(plan, min(plan.num_steps, max(1, self.steps_when_cut(plan))))
-            return self.execute(plan)
+                ran = min(plan.num_steps, max(1, self.steps_when_cut(plan)))
+            if on_step is None:
+                return self.execute(plan, ran)
+            steps = self.run_steps(plan, ran, on_step)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    return done.value
+                await asyncio.sleep(0)
         finally:
             self.in_flight -= 1
             self._handled.setdefault(plan.step_id, asyncio.Event()).set()
@@ -311,7 +349,9 @@ class FakeExecutorClient:
         self.handshakes += 1
         return self.hs
 
-    async def step(self, plan: StepPlan, timeout: float) -> StepResult:
+    async def step(
+        self, plan: StepPlan, timeout: float, on_step: Callable[[StepResult], None] | None = None
+    ) -> StepResult:
         self.steps += 1
         if self.hold_after is not None and self.steps > self.hold_after:
             self.held.set()
@@ -324,7 +364,7 @@ class FakeExecutorClient:
             if self.die.is_set():
                 self.hold_after = None
                 raise ConnectionError("the executor process died")
-        return await self.fake.step(plan, timeout)
+        return await self.fake.step(plan, timeout, on_step)
 
     def cut_steps(self, step_id: int) -> None:
         self.fake.cut_steps(step_id)

@@ -38,16 +38,18 @@ NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1
     num_blocks=st.sampled_from([16, 24, 96]),
     caching=st.booleans(),
     loop=st.sampled_from(["plain", "async scheduling", "async output processing", "speculative"]),
+    stream=st.booleans(),
 )
 def test_multi_step_changes_no_request_and_leaks_no_block(
-    fakes, byte_tokenizer_dir, data, n, steps, eos_after, mode, num_blocks, caching, loop
+    fakes, byte_tokenizer_dir, data, n, steps, eos_after, mode, num_blocks, caching, loop, stream
 ):
     """Every request's tokens, text and finish reason are those of one step a plan: EOS, stop
     strings and stop tokens inside a plan's steps (the tokens after them are dropped),
     max_tokens, a 64-token context, shared prefixes (prefix cache), preemption by recompute or
     swap; the plain loop, async scheduling, async output processing, or n-gram drafts (a drafted
-    plan is not extended, the others may be); aborted requests get a prefix of the same tokens.
-    No block, host block or executor sequence is left."""
+    plan is not extended, the others may be); aborted requests get a prefix of the same tokens;
+    a plan's tokens streamed step by step (--multi-step-stream-outputs, a plan whose requests all
+    ended cut) or together. No block, host block or executor sequence is left."""
     base = fakes.draw_prompts(data, n)
     cfg = dict(
         preemption_mode=mode,
@@ -57,6 +59,7 @@ def test_multi_step_changes_no_request_and_leaks_no_block(
         async_scheduling=loop == "async scheduling",
         async_output_processing=loop == "async output processing",
         speculative_config=NGRAM if loop == "speculative" else None,
+        multi_step_stream_outputs=stream,
     )
 
     def go(work, num_scheduler_steps):
@@ -79,9 +82,10 @@ def test_multi_step_changes_no_request_and_leaks_no_block(
         else:  # where an abort lands depends on when the stream is read: a prefix, then ended
             for tokens, _, reason, _ in (a, b):
                 assert tokens == full[0][: len(tokens)] and reason is not None
-    assert all(1 <= p.num_steps <= steps for p in fake.plans)
+    assert all(1 <= p.num_steps <= steps and p.stream_steps == (stream and p.num_steps > 1) for p in fake.plans)
     if n == 1 and len(multi[0][0]) >= 3 and loop != "speculative":  # a lone request decoded, 2+ tokens left
         assert any(p.num_steps > 1 for p in fake.plans)
+        assert (fake.streamed_steps > 0) == stream
 
 
 def test_one_request_decodes_in_plans_of_k_steps(fakes, byte_tokenizer_dir):
@@ -459,3 +463,78 @@ def test_an_abort_cuts_the_multi_step_plan_in_flight(fakes, byte_tokenizer_dir):
     assert finals[0].token_ids == reference[0][0][: len(finals[0].token_ids)]
     assert finals[1].token_ids == reference[1][0]
     assert sched.pool.num_free_blocks == 96 and not sched.requests
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_streamed_plan_gives_its_stream_a_token_a_step(fakes, byte_tokenizer_dir, stream):
+    """--multi-step-stream-outputs (the default): a lone request decoding in plans of 4 steps
+    has each step's token on its stream the moment the executor answers that step, while the
+    plan runs on; off, a plan's 4 tokens reach the stream together, as one message to a reader.
+    The same tokens either way, and as with one step a plan."""
+    import asyncio
+
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.output import stream_deltas
+    from scheduler_svc.request import SamplingParams
+    from scheduler_svc.tokenizer import Tokenizer
+
+    on_the_stream = []  # after each streamed step's answer: the tokens its stream had been given
+
+    class Watching(fakes.FakeExecutor):
+        async def step(self, plan, timeout, on_step=None):
+            if on_step is None:
+                return await super().step(plan, timeout)
+
+            def answered(result):
+                on_step(result)
+                queued = len(live.queue._queue)  # the engine puts a delta per token
+                on_the_stream.append(sum(len(d.token_ids) for d in read) + queued)
+
+            return await super().step(plan, timeout, answered)
+
+    async def main(k):
+        nonlocal live, read
+        fake = Watching(96, BLOCK)
+        sched = fakes.make_scheduler(
+            num_blocks=96,
+            block_size=BLOCK,
+            num_scheduler_steps=k,
+            multi_step_stream_outputs=stream,
+            async_scheduling=False,  # no plan goes out before the one before it is served
+        )
+        engine = Engine(sched, fake, Tokenizer(byte_tokenizer_dir), frozenset({fakes.EOS}), 100, 5.0)
+        engine.start()
+        live, read = engine.add_request(list(range(40, 50)), SamplingParams(0.0, max_tokens=13)), []
+        async for delta in stream_deltas(live):  # as the servicer reads: what queued up comes folded
+            read.append(delta)
+        await engine.stop()
+        return [t for d in read for t in d.token_ids], [len(d.token_ids) for d in read], fake
+
+    live, read = None, []
+    one, _, _ = asyncio.run(main(1))
+    on_the_stream.clear()
+    tokens, sizes, fake = asyncio.run(main(4))
+    assert tokens == one and len(one) == 13
+    assert [p.num_steps for p in fake.plans if p.seqs] == [1, 4, 4, 4]
+    if stream:  # the prefill's token, then each plan's: 3 steps answered before its last
+        assert fake.streamed_steps == 9 and on_the_stream == [2, 3, 4, 6, 7, 8, 10, 11, 12]
+    else:
+        assert fake.streamed_steps == 0 and not on_the_stream and 4 in sizes
+
+
+def test_a_streamed_plan_whose_requests_all_end_is_cut(fakes, byte_tokenizer_dir):
+    """EOS at the third step of an 8-step plan: the engine sees it in that step's answer and
+    cuts the plan, so it does not compute the five steps after for nothing (the fake runs a
+    cut plan to the step under way); the request's tokens are those of one step a plan, and
+    nothing is left."""
+    from scheduler_svc.request import FinishReason
+
+    work = [(list(range(40, 50)), 40, (), None)]
+    _, reference = fakes.run_workload(byte_tokenizer_dir, work, fake=fakes.FakeExecutor(96, BLOCK, eos_after=13))
+    fake = fakes.FakeExecutor(96, BLOCK, eos_after=13)  # the prompt (10), its token, then 2 more steps
+    engine, got = fakes.run_workload(byte_tokenizer_dir, work, fake=fake, num_scheduler_steps=8, async_scheduling=False)
+    assert got == reference and got[0][2] is FinishReason.STOP
+    multi = [p for p in fake.plans if p.num_steps > 1]
+    assert len(multi) == 1 and fake.cuts == [multi[0].step_id]
+    assert fake.streamed_steps == 3  # answers of steps 1-3; the cut came with the third, step 4 ended it
+    assert engine.scheduler.pool.num_free_blocks == 96

@@ -344,7 +344,7 @@ class _Masking:
 
     vocab = 300
 
-    def execute(self, plan):
+    def execute(self, plan, ran=None):
         for new in plan.new_seqs:
             self.constrained[new.seq_id] = new.sampling.constraint is not None
         for s in plan.seqs:
@@ -357,7 +357,7 @@ class _Masking:
                     for m, draft in zip(s.token_masks, s.draft_token_ids):
                         assert draft in allowed_ids(m.bits, self.vocab), "a draft its grammar forbids"
                     self.masked_drafts += len(s.draft_token_ids)
-        return super().execute(plan)
+        return super().execute(plan, ran)
 
     def sample_row(self, entry, row, history):
         token = super().sample_row(entry, row, history)

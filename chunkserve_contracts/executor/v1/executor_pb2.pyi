@@ -174,7 +174,7 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "seqs", "finished_seq_ids", "swap_out", "swap_in", "follows_step_id", "num_steps")
+    __slots__ = ("step_id", "new_seqs", "seqs", "finished_seq_ids", "swap_out", "swap_in", "follows_step_id", "num_steps", "stream_steps")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,7 @@ class StepRequest(_message.Message):
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     FOLLOWS_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_STEPS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     seqs: _containers.RepeatedCompositeFieldContainer[ScheduledSequence]
@@ -191,7 +192,8 @@ class StepRequest(_message.Message):
     swap_in: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     follows_step_id: int
     num_steps: int
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seqs: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., follows_step_id: _Optional[int] = ..., num_steps: _Optional[int] = ...) -> None: ...
+    stream_steps: bool
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seqs: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., follows_step_id: _Optional[int] = ..., num_steps: _Optional[int] = ..., stream_steps: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -214,7 +216,7 @@ class SampledToken(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled", "execute_ns", "swap_ns", "forward_ns", "sample_ns", "num_tokens", "start_unix_ns", "num_threads", "prompt_logprobs", "num_steps")
+    __slots__ = ("step_id", "sampled", "execute_ns", "swap_ns", "forward_ns", "sample_ns", "num_tokens", "start_unix_ns", "num_threads", "prompt_logprobs", "num_steps", "more_steps")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_NS_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +228,7 @@ class StepResponse(_message.Message):
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MORE_STEPS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     execute_ns: int
@@ -237,7 +240,8 @@ class StepResponse(_message.Message):
     num_threads: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprob]
     num_steps: int
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_ns: _Optional[int] = ..., swap_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., num_tokens: _Optional[int] = ..., start_unix_ns: _Optional[int] = ..., num_threads: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ..., num_steps: _Optional[int] = ...) -> None: ...
+    more_steps: bool
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_ns: _Optional[int] = ..., swap_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., num_tokens: _Optional[int] = ..., start_unix_ns: _Optional[int] = ..., num_threads: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ..., num_steps: _Optional[int] = ..., more_steps: _Optional[bool] = ...) -> None: ...
 
 class StepOutcome(_message.Message):
     __slots__ = ("result", "error")
