@@ -41,6 +41,7 @@ CONFIGS = {  # name: (executor flags, environment, scheduler flags)
     "t2-passive": (["--num-threads", "2"], {"OMP_WAIT_POLICY": "PASSIVE"}, []),
     "t2-spin10k": (["--num-threads", "2"], {"GOMP_SPINCOUNT": "10000"}, []),
     "t1": (["--num-threads", "1"], {}, []),
+    "one-step": ([], {}, ["--num-scheduler-steps", "1"]),  # the default before multi-step plans were on a CPU's
     "multi4": ([], {}, ["--num-scheduler-steps", "4"]),  # multi-step decoding (scheduler_svc/multi_step.py)
     "multi8": ([], {}, ["--num-scheduler-steps", "8"]),
     "t1-multi8": (["--num-threads", "1"], {}, ["--num-scheduler-steps", "8"]),

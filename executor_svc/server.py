@@ -118,8 +118,9 @@ class ExecutorServicer(epb_grpc.ExecutorServicer):
                 yield _error(request.step_id, grpc.StatusCode.FAILED_PRECONDITION, step)
                 continue
             while (earlier := steps.get()) is not None:  # a streamed plan's steps before its last
-                earlier.more_steps, earlier.num_steps = True, 1
-                yield epb.StepOutcome(result=earlier)
+                outcome = epb.StepOutcome(result=earlier)  # a copy: the compute thread still reads earlier
+                outcome.result.more_steps, outcome.result.num_steps = True, 1
+                yield outcome
             try:
                 yield epb.StepOutcome(result=step.result())
             except (PlanError, torch.OutOfMemoryError) as exc:

@@ -17,7 +17,7 @@ import grpc
 from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
-from scheduler_svc.config import resolve_auto_budget, validate_against_executor
+from scheduler_svc.config import resolve_auto, validate_against_executor
 from scheduler_svc.policy import create_policy
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.snapshot import SchedulerSnapshot
@@ -62,7 +62,7 @@ def apply_update(controls: Controls, update: pb.SchedulingConfig) -> pb.Scheduli
     if update.HasField("target_itl_ms"):  # 0 = back to a fixed budget
         changes["target_itl_ms"] = update.target_itl_ms or None
     config = dataclasses.replace(now.config, **changes)  # __post_init__ validates
-    config = resolve_auto_budget(config, controls.executor)  # max_num_batched_tokens 0 = auto
+    config = resolve_auto(config, controls.executor)  # max_num_batched_tokens 0 = auto, as at start-up
     validate_against_executor(config, controls.executor, now.max_model_len)  # the start-up rules
     policy = create_policy(update.policy) if update.HasField("policy") else sched.policy
     sched.reconfigure(config, policy)

@@ -27,7 +27,7 @@ from chunkserve_contracts.v1 import replica_pb2, replica_pb2_grpc
 from scheduler_svc.admin import AdminServicer, Controls
 from scheduler_svc.admin_access import AdminAccess
 from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.config import SchedulerConfig, resolve_auto_budget, validate_against_executor
+from scheduler_svc.config import SchedulerConfig, resolve_auto, validate_against_executor
 from scheduler_svc.engine import Engine
 from scheduler_svc.executor_client import MAX_MESSAGE_BYTES, ExecutorClient
 from scheduler_svc.grammar import LLGuidanceCompiler
@@ -224,7 +224,7 @@ class SchedulerApp:
         self, client: ExecutorClient, hs: epb.HandshakeResponse, config: SchedulerConfig, policy: Policy
     ) -> Ready:
         """A fresh block pool, scheduler and engine sized from a handshake."""
-        config = resolve_auto_budget(config, hs)  # `--max-num-batched-tokens auto`: the executor's limit
+        config = resolve_auto(config, hs)  # the `auto` budget and the multi-step default
         max_model_len = validate_against_executor(config, hs)  # the same rules as every live change
         template = read_chat_template(config.chat_template) if config.chat_template else None
         tokenizer = Tokenizer(config.tokenizer or hs.model_path, chat_template=template)

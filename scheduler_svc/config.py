@@ -22,6 +22,7 @@ AUTO_MAX_BATCHED_TOKENS = 8192  # the upper bound `--max-num-batched-tokens auto
 # --num-scheduler-steps: a plan of more steps would hold a new request back longer than any
 # saving on the hop is worth.
 MAX_SCHEDULER_STEPS = 64
+AUTO_SCHEDULER_STEPS = 8  # --num-scheduler-steps unset, with a CPU executor (auto_scheduler_steps)
 
 
 @dataclass(frozen=True)
@@ -242,15 +243,16 @@ class SchedulerConfig:
             "(docs/speculative.md)"
         },
     )
-    num_scheduler_steps: int = field(
-        default=1,
+    num_scheduler_steps: int | None = field(
+        default=None,
         metadata={
             "help": "multi-step decoding (vLLM's flag): a step of decodes alone, with no request waiting, runs up "
-            "to this many decode steps in the executor from one plan, so the scheduler and the hop between the "
-            "processes are paid once for that many tokens (at batch 1 on CPU ~2 ms a token); each step's tokens still "
-            "stream as it ends (--multi-step-stream-outputs), and a request that arrives cuts the plan short after "
-            "the step under way; "
-            f"1..{MAX_SCHEDULER_STEPS}; greedy output unchanged (docs/architecture.md)"
+            "to this many decode steps in the executor from one plan, so the scheduling and the plan's hop are "
+            "paid once for that many tokens; each step's tokens still stream as it ends "
+            "(--multi-step-stream-outputs), and a request that arrives cuts the plan short after the step under "
+            f"way; 1..{MAX_SCHEDULER_STEPS}; greedy output unchanged (docs/architecture.md). Unset: "
+            f"{AUTO_SCHEDULER_STEPS} with a CPU executor of one process, 1 with a GPU, tensor parallelism, "
+            "speculative decoding or --no-multi-step-stream-outputs (auto_scheduler_steps)"
         },
     )
     multi_step_stream_outputs: bool = field(
@@ -274,7 +276,7 @@ class SchedulerConfig:
             if not self.enable_chunked_prefill:
                 raise ValueError("--target-itl-ms needs chunked prefill (a whole prompt cannot be cut to a target)")
         least = dict(
-            max_num_batched_tokens=0,  # 0 = auto: the executor's limit (resolve_auto_budget)
+            max_num_batched_tokens=0,  # 0 = auto: the executor's limit (resolve_auto)
             max_num_seqs=1,
             max_model_len=2,
             max_num_partial_prefills=1,
@@ -291,7 +293,7 @@ class SchedulerConfig:
                 f"--max-long-partial-prefills must be in [1, --max-num-partial-prefills], "
                 f"got {self.max_long_partial_prefills}"
             )
-        if self.num_scheduler_steps > MAX_SCHEDULER_STEPS:
+        if (self.num_scheduler_steps or 1) > MAX_SCHEDULER_STEPS:
             raise ValueError(f"--num-scheduler-steps must be <= {MAX_SCHEDULER_STEPS}, got {self.num_scheduler_steps}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("--tls-cert-file and --tls-key-file go together")
@@ -300,11 +302,34 @@ class SchedulerConfig:
             raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
 
 
-def resolve_auto_budget(config: SchedulerConfig, hs: HandshakeResponse) -> SchedulerConfig:
-    """`--max-num-batched-tokens auto` (0) becomes the executor's limit, once its handshake is in."""
+def resolve_auto(config: SchedulerConfig, hs: HandshakeResponse) -> SchedulerConfig:
+    """What waits for the executor's handshake: `--max-num-batched-tokens auto` (0) becomes the
+    executor's limit, an unset `--num-scheduler-steps` `auto_scheduler_steps`."""
     if config.max_num_batched_tokens == 0:
-        return dataclasses.replace(config, max_num_batched_tokens=hs.max_num_batched_tokens)
+        config = dataclasses.replace(config, max_num_batched_tokens=hs.max_num_batched_tokens)
+    if config.num_scheduler_steps is None:
+        config = dataclasses.replace(config, num_scheduler_steps=auto_scheduler_steps(config, hs))
     return config
+
+
+def auto_scheduler_steps(config: SchedulerConfig, hs: HandshakeResponse) -> int:
+    """Multi-step plans by default where they were measured to pay: a CPU executor of one
+    process, whose batch-1 token they made 2-10% faster through the server (the scheduling and
+    the plan's message paid once for 8 tokens, on the cores the step's threads fill), arrivals
+    served sooner and 32 streams no slower, each step's tokens still streamed as it ends
+    (benchmarks/RESULTS.md, "Multi-step plans that stream each step"). Not on a GPU (not
+    measured there), not under tensor parallelism (its plans run whole: an arrival would wait
+    for all the steps), not with speculative decoding (a plan that drafts is never extended,
+    and one that is extended drafts for none of its steps), not without streamed steps (a
+    stream would get its tokens in bursts)."""
+    if (
+        hs.device != "cpu"
+        or hs.tensor_parallel_size > 1
+        or config.speculative_config
+        or not config.multi_step_stream_outputs
+    ):
+        return 1
+    return AUTO_SCHEDULER_STEPS
 
 
 def validate_against_executor(config: SchedulerConfig, hs: HandshakeResponse, max_model_len: int | None = None) -> int:

@@ -52,7 +52,7 @@ class Scheduler(Protocol):
 def extend(sched: Scheduler, plan: StepPlan) -> None:
     """Makes a plan of decodes alone a multi-step plan where it may (module docstring); its
     entries get the blocks of the steps after the first, and `plan.num_steps` is set."""
-    k = sched.config.num_scheduler_steps
+    k = sched.config.num_scheduler_steps or 1  # None: not resolved (config.resolve_auto), one step
     if k < 2 or not plan.seqs or sched.waiting or sched.swapped or plan.preempted:
         return
     requests = []

@@ -74,10 +74,11 @@ def pooled_report(
     if runs and runs[0].server_info:
         out["server_info"] = runs[0].server_info
     if any(run.steps for run in runs):
-        # From the step trace (so only with one): how many steps the server ran and how many
-        # requests it preempted while this workload ran. A subscriber that falls far behind
-        # loses steps (trace.py), so on an overloaded client these are lower bounds.
-        out["num_steps"] = sum(len(run.steps) for run in runs)
+        # From the step trace (so only with one): how many steps the server ran (a multi-step
+        # plan's trace counts its num_steps) and how many requests it preempted while this
+        # workload ran. A subscriber that falls far behind loses steps (trace.py), so on an
+        # overloaded client these are lower bounds.
+        out["num_steps"] = sum(s["num_steps"] for run in runs for s in run.steps)
         out["num_preemptions"] = sum(s["num_preempted"] for run in runs for s in run.steps)
     if len(runs) > 1:
         out["rounds"] = [compute_metrics(run.result.records, run.result.duration, percentiles, slos) for run in runs]

@@ -84,6 +84,8 @@ class StepTraceWatcher:
                 "token_budget": t.token_budget,
                 "num_prefill_tokens": t.num_prefill_tokens,
                 "num_decode_tokens": t.num_decode_tokens,
+                "num_steps": t.num_steps or 1,  # a multi-step plan: 1 + as many decodes of its num_seqs
+                "num_seqs": len(t.seqs),
                 "num_running": t.num_running,
                 "num_waiting": t.num_waiting,
                 "num_preempted": t.num_preempted,

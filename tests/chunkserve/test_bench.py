@@ -314,13 +314,13 @@ def test_pooled_report_counts_steps_and_preemptions_from_the_trace_only():
     from chunkserve.bench.session import Run
 
     rec = RequestRecord(0, "all", 10, 2, 0.0, send=0.0, end=1.0, chunk_times=[0.5, 1.0], chunk_tokens=[1, 1])
-    step = {"num_preempted": 0}
+    step = {"num_preempted": 0, "num_steps": 1}
     traced = [
-        Run(RunResult([rec], 1.0, 0.0), {}, [step, {"num_preempted": 2}, step]),
-        Run(RunResult([rec], 1.0, 0.0), {}, [{"num_preempted": 1}]),
+        Run(RunResult([rec], 1.0, 0.0), {}, [step, {"num_preempted": 2, "num_steps": 1}, step]),
+        Run(RunResult([rec], 1.0, 0.0), {}, [{"num_preempted": 1, "num_steps": 3}]),  # a multi-step plan
     ]
     rep = pooled_report(traced, [50, 99], None)
-    assert (rep["num_steps"], rep["num_preemptions"]) == (4, 3)
+    assert (rep["num_steps"], rep["num_preemptions"]) == (6, 3)
     untraced = pooled_report([Run(RunResult([rec], 1.0, 0.0), {})], [50, 99], None)
     assert "num_preemptions" not in untraced, "no trace: unknown, not zero"
 

@@ -73,7 +73,12 @@ def check_report(rep: dict, spec_lens: bool = True) -> None:
         assert all(k in group for k in REPORT_KEYS)
         assert group["completed"] == rep["classes"].count(cls)
     assert sum(rep["output_lens"]) == rep["total_output_tokens"] and all(4 <= n <= 8 for n in rep["output_lens"])
-    assert all(len(itl) == n - 1 for itl, n in zip(rep["itls"], rep["output_lens"]))
+    # ITLs are gaps between chunks (vLLM's rule): at most one a token after the first, as a server
+    # folds tokens that queued up into one chunk (multi-step plans of the tiny model's sub-ms steps
+    # outrun a stream's writer), and together the time from the first token to the last.
+    assert all(len(itl) <= n - 1 for itl, n in zip(rep["itls"], rep["output_lens"]))
+    assert any(rep["itls"]) and all(g >= 0 for itl in rep["itls"] for g in itl)
+    assert all(sum(itl) <= e - t + 1e-6 for itl, t, e in zip(rep["itls"], rep["ttfts"], rep["e2els"]))
     assert all(0 < t < e for t, e in zip(rep["ttfts"], rep["e2els"]))
     assert 0 < rep["median_ttft_ms"] <= rep["p99_ttft_ms"] and rep["prefix_cache_hit_rate"] == 0.0
 
@@ -105,10 +110,13 @@ def test_bench_against_a_running_server(tiny_model_path, launch, tmp_path):
     assert rep["bench"]["request_rate"] == 40.0 and rep["server_info"]["max_num_batched_tokens"] == 256
     assert "TTFT P99 (ms)" in stdout and "short" in stdout
     assert rep["step_trace"] and all(s["num_tokens"] <= 256 for s in rep["step_trace"])
-    assert rep["num_steps"] == len(rep["step_trace"]) and rep["num_preemptions"] == 0  # no memory pressure
+    # A multi-step plan (a CPU executor's default) is one trace entry of num_steps steps, the
+    # first computing num_tokens, each later one a decode per sequence.
+    later = [s["num_steps"] - 1 for s in rep["step_trace"]]
+    assert rep["num_steps"] == len(rep["step_trace"]) + sum(later) and rep["num_preemptions"] == 0  # no pressure
     assert f"step trace: {rep['num_steps']} steps, 0 preemptions" in stdout
     assert (
-        sum(s["num_decode_tokens"] + s["num_prefill_tokens"] for s in rep["step_trace"])
+        sum(s["num_tokens"] + k * s["num_seqs"] for s, k in zip(rep["step_trace"], later))
         >= sum(rep["input_lens"]) + sum(rep["output_lens"]) - 10
     )  # + warm-up steps
     assert {p.name for p in (tmp_path / "plots").iterdir()} == {

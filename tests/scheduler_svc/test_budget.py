@@ -18,7 +18,7 @@ from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from scheduler_svc.admin import Controls, apply_update, describe
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.budget import INITIAL_BUDGET, MIN_STEPS_TO_FIT
-from scheduler_svc.config import SchedulerConfig, resolve_auto_budget
+from scheduler_svc.config import SchedulerConfig, resolve_auto
 from scheduler_svc.engine import Engine
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.plan import Sampled, StepPlan, StepResult
@@ -244,14 +244,8 @@ def test_config_auto_needs_a_target_and_chunked_prefill(fakes):
         with pytest.raises(ValueError, match="positive number of ms"):
             SchedulerConfig(target_itl_ms=bad)
     hs = fakes.fake_handshake(max_num_batched_tokens=6000)
-    assert (
-        resolve_auto_budget(SchedulerConfig(max_num_batched_tokens=0, target_itl_ms=20), hs).max_num_batched_tokens
-        == 6000
-    )
-    assert (
-        resolve_auto_budget(SchedulerConfig(max_num_batched_tokens=512, target_itl_ms=20), hs).max_num_batched_tokens
-        == 512
-    )
+    assert resolve_auto(SchedulerConfig(max_num_batched_tokens=0, target_itl_ms=20), hs).max_num_batched_tokens == 6000
+    assert resolve_auto(SchedulerConfig(max_num_batched_tokens=512, target_itl_ms=20), hs).max_num_batched_tokens == 512
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])

@@ -17,7 +17,7 @@ from chunkserve_contracts.executor.v1 import executor_pb2 as epb
 from chunkserve_contracts.v1 import chunkserve_pb2 as pb
 from chunkserve_contracts.v1 import chunkserve_pb2_grpc as pb_grpc
 from scheduler_svc import app as app_module
-from scheduler_svc.config import SchedulerConfig, validate_against_executor
+from scheduler_svc.config import SchedulerConfig, resolve_auto, validate_against_executor
 
 
 async def start(fakes, config: SchedulerConfig, hs: epb.HandshakeResponse, monkeypatch) -> app_module.SchedulerApp:
@@ -74,7 +74,7 @@ def test_a_rule_refuses_alike_at_start_up_and_live(fakes, byte_tokenizer_dir, mo
                 with pytest.raises(grpc.aio.AioRpcError) as live:
                     await admin.UpdateConfig(pb.SchedulingConfig(**change))
                 assert await admin.GetConfig(pb.GetConfigRequest()) == before  # nothing moved
-                assert app.ready.engine.scheduler.snapshot().config == app.config
+                assert app.ready.engine.scheduler.snapshot().config == resolve_auto(app.config, hs)  # as started
         finally:
             await app.stop(grace=0)
         assert words in str(at_start.value)

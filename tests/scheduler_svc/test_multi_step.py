@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.config import MAX_SCHEDULER_STEPS, SchedulerConfig
+from scheduler_svc.config import AUTO_SCHEDULER_STEPS, MAX_SCHEDULER_STEPS, SchedulerConfig, resolve_auto
 from scheduler_svc.plan import Sampled, StepResult
 from scheduler_svc.structured import Constraint
 
@@ -538,3 +538,31 @@ def test_a_streamed_plan_whose_requests_all_end_is_cut(fakes, byte_tokenizer_dir
     assert len(multi) == 1 and fake.cuts == [multi[0].step_id]
     assert fake.streamed_steps == 3  # answers of steps 1-3; the cut came with the third, step 4 ended it
     assert engine.scheduler.pool.num_free_blocks == 96
+
+
+@pytest.mark.parametrize(
+    ("flags", "handshake", "steps"),
+    [
+        ({}, {}, AUTO_SCHEDULER_STEPS),  # a CPU executor of one process
+        ({}, {"device": "cuda:0"}, 1),
+        ({}, {"tensor_parallel_size": 2}, 1),  # its plans run whole: an arrival would wait
+        ({"speculative_config": NGRAM}, {}, 1),
+        ({"multi_step_stream_outputs": False}, {}, 1),  # bursts only when asked for
+        ({"num_scheduler_steps": 1}, {}, 1),  # a value given is kept
+        ({"num_scheduler_steps": 4}, {"device": "cuda:0"}, 4),
+    ],
+)
+def test_unset_num_scheduler_steps_is_decided_by_the_executor(fakes, flags, handshake, steps):
+    """--num-scheduler-steps unset: multi-step plans that stream each step on a CPU executor of
+    one process, one step a plan elsewhere (config.auto_scheduler_steps); the engine before the
+    handshake, and a scheduler built without it, plan one step at a time."""
+    config = SchedulerConfig(**flags)
+    assert resolve_auto(config, fakes.fake_handshake(**handshake)).num_scheduler_steps == steps
+    if "num_scheduler_steps" not in flags:
+        assert config.num_scheduler_steps is None
+        for given, planned in ((None, 1), (4, 4)):  # a decode after the prompt's step
+            sched = fakes.make_scheduler(num_blocks=16, block_size=BLOCK, num_scheduler_steps=given)
+            sched.add_request(fakes.make_request(1, 3, max_tokens=8))
+            first = sched.schedule()
+            sched.update(first, StepResult(first.step_id, [Sampled(1, 7)]))
+            assert sched.schedule().num_steps == planned

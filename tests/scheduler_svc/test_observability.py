@@ -203,7 +203,9 @@ def test_dashboard_queries_only_series_the_registry_exports(fakes, byte_tokenize
 def server(tiny_model_path, launch):
     return launch(
         ["--model", str(tiny_model_path), "--dtype", "float32", "--block-size", "16", "--max-num-batched-tokens", "64"],
-        ["--max-num-batched-tokens", "64"],
+        # one step a plan (a CPU executor's default is plans of several: config.auto_scheduler_steps),
+        # so the scripted workload below has a trace per step; multi-step's: tests/scheduler_svc/test_multi_step.py
+        ["--max-num-batched-tokens", "64", "--num-scheduler-steps", "1"],
     )
 
 
