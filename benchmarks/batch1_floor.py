@@ -27,7 +27,7 @@ and prints each round and the medians, each figure as a multiple of the floor.
 
 `--scheduler-args` given more than once starts a server per value and measures each every
 round, in turns, beside the same floor: the one way to compare settings on a machine whose
-memory speed moves (e.g. `--scheduler-args "" --scheduler-args "--num-scheduler-steps 8"`).
+memory speed moves (e.g. `--scheduler-args "--num-scheduler-steps 1" --scheduler-args ""`).
 """
 
 from __future__ import annotations
