@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +15,6 @@ import grpc
 import pytest
 
 from chunkserve.dp import plan_replicas, replica_env
-from chunkserve.launch import free_port
 from chunkserve.router.replicas import parse_replica
 from executor_svc.config import ExecutorConfig
 from scheduler_svc.admin_access import AdminAccess
@@ -71,6 +72,29 @@ def test_plans_offset_ports_split_cpus_and_offset_event_endpoints():
         plan_replicas(2, SchedulerConfig(tls_cert_file="c.pem", tls_key_file="k.pem"), ExecutorConfig(), [0, 1])
 
 
+def _laid_out_ports() -> tuple[int, int, int]:
+    """(--port, --admin-port, --executor-port) for two replicas, all of whose derived ports
+    (chunkserve/dp.py: + 100 * (i + 1), + 1 .. + 3) were free a moment ago. Below the kernel's
+    ephemeral range (32768+ on Linux), where a client connection's local port never lands: one
+    free port plus offsets once collided there with another connection's."""
+    rng = random.Random()
+    for _ in range(1000):
+        port, eport = rng.randrange(20000, 32000, 4), rng.randrange(20000, 32000, 4) + 2
+        wanted = {port + off + j for off in (0, 100, 200) for j in range(4)} | {eport + off for off in (0, 100, 200)}
+        if len(wanted) == 15 and all(_bindable(p) for p in wanted):
+            return port, port + 1, eport
+    raise AssertionError("no free port layout between 20000 and 32300")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 @pytest.mark.slow
 def test_two_replicas_behind_the_router(tiny_model_path, tmp_path):
     from chunkserve.client import Completion, build_request
@@ -78,7 +102,7 @@ def test_two_replicas_behind_the_router(tiny_model_path, tmp_path):
     from chunkserve_contracts.v1 import replica_pb2 as rpb
     from chunkserve_contracts.v1 import replica_pb2_grpc as rpb_grpc
 
-    port, admin, eport = free_port(), free_port(), free_port()
+    port, admin, eport = _laid_out_ports()
     cmd = [sys.executable, "-m", "chunkserve.cli", "serve", str(tiny_model_path), "--data-parallel-size", "2"]
     cmd += ["--port", str(port), "--http-port", "0", "--metrics-port", "0", "--admin-port", str(admin)]
     cmd += ["--executor-port", str(eport), "--dtype", "float32", "--num-gpu-blocks-override", "64"]
