@@ -314,8 +314,9 @@ def resolve_auto(config: SchedulerConfig, hs: HandshakeResponse) -> SchedulerCon
 
 def auto_scheduler_steps(config: SchedulerConfig, hs: HandshakeResponse) -> int:
     """Multi-step plans by default where they were measured to pay: a CPU executor of one
-    process, whose batch-1 token they made 2-10% faster through the server (the scheduling and
-    the plan's message paid once for 8 tokens, on the cores the step's threads fill), arrivals
+    process, whose batch-1 token through the server they made 1-3% shorter in batch1_floor.py's
+    rounds and 6-11% more tok/s in multi_step.py's (the scheduling and the plan's message paid
+    once for 8 tokens, on the cores the step's threads fill), arrivals
     served sooner and 32 streams no slower, each step's tokens still streamed as it ends
     (benchmarks/RESULTS.md, "Multi-step plans that stream each step"). Not on a GPU (not
     measured there), not under tensor parallelism (its plans run whole: an arrival would wait
