@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from scheduler_svc.observer import StepRecord
-from scheduler_svc.plan import StepPlan, StepResult, StepStats
-from scheduler_svc.scheduler import TokenOutput
+from scheduler_svc.plan import StepPlan, StepResult, StepStats, TokenOutput
 
 
 class StepRunner(Protocol):
