@@ -25,10 +25,10 @@ from scheduler_svc.grammar import CompileTasks, GrammarCompiler, check_constrain
 from scheduler_svc.observer import Observer, StepRecord
 from scheduler_svc.output import LiveRequest, RequestStream, StreamDelta
 from scheduler_svc.plan import StepPlan, StepResult
-from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingParams
+from scheduler_svc.request import FinishReason, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, TokenOutput
 from scheduler_svc.sent_step import SentStep, StepRunner
-from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer
+from scheduler_svc.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class Engine:
         self._task: asyncio.Task[None] | None = None
         self.observers = observers
         self.overlap_max_seqs = overlap_limit(scheduler.config, device)
-        self._cuttable: int | None = None  # a multi-step plan in flight, not cut yet (multi_step.py)
+        self._cuttable: SentStep | None = None  # a multi-step plan in flight, not cut yet (multi_step.py)
         self._awaiting: SentStep | None = None  # the step whose result the loop awaits (`_result`)
         # Structured output: constraints compile off the loop while prefill runs (grammar.py).
         self.grammars = CompileTasks(grammars, lambda _: self._wake.set(), self._compile_failed)
@@ -93,16 +93,13 @@ class Engine:
             priority=priority,
             tenant=tenant,
         )
-        stream = RequestStream(request.request_id, len(prompt_ids))
-        detok = IncrementalDetokenizer(
-            self.tokenizer, prompt_ids, sampling.stop, sampling.skip_special_tokens, sampling.include_stop_str_in_output
-        )
+        live = LiveRequest.start(request, self.tokenizer)
         self.grammars.start(request)  # before anything is queued: it may refuse
-        self._live[request.request_id] = LiveRequest(request, stream, detok)
+        self._live[request.request_id] = live
         self.scheduler.add_request(request)
         self._wake.set()
         self._cut()  # a multi-step plan's remaining steps would hold this request back
-        return stream
+        return live.stream
 
     def abort(self, request_id: str) -> bool:
         """Aborts a request; False when it is unknown or already finished (not an error)."""
@@ -119,7 +116,7 @@ class Engine:
     def _cut(self) -> None:
         """Ends the multi-step plan in flight after the step under way (multi_step.py), once."""
         if self._cuttable is not None:
-            self.executor.cut_steps(self._cuttable)
+            self.executor.cut_steps(self._cuttable.plan.step_id)
             self._cuttable = None
 
     # ---- the loop ----------------------------------------------------------------------
@@ -199,11 +196,12 @@ class Engine:
         last_applied, limit = time.perf_counter_ns(), self.overlap_max_seqs
         try:
             while not self.is_dead:  # until the executor is gone (a failure path below)
-                # Not on top of a step too big to overlap (overlap_limit) or a multi-step plan
-                # (it may be cut short: multi_step.py): it is finished first.
-                ahead = inflight is None or (
-                    inflight.plan.num_steps == 1 and (limit is None or len(inflight.plan.seqs) <= limit)
-                )
+                # Not on top of a step too big to overlap, nor of a multi-step plan before its last
+                # step is under way (SentStep.may_follow: a streamed one's steps are served till then).
+                ahead = inflight is None or inflight.may_follow(limit)
+                if not ahead and inflight.plan.stream_steps and not inflight.last_step.is_set():
+                    await self._until_last_step(inflight)
+                    continue
                 sent = self._plan_and_send(inflight) if ahead else None
                 if inflight is None:
                     if sent is None:
@@ -214,8 +212,7 @@ class Engine:
                     continue
                 done, inflight = inflight, sent
                 if sent is not None:
-                    # Two turns of the loop: the step's coroutine builds its call, the call's
-                    # task hands it to gRPC's core; only then is the finished step served.
+                    # Two turns of the loop (as in `_loop`), then the finished step is served.
                     await asyncio.sleep(0)
                     await asyncio.sleep(0)
                 if (result := await self._result(done)) is None:
@@ -262,26 +259,34 @@ class Engine:
             self._awaiting = None
         return None
 
+    async def _until_last_step(self, step: SentStep) -> None:
+        """Serves a streamed multi-step plan's steps as they come until its last one is under way
+        or it ended (a cut, a failure); the loop awaits it from now on, up to `_result`'s end."""
+        self._awaiting = step
+        self._apply_streamed(step)
+        await step.last_step.wait()
+
     def _streamed(self, step: SentStep, result: StepResult) -> None:
         """A step of a plan sent with stream_steps, not its last (on the step stream's reader task):
         served now if the loop awaits that plan, else once it does (`_result`; a step before it comes first)."""
-        step.streamed.append(result)
+        step.on_answer(result)  # the loop, woken by it, runs after this: the tokens are applied first
         if self._awaiting is step:
             self._apply_streamed(step)
 
     def _apply_streamed(self, step: SentStep) -> None:
-        """Gives the plan's streamed steps' tokens to their requests and streams them; a plan whose
-        requests all ended (EOS, a stop string) is cut: its later steps would be computed for nothing."""
+        """Gives the plan's streamed steps' tokens to their requests and streams them. The multi-step
+        plan in flight is cut once its requests all ended (EOS, a stop string; in its own steps, or
+        in the plan it was sent on top of, before the loop awaits it): its later steps would be for nothing."""
         for result in step.streamed:
             self._emit(self.scheduler.apply_tokens(result))
         step.streamed.clear()
-        if step.plan.stream_steps and not any(entry.request_id in self._live for entry in step.plan.seqs):
+        if (cuttable := self._cuttable) is not None and not any(e.request_id in self._live for e in cuttable.plan.seqs):
             self._cut()
 
     def _apply(self, step: SentStep, result: StepResult) -> SentStep:
         """Applies a step's result to the scheduler; its outputs and record are not served yet."""
         step.outputs = self.scheduler.update(step.plan, result)
-        self._cuttable = None if self._cuttable == step.plan.step_id else self._cuttable
+        self._cuttable = None if self._cuttable is step else self._cuttable
         step_ns, state = time.perf_counter_ns() - step.started, self.scheduler.snapshot()
         step.record = StepRecord(step.plan, step.stats, result, step.planned_at, step_ns, state)
         return step
@@ -294,11 +299,12 @@ class Engine:
         if plan.is_empty:  # nothing fits now (it will once something ends), or all wait for a token in flight
             return None
         plan.follows_step_id = None if inflight is None else inflight.plan.step_id
-        self._cuttable = plan.step_id if plan.num_steps > 1 else None
         plan.stream_steps = plan.num_steps > 1 and self.scheduler.config.multi_step_stream_outputs
         step = SentStep(plan, stats, time.time(), time.perf_counter_ns())
+        self._cuttable = step if plan.num_steps > 1 else None
         streamed = [lambda result: self._streamed(step, result)] if plan.stream_steps else []  # StepRunner
         step.future = asyncio.ensure_future(self.executor.step(plan, self.step_timeout_s, *streamed))
+        step.future.add_done_callback(lambda _: step.last_step.set())
         return step
 
     async def _restart_step(self, step: SentStep) -> None:
@@ -310,23 +316,16 @@ class Engine:
         await self._result(step, refused_ok=True)
         if self.is_dead:
             return
-        plan, sched = step.plan, self.scheduler
-        sched.drop_on_executor(plan.finished_seq_ids)  # refused or not, dropping again is harmless
-        restarted = 0
-        for request_id in [entry.request_id for entry in plan.seqs] + plan.preempted:
-            request = sched.requests.get(request_id)
-            if request is not None and (request_id not in plan.preempted or request.status is RequestStatus.SWAPPED):
-                sched.restart(request, next(self._seq_ids))
-                restarted += 1
-        log.warning("step %d followed a failed step: %d of its requests start over", plan.step_id, restarted)
+        requests = self.scheduler.failed_plan(step.plan)  # refused or not
+        for request in requests:
+            self.scheduler.restart(request, next(self._seq_ids))
+        log.warning("step %d followed a failed step: %d of its requests start over", step.plan.step_id, len(requests))
 
     def _deliver(self, done: SentStep | None) -> None:
-        """Streams a step's tokens and tells the observers; returns None (the new `done`).
-
-        Deferred under async output processing, so a stop string ends its request one step
-        late: the step already sent computes one token more for it, which `update` drops
-        (the request is finished), and its blocks are freed while that step runs, safe
-        because the executor runs steps in order and the next plan is made after it."""
+        """Streams a step's tokens and tells the observers; returns None (the new `done`). Deferred
+        under async output processing, a stop string ends its request a step late: the step sent
+        computes a token `update` drops, and its blocks are freed while that step runs (the
+        executor runs steps in order, and the next plan is made after it)."""
         if done is not None:
             self._emit(done.outputs)
             for observer in self.observers:
@@ -335,14 +334,11 @@ class Engine:
 
     def _fail_step(self, plan: StepPlan, error: ServingError) -> None:
         """Fails the requests of a step the executor refused (or ran out of memory in) and
-        survived. A refused plan changed nothing there, so what the plan dropped is dropped
-        again with the next one (dropping twice is harmless), and the requests it swapped out
-        fail with it: their KV may never have been copied to host memory."""
+        survived (a refused plan changed nothing there): its requests, and those it swapped out
+        (Scheduler.failed_plan)."""
         now = time.monotonic()
-        self.scheduler.drop_on_executor(plan.finished_seq_ids)
-        for request_id in [entry.request_id for entry in plan.seqs] + plan.preempted:
-            live = self._live.get(request_id)
-            if live is not None and (request_id not in plan.preempted or live.request.status is RequestStatus.SWAPPED):
+        for request in self.scheduler.failed_plan(plan):
+            if (live := self._live.get(request.request_id)) is not None:
                 self._end(live, StreamDelta(error=error), now)
 
     def _compile_failed(self, request: Request, error: ServingError) -> None:

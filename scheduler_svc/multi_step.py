@@ -22,7 +22,8 @@ A request that arrives while the k steps run is not held back by them: the engin
 executor to end the plan after the step under way (CutSteps), and `applied` moves cursors and
 in-flight counts back over the steps it did not run (docs/architecture.md, "Multi-step
 decoding"); a cancelled request cuts it too, and so does the engine once every request of a
-streamed plan has ended. Greedy tokens are the same: each step is the computation a plan of its
+streamed plan has ended. Under async scheduling the next plan goes out once a streamed plan's
+last step is under way, when no cut can shorten it any more (engine.py, SentStep.may_follow). Greedy tokens are the same: each step is the computation a plan of its
 own would run (tests/scheduler_svc/test_multi_step.py).
 """
 

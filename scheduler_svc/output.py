@@ -78,6 +78,15 @@ class LiveRequest:
     detok: IncrementalDetokenizer
     num_emitted: int = 0  # output tokens turned into deltas so far
 
+    @classmethod
+    def start(cls, request: Request, tokenizer: Tokenizer) -> LiveRequest:
+        """A new request's stream, and a detokenizer that knows its prompt and stop strings."""
+        params, prompt = request.sampling, request.prompt_token_ids
+        detok = IncrementalDetokenizer(
+            tokenizer, prompt, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
+        )
+        return cls(request, RequestStream(request.request_id, len(prompt)), detok)
+
     def token_delta(self, out: TokenOutput, tokenizer: Tokenizer) -> StreamDelta:
         """The delta of one sampled token; final (finish_reason set) when the token ended the
         request, STOP_SEQUENCE when its text completed a stop string (the caller then

@@ -68,6 +68,19 @@ class RequestQueues:
         dropped them was refused)."""
         self._dropped_seq_ids.extend(seq_ids)
 
+    def failed_plan(self, plan: StepPlan) -> list[Request]:
+        """After a plan failed (refused, or planned on top of a failed one): the next plan drops
+        what it dropped on the executor again (twice is harmless), and this returns its requests
+        to fail or start over: the unfinished ones it ran, and the ones it swapped out if still
+        swapped out (their KV may never have been copied to host memory)."""
+        self.drop_on_executor(plan.finished_seq_ids)
+        return [
+            request
+            for request_id in [entry.request_id for entry in plan.seqs] + plan.preempted
+            if (request := self.requests.get(request_id)) is not None
+            and (request_id not in plan.preempted or request.status is RequestStatus.SWAPPED)
+        ]
+
     def preempt(self, request: Request, plan: StepPlan) -> int:
         """Takes request's device blocks away; swaps its KV out when the mode and space allow.
         Returns the tokens it must compute again (0 when swapped).

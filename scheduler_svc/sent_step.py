@@ -26,7 +26,9 @@ class SentStep:
     """A step sent to the executor; once the engine has applied its result to the scheduler,
     its outputs and record wait here until they are served to streams and observers. A plan
     that streams its steps (multi_step.py) keeps the steps' answers that came before the
-    engine awaited it in `streamed`, to apply them in order."""
+    engine awaited it in `streamed`, to apply them in order, and counts them (`answered`): once
+    all but its last have come, that last one is under way and can no longer be cut, so a plan
+    may be sent on top of it (`may_follow`), as on top of a plan of one step."""
 
     plan: StepPlan
     stats: StepStats
@@ -36,3 +38,20 @@ class SentStep:
     outputs: list[TokenOutput] = field(default_factory=list)
     record: StepRecord | None = None
     streamed: list[StepResult] = field(default_factory=list)
+    answered: int = 0  # steps answered before the last (stream_steps)
+    # Set once a plan may be sent on top of this one (its last step is under way) or it ended.
+    last_step: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def on_answer(self, result: StepResult) -> None:
+        """Keeps a streamed step's answer (not its plan's last) for the engine, and counts it."""
+        self.streamed.append(result)
+        self.answered += 1
+        if self.answered >= self.plan.num_steps - 1:
+            self.last_step.set()
+
+    def may_follow(self, limit: int | None) -> bool:
+        """Whether the next plan may be sent before this one's result (async scheduling): at most
+        `limit` sequences (config.overlap_limit; None: any), and its last step under way. A plan
+        of several steps may be cut short until then (multi_step.py), and the next one, planned
+        as if it ran whole, would then start from the wrong place."""
+        return (limit is None or len(self.plan.seqs) <= limit) and self.answered >= self.plan.num_steps - 1

@@ -522,6 +522,68 @@ def test_a_streamed_plan_gives_its_stream_a_token_a_step(fakes, byte_tokenizer_d
         assert fake.streamed_steps == 0 and not on_the_stream and 4 in sizes
 
 
+def test_the_next_plan_goes_out_once_a_streamed_plans_last_step_is_under_way(fakes, byte_tokenizer_dir):
+    """Async scheduling: the plan after a streamed multi-step plan goes out once that plan's
+    steps but its last have been answered (a cut can no longer shorten it), so the executor has
+    it before it ends the plan; not earlier. The same tokens as one step a plan, nothing left."""
+    answered: dict[int, int] = {}  # plan id -> its steps answered so far
+    sent_after: list[tuple[int, int]] = []  # (the plan followed, its steps answered) as a plan is sent
+
+    class Watching(fakes.FakeExecutor):
+        async def step(self, plan, timeout, on_step=None):
+            if plan.follows_step_id is not None:
+                sent_after.append((plan.follows_step_id, answered.get(plan.follows_step_id, 0)))
+            if on_step is None:
+                return await super().step(plan, timeout)
+
+            def counted(result):
+                answered[plan.step_id] = answered.get(plan.step_id, 0) + 1
+                on_step(result)
+
+            return await super().step(plan, timeout, counted)
+
+    work = [(list(range(40, 50)), 13, (), None)]
+    _, reference = fakes.run_workload(byte_tokenizer_dir, work, fake=fakes.FakeExecutor(96, BLOCK))
+    fake = Watching(96, BLOCK)
+    engine, got = fakes.run_workload(byte_tokenizer_dir, work, fake=fake, num_scheduler_steps=4, async_scheduling=True)
+    assert got == reference and len(got[0][0]) == 13
+    plans = {p.step_id: p for p in fake.plans if p.seqs}
+    assert [p.num_steps for p in plans.values()] == [1, 4, 4, 4]
+    assert fake.max_in_flight == 2 and len(sent_after) == 3  # every plan after the first on top of another
+    assert [n for _, n in sent_after] == [plans[f].num_steps - 1 for f, _ in sent_after] == [0, 3, 3]
+    assert engine.scheduler.pool.num_free_blocks == 96 and not fake.seqs
+
+
+def test_a_plan_on_top_of_one_that_ends_its_requests_is_cut(fakes, byte_tokenizer_dir):
+    """EOS at the last step of a streamed 4-step plan, with the next 4-step plan already sent on
+    top of it (async scheduling): the engine cuts that plan as it applies the EOS, not only
+    once that plan answers a step for a request that has ended. The tokens are those of one
+    step a plan."""
+    import asyncio
+
+    from scheduler_svc.request import FinishReason
+
+    class Slow(fakes.FakeExecutor):
+        async def step(self, plan, timeout, on_step=None):
+            if plan.follows_step_id is not None and plan.num_steps > 1:  # its start waits for a cut, a while
+                for _ in range(1000):  # turns of the event loop, no clock: the engine runs meanwhile
+                    if plan.step_id in self.cuts:
+                        break
+                    await asyncio.sleep(0)
+            return await super().step(plan, timeout, on_step)
+
+    work = [(list(range(40, 50)), 40, (), None)]
+    eos = 14  # the prompt (10): the prefill samples a token, the first 4-step plan 4 (EOS last)
+    _, reference = fakes.run_workload(byte_tokenizer_dir, work, fake=fakes.FakeExecutor(96, BLOCK, eos_after=eos))
+    fake = Slow(96, BLOCK, eos_after=eos)
+    engine, got = fakes.run_workload(byte_tokenizer_dir, work, fake=fake, num_scheduler_steps=4, async_scheduling=True)
+    assert got == reference and got[0][2] is FinishReason.STOP and len(got[0][0]) == 5
+    multi = [p for p in fake.plans if p.num_steps > 1]
+    assert len(multi) == 2 and multi[1].follows_step_id == multi[0].step_id and fake.cuts == [multi[1].step_id]
+    assert fake.streamed_steps == 3  # the first plan's; the one on top, cut before it began, ran one step
+    assert engine.scheduler.pool.num_free_blocks == 96 and not fake.seqs
+
+
 def test_a_streamed_plan_whose_requests_all_end_is_cut(fakes, byte_tokenizer_dir):
     """EOS at the third step of an 8-step plan: the engine sees it in that step's answer and
     cuts the plan, so it does not compute the five steps after for nothing (the fake runs a
