@@ -15,6 +15,9 @@ weights by swapping the backend of every attention layer.
   executor_svc/cuda_graphs.py (static buffers filled from the host, one graph replay per
   step, a graph captured per measured batch size): the "graph ms" column, and its ratio.
   With --tiny on CPU that path runs its padded forward eagerly (checks the script only).
+- the norms: on CUDA a 16-bit model's residual add + RMSNorm run as one Triton kernel each, as
+  in the executor (`LlamaForCausalLM.use_triton_norms`); `--torch-norms` runs torch's ops
+  instead, for the A/B (the JSON's "norms" says which).
 - prefill: one step of 8 fresh sequences x 2048 tokens; achieved TFLOP/s counts the
   matmuls (2 x non-embedding params per token) plus causal attention, against ~790 TFLOP/s
   (dense bf16 on an H200; the peak a product of 8192^3 reaches, measured).
@@ -63,7 +66,7 @@ TINY = dict(
 )
 
 
-def build_model(shape: dict, dtype: torch.dtype, device: torch.device):
+def build_model(shape: dict, dtype: torch.dtype, device: torch.device, triton_norms: bool = True):
     import transformers
 
     from executor_svc.models.llama import LlamaForCausalLM
@@ -77,6 +80,8 @@ def build_model(shape: dict, dtype: torch.dtype, device: torch.device):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+    if device.type == "cuda" and dtype != torch.float32:  # as the executor's start-up (worker.py)
+        model.use_triton_norms(triton_norms)
     return model, config
 
 
@@ -143,7 +148,7 @@ def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     shape = TINY if args.tiny else LLAMA3_8B
-    model, cfg = build_model(shape, dtype, device)
+    model, cfg = build_model(shape, dtype, device, not args.torch_norms)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.model.embed_tokens.weight.numel()
@@ -156,6 +161,7 @@ def run(args: argparse.Namespace) -> dict:
         "torch": torch.__version__,
         "dtype": args.dtype,
         "shape": shape,
+        "norms": "triton" if any(getattr(m, "triton", None) for m in model.modules()) else "torch",
         "weight_bytes": weight_bytes,
         "decode": [],
         "prefill": [],
@@ -286,7 +292,8 @@ def default_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
 def print_table(result: dict, tiny: bool) -> None:
     print(
         f"\n{result['device']}, torch {result['torch']}, {result['dtype']}, "
-        f"weights {result['weight_bytes'] / 2**30:.2f} GiB" + ("  (--tiny: floors are H200 figures)" if tiny else "")
+        f"weights {result['weight_bytes'] / 2**30:.2f} GiB, {result['norms']} norms"
+        + ("  (--tiny: floors are H200 figures)" if tiny else "")
     )
     print(
         "\ndecode  backend      block batch ctx   step ms  tok/s      floor ms  +KV ms  of floor"
@@ -322,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-seqs", type=int, default=None)
     p.add_argument("--prefill-len", type=int, default=None)
     p.add_argument("--profile", action="store_true", help="also list each decode step's kernels by device time")
+    p.add_argument("--torch-norms", action="store_true", help="16-bit add + RMSNorm on torch's ops, not Triton's")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default=None, help="default: $OUT/gpu_bench.json when OUT is set")

@@ -3,7 +3,7 @@
     place = init_device(config, tp)                threads, tensor-parallel group, device, dtypes, backend
     model, hf, path = load_weights(config, place, tp)
     make_reduced_copies(model, config, place)                int4 / 16-bit copies of the linears
-    native = load_native_kernels(model, config, place)       the C++ ops, built once per machine
+    native = load_native_kernels(model, config, place)       our own ops: C++ on a CPU, Triton norms on a GPU
     plan_linears(model, config, place, native, tp)           which kernel each step size uses
     use_fused_decode(model, native)                          small decode steps as one native call
     kv = allocate_kv_cache(config, hf, place, tp)            device and host blocks
@@ -192,7 +192,11 @@ def make_reduced_copies(model: Any, config: ExecutorConfig, place: Placement) ->
 def load_native_kernels(model: Any, config: ExecutorConfig, place: Placement) -> bool:
     """--cpu-kernels: float32 decode attention, K/V writes and residual add + RMSNorm on the
     native CPU ops (chunkserve_kernels/cpu_native.py) where they apply and load; returns
-    whether they did. `native` that cannot apply or load refuses to start."""
+    whether they did. `native` that cannot apply or load refuses to start. On a GPU a 16-bit
+    model's residual add + RMSNorm is one Triton kernel instead (chunkserve_kernels/triton_norm.py)."""
+    if place.device.type == "cuda" and place.dtype != torch.float32:
+        on = model.use_triton_norms()
+        log.info("residual add + RMSNorm: %s", "one Triton kernel" if on else "torch's ops (triton does not import)")
     choice = config.cpu_kernels
     applies = place.device.type == "cpu" and place.backend.name == "torch" and place.dtype == torch.float32
     if choice == "torch":
@@ -298,15 +302,12 @@ def use_cuda_graphs(config: ExecutorConfig, device: torch.device, backend: Atten
     """Whether decode steps replay CUDA graphs (--cuda-graphs, on CUDA only); says why not."""
     if not config.cuda_graphs or device.type != "cuda":
         return False
+    why = "not under tensor parallelism (its collectives are not captured)" if tp.enabled else None
     if not backend.graph_safe:
-        log.info(
-            "CUDA graphs off: attention backend %r is not graph-safe (use --attention-backend triton)", backend.name
-        )
-        return False
-    if tp.enabled:
-        log.info("CUDA graphs off: not under tensor parallelism (its collectives are not captured)")
-        return False
-    return True
+        why = f"attention backend {backend.name!r} is not graph-safe (use --attention-backend triton)"
+    if why is not None:
+        log.info("CUDA graphs off: %s", why)
+    return why is None
 
 
 def allocate_kv_cache(config: ExecutorConfig, hf: Any, place: Placement, tp: TPInfo) -> KVCache:

@@ -2,7 +2,8 @@
 # The GPU check, in one go (< 8 minutes on one H200): what the machine has, the GPU tests
 # (tests/kernels/test_gpu.py: every backend vs the torch_ref oracle, the executor's greedy
 # tokens vs transformers), then benchmarks/gpu_bench.py (Llama-3-8B shapes, random bf16
-# weights: decode vs the HBM floor, prefill vs the bf16 peak).
+# weights: decode vs the HBM floor, prefill vs the bf16 peak), then its decode steps again with
+# torch's norms instead of the Triton add + RMSNorm (the A/B of chunkserve_kernels/triton_norm.py).
 #
 #   scripts/gpu_check.sh            # on a GPU machine
 #   scripts/gpu_check.sh --tiny     # anywhere: checks this script (tests skip, tiny bench on CPU)
@@ -95,4 +96,10 @@ echo "== benchmark"
 if [ $TINY = 1 ]; then BENCH=(--tiny); else BENCH=(); fi
 timeout 180 "$PY" benchmarks/gpu_bench.py "${BENCH[@]}" --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.log"
 echo "benchmark exit status: ${PIPESTATUS[0]}"
+if [ $TINY = 0 ]; then
+  echo "== the same decode steps with torch's norms (the A/B of the Triton add + RMSNorm)"
+  timeout 120 "$PY" benchmarks/gpu_bench.py --torch-norms --backends triton --batches 1 32 \
+    --prefill-seqs 1 --prefill-len 256 --json "$OUT/gpu_bench_torch_norms.json" 2>&1 | tee "$OUT/gpu_bench_torch_norms.log"
+  echo "benchmark exit status: ${PIPESTATUS[0]}"
+fi
 exit "$TESTS"

@@ -8,6 +8,7 @@ cost more than loading them.
 from __future__ import annotations
 
 import math
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -186,6 +187,9 @@ class RMSNorm(nn.Module):
         # instead of the add and rms_norm's composite (~14 us a call at one row); set by the
         # executor with --cpu-kernels (LlamaForCausalLM.use_native_kernels)
         self.native = False
+        # On a GPU: chunkserve_kernels.triton_norm, whose one kernel does a 16-bit row's add and
+        # norm (LlamaForCausalLM.use_triton_norms); None: torch's ops
+        self.triton: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -199,6 +203,8 @@ class RMSNorm(nn.Module):
         native = self.native and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)
         if native and (residual is None or residual.dtype == torch.float32):
             return torch.ops.chunkserve.add_rms_norm(x, residual, self.weight, self.eps)
+        if self.triton is not None and self.triton.supports(x, residual, self.weight):
+            return self.triton.add_rms_norm(x, residual, self.weight, self.eps)
         s = x if residual is None else residual + x
         return self.forward(s), s
 

@@ -218,6 +218,21 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 module.native = enabled
 
+    def use_triton_norms(self, enabled: bool = True) -> bool:
+        """A 16-bit model's residual add + RMSNorm as one Triton kernel each on a GPU (chunkserve_kernels/
+        triton_norm.py: ~5-9 launches fewer a norm, two norms a layer), or back to torch's ops; float32
+        rows keep torch's (the exact mode). Returns whether they are on: not where triton does not import."""
+        kernel = None
+        if enabled:
+            try:
+                from chunkserve_kernels import triton_norm as kernel
+            except ImportError:
+                enabled = False
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.triton = kernel
+        return enabled
+
     @property
     def fused(self) -> FusedDecode | None:
         return self.model.fused

@@ -80,6 +80,31 @@ def test_triton_other_dtypes_and_gqa(dtype, atol):
         torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_add_rms_norm_on_the_gpu(dtype):
+    """chunkserve_kernels/triton_norm.py compiled for the GPU against RMSNorm's torch ops, at
+    the default model's width and Llama-3-8B's, with and without a residual: the sum bitwise,
+    the normed row within a unit in the dtype's last place (its sum of squares is reduced in
+    another order), nearly every value equal."""
+    from chunkserve_kernels import triton_norm
+    from executor_svc.models.layers import RMSNorm
+
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    for rows, width in ((1, 576), (33, 576), (1, 4096), (128, 4096)):
+        x = (torch.randn(rows, width, generator=gen, device=DEVICE) * 3).to(dtype)
+        norm = RMSNorm(width, 1e-5, dtype, DEVICE)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(width, generator=gen, device=DEVICE) + 0.5)
+        for r in (None, torch.randn(rows, width, generator=gen, device=DEVICE).to(dtype)):
+            expected, expected_sum = norm.add_forward(x, r)
+            out, total = triton_norm.add_rms_norm(x, r, norm.weight, norm.eps)
+            assert torch.equal(total, expected_sum)
+            ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+            torch.testing.assert_close(out, expected, rtol=ulp, atol=1e-6)
+            assert (out == expected).float().mean() > 0.99
+
+
 # ---- end to end: the executor on the GPU vs transformers on the GPU -------------------
 
 
@@ -240,6 +265,11 @@ def _e2e(model_path, prompts, name, dtype, block_size, tol, tmp_path):
         )
     )
     assert loaded.handshake.attention_backend == name
+    from executor_svc.models.layers import RMSNorm
+
+    norms = [m.triton for m in loaded.runner.model.modules() if isinstance(m, RMSNorm)]
+    triton_norms = dtype != "float32" and importlib.util.find_spec("triton") is not None
+    assert norms and all((kernel is not None) == triton_norms for kernel in norms)  # the 16-bit steps' add + norm
     got = _greedy_via_runner(loaded.runner, prompts, new_tokens=24)
     torch_dtype = getattr(torch, dtype)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(DEVICE).eval()

@@ -168,6 +168,71 @@ class _InterpretedCases:
                     out[name] = model(ids, pos)
             torch.testing.assert_close(out["triton"], out["torch"], atol=1e-4, rtol=1e-4)
 
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    @pytest.mark.parametrize(("rows", "width"), [(1, 64), (5, 96), (3, 100)])
+    @pytest.mark.parametrize("residual", [True, False])
+    def test_add_rms_norm_matches_the_torch_path(self, dtype, rows, width, residual):
+        """triton_norm's one kernel against RMSNorm.add_forward's torch ops (HF's order): the
+        sum bitwise, the normed row within a unit in the dtype's last place; widths off a power
+        of two (masked lanes), a row stride wider than the row (a view), no residual (the first
+        layer: the sum is x itself)."""
+        from chunkserve_kernels import triton_norm
+        from executor_svc.models.layers import RMSNorm
+
+        gen = torch.Generator().manual_seed(rows * width)
+        x = (torch.randn(rows, width + 8, generator=gen) * 3).to(dtype)[:, :width]  # a strided view
+        r = torch.randn(rows, width, generator=gen).to(dtype) if residual else None
+        norm = RMSNorm(width, 1e-5, dtype, "cpu")
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(width, generator=gen) + 0.5)
+        expected, expected_sum = norm.add_forward(x, r)
+        assert triton_norm.supports(x, r, norm.weight)
+        out, total = triton_norm.add_rms_norm(x, r, norm.weight, norm.eps)
+        assert total.dtype == out.dtype == dtype and torch.equal(total, expected_sum)
+        ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+        torch.testing.assert_close(out, expected, rtol=ulp, atol=1e-6)
+        assert (out == expected).float().mean() > 0.9  # a unit off is the exception, not the rule
+
+    def test_add_rms_norm_supports_only_16_bit_rows_of_one_dtype(self):
+        from chunkserve_kernels import triton_norm
+
+        x, w = torch.zeros(2, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
+        assert triton_norm.supports(x, None, w) and triton_norm.supports(x, x.clone(), w)
+        assert not triton_norm.supports(x.float(), None, w.float())  # float32: torch's path, the exact mode
+        assert not triton_norm.supports(x, x.half(), w)
+        assert not triton_norm.supports(x, None, w.half())
+        assert not triton_norm.supports(x.t(), None, torch.ones(2, dtype=torch.bfloat16))  # columns not unit-stride
+        assert not triton_norm.supports(x[0], None, w)
+
+    def test_a_16_bit_model_with_triton_norms_matches_torch_norms(self, monkeypatch):
+        """A 2-layer bfloat16 Llama (torch attention) with use_triton_norms: every add + norm
+        goes through the kernel (the first layer's without a residual), and the hidden states
+        match the model's on torch's norms within bfloat16's rounding."""
+        from chunkserve.launch import tiny_llama_config
+        from chunkserve_kernels import triton_norm
+        from executor_svc.models.llama import LlamaForCausalLM
+
+        calls, kernel = [], triton_norm.add_rms_norm
+        monkeypatch.setattr(
+            triton_norm, "add_rms_norm", lambda x, r, w, eps: calls.append(r is None) or kernel(x, r, w, eps)
+        )
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(tiny_llama_config(max_position_embeddings=2048), "torch", torch.bfloat16)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.2)
+        meta, pos = build_metadata([9, 1], [0, 4], [[3, 7, 1], [10, 4]], 4)
+        ids = torch.randint(0, 128, (10,), generator=torch.Generator().manual_seed(1))
+        out = {}
+        for triton_on in (False, True):
+            assert model.use_triton_norms(triton_on) is triton_on
+            cache = torch.zeros(2, 2, 12, 4, 2, 16, dtype=torch.bfloat16)
+            meta.scratch.clear()
+            with torch.inference_mode(), set_forward_context(meta, cache):
+                out[triton_on] = model(ids, pos)
+        assert calls == [True, False, False, False, False]  # 2 layers' two norms, then the final norm
+        torch.testing.assert_close(out[True].float(), out[False].float(), rtol=0.05, atol=0.05)
+
     def test_registered_backend_declares_its_limits(self):
         backend = get_backend("triton")
         assert isinstance(backend, ta.TritonBackend)
